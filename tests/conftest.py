@@ -1,0 +1,12 @@
+"""Tests run on 8 simulated CPU devices; this must happen before JAX initialises."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+assert jax.device_count() == 8, "tests need 8 simulated CPU devices; XLA_FLAGS was set too late"

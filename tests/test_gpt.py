@@ -1,0 +1,290 @@
+"""GPT: shapes, logical names, parameter count, causality, scan vs loop, remat, bf16, dense."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from theseus.base.axis import ShardingPolicy
+from theseus.base.layout import abstract_leaves, check_layouts, layout
+from theseus.base.topology import Topology
+from theseus.model import GPT, GPT_PLAN, GPTConfig
+from theseus.model.layers import dense
+
+CONFIG = GPTConfig(vocab_size=67, block_size=11, n_layer=3, n_head=4, n_embd=24, mlp_ratio=3)
+BATCH, SEQ = 2, 9
+LOGICAL_NAMES = {"vocab", "block_size", "n_embd", "n_attn", "n_mlp", "n_layer", None}
+EXPECTED_NAMES = {
+    "wte": ("vocab", "n_embd"),
+    "wpe": ("block_size", "n_embd"),
+    "ln_f/scale": None,
+    "ln_f/bias": None,
+    **{f"blocks/{ln}/{p}": ("n_layer", None) for ln in ("ln1", "ln2") for p in ("scale", "bias")},
+    **{f"blocks/attn_{x}/kernel": ("n_layer", "n_embd", "n_attn") for x in "qkv"},
+    **{f"blocks/attn_{x}/bias": ("n_layer", "n_attn") for x in "qkv"},
+    "blocks/attn_out/kernel": ("n_layer", "n_attn", "n_embd"),
+    "blocks/attn_out/bias": ("n_layer", None),
+    "blocks/mlp_fc/kernel": ("n_layer", "n_embd", "n_mlp"),
+    "blocks/mlp_fc/bias": ("n_layer", "n_mlp"),
+    "blocks/mlp_proj/kernel": ("n_layer", "n_mlp", "n_embd"),
+    "blocks/mlp_proj/bias": ("n_layer", None),
+}
+
+
+def _perturbed(model: GPT) -> GPT:
+    """``model`` with noise added to every parameter, so zero biases and unit scales matter."""
+    params = nnx.state(model, nnx.Param)
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    noisy = [p + 0.1 * jax.random.normal(k, p.shape) for p, k in zip(leaves, keys, strict=True)]
+    nnx.update(model, jax.tree.unflatten(treedef, noisy))
+    return model
+
+
+def _with_params(params, **options) -> GPT:
+    model = GPT(CONFIG, rngs=nnx.Rngs(0), **options)
+    nnx.update(model, params)
+    return model
+
+
+def _loss(model: GPT, tokens: jax.Array) -> jax.Array:
+    logits = model(tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
+def _loss_and_grads(model: GPT, tokens: jax.Array):
+    return nnx.jit(nnx.value_and_grad(_loss))(model, tokens)
+
+
+@pytest.fixture(scope="module")
+def model() -> GPT:
+    return _perturbed(GPT(CONFIG, rngs=nnx.Rngs(0)))
+
+
+@pytest.fixture(scope="module")
+def tokens() -> jax.Array:
+    return jax.random.randint(jax.random.key(2), (BATCH, SEQ), 0, CONFIG.vocab_size, jnp.int32)
+
+
+@pytest.fixture(scope="module")
+def logits(model, tokens) -> jax.Array:
+    return nnx.jit(lambda m, t: m(t))(model, tokens)
+
+
+@pytest.fixture(scope="module")
+def fp32_loss_and_grads(model, tokens):
+    return _loss_and_grads(model, tokens)
+
+
+def _abstract_model(eager_sharding: bool = False) -> GPT:
+    with nnx.use_eager_sharding(eager_sharding):
+        return nnx.eval_shape(lambda: GPT(CONFIG, rngs=nnx.Rngs(0)))
+
+
+def _reference_logits(params: dict, tokens: jax.Array, n_head: int) -> jax.Array:
+    """Plain float32 GPT-2 with a python loop over layers, written independently of the model."""
+
+    def norm(x, p):
+        mean = x.mean(-1, keepdims=True)
+        return (x - mean) / jnp.sqrt(x.var(-1, keepdims=True) + 1e-5) * p["scale"] + p["bias"]
+
+    def proj(x, p):
+        return x @ p["kernel"] + p["bias"]
+
+    batch, seq = tokens.shape
+    x = params["wte"][tokens] + params["wpe"][:seq]
+    for i in range(CONFIG.n_layer):
+        layer = jax.tree.map(lambda a, i=i: a[i], params["blocks"])
+        h = norm(x, layer["ln1"])
+        q, k, v = (
+            proj(h, layer[f"attn_{x}"]).reshape(batch, seq, n_head, -1) for x in "qkv"
+        )
+        attended = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(batch, seq, -1)
+        x = x + proj(attended, layer["attn_out"])
+        h = jax.nn.gelu(proj(norm(x, layer["ln2"]), layer["mlp_fc"]), approximate=True)
+        x = x + proj(h, layer["mlp_proj"])
+    return norm(x, params["ln_f"]) @ params["wte"].T
+
+
+# --- config -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"n_layer": 0}, "n_layer"),
+        ({"vocab_size": -3}, "vocab_size"),
+        ({"mlp_ratio": 2.0}, "mlp_ratio"),
+        ({"block_size": True}, "block_size"),
+        ({"n_embd": 30, "n_head": 4}, "n_embd"),
+    ],
+)
+def test_config_rejects_invalid_values(changes, field):
+    with pytest.raises(ValueError, match=field):
+        GPTConfig(**changes)
+
+
+def test_config_derived_widths():
+    assert (CONFIG.n_attn, CONFIG.n_mlp) == (24, 72)
+
+
+# --- structure ----------------------------------------------------------------------------------
+
+
+def test_logits_shape_and_dtype(logits):
+    assert logits.shape == (BATCH, SEQ, CONFIG.vocab_size)
+    assert logits.dtype == jnp.float32
+
+
+def test_sequence_longer_than_block_size_raises(model):
+    with pytest.raises(ValueError, match="block_size"):
+        jax.eval_shape(model, jax.ShapeDtypeStruct((1, CONFIG.block_size + 1), jnp.int32))
+
+
+def test_logical_names():
+    leaves, _ = abstract_leaves(nnx.state(_abstract_model(), nnx.Param))
+    names = {leaf.path: leaf.names for leaf in leaves}
+    assert names == EXPECTED_NAMES
+    for leaf in leaves:
+        assert leaf.dtype == np.float32, leaf.path
+        if leaf.names is not None:
+            assert len(leaf.names) == len(leaf.shape), leaf.path
+            assert set(leaf.names) <= LOGICAL_NAMES, leaf.path
+        if len(leaf.shape) >= 2 and "/ln" not in f"/{leaf.path}":
+            assert leaf.names is not None and None not in leaf.names[:2], leaf.path
+        if "ln" in leaf.path.split("/")[-2:][0]:
+            assert leaf.names in (None, ("n_layer", None)), leaf.path
+        if leaf.path.startswith("blocks/"):
+            assert leaf.names[0] == "n_layer" and leaf.shape[0] == CONFIG.n_layer, leaf.path
+
+
+def test_num_params():
+    leaves, _ = abstract_leaves(nnx.state(_abstract_model(), nnx.Param))
+    assert sum(math.prod(leaf.shape) for leaf in leaves) == GPT.num_params(CONFIG)
+    gpt2_small = GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768)
+    assert GPT.num_params(gpt2_small) == 124_439_808  # GPT-2 small with its tied head
+
+
+def test_gpt2_initialization():
+    model = GPT(GPTConfig(n_layer=8), rngs=nnx.Rngs(0))
+    np.testing.assert_allclose(jnp.std(model.wte[...]), 0.02, rtol=0.05)
+    np.testing.assert_allclose(jnp.std(model.blocks.attn_q.kernel[...]), 0.02, rtol=0.05)
+    np.testing.assert_allclose(jnp.std(model.blocks.mlp_proj.kernel[...]), 0.005, rtol=0.05)
+    assert not jnp.any(model.blocks.mlp_fc.bias[...])
+    assert jnp.all(model.blocks.ln1.scale[...] == 1)
+
+
+def test_abstract_build_allocates_nothing_and_needs_no_mesh():
+    # Eager sharding on would fail without a mesh if flax applied the logical names as mesh axes.
+    for eager in (False, True):
+        params = nnx.state(_abstract_model(eager_sharding=eager), nnx.Param)
+        values = [v.get_value() for v in jax.tree.leaves(params, is_leaf=nnx.is_variable)]
+        assert values and all(isinstance(v, jax.ShapeDtypeStruct) for v in values)
+        assert params["wte"].get_metadata()["out_sharding"] == ("vocab", "n_embd")
+
+
+def test_depth_is_scanned_and_remat_is_per_layer(tokens):
+    def top_level_primitives(config, remat):
+        graphdef, params = nnx.split(GPT(config, rngs=nnx.Rngs(0), remat=remat))
+        jaxpr = jax.make_jaxpr(lambda p: nnx.merge(graphdef, p)(tokens))(params).jaxpr
+        return [eqn.primitive.name for eqn in jaxpr.eqns], jaxpr
+
+    shallow, _ = top_level_primitives(GPTConfig(n_layer=1), remat=False)
+    deep, _ = top_level_primitives(GPTConfig(n_layer=6), remat=False)
+    assert shallow == deep and deep.count("scan") == 1
+
+    primitives, jaxpr = top_level_primitives(GPTConfig(n_layer=2), remat=True)
+    assert "checkpoint" not in primitives
+    (scan,) = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "scan"]
+    assert "checkpoint" in [eqn.primitive.name for eqn in scan.params["jaxpr"].jaxpr.eqns]
+
+
+# --- numerics -----------------------------------------------------------------------------------
+
+
+def test_causality(model, tokens, logits):
+    position = 4
+    changed = tokens.at[:, position].set((tokens[:, position] + 1) % CONFIG.vocab_size)
+    changed_logits = nnx.jit(lambda m, t: m(t))(model, changed)
+    np.testing.assert_array_equal(changed_logits[:, :position], logits[:, :position])
+    assert not np.allclose(changed_logits[:, position:], logits[:, position:], atol=1e-3)
+
+
+def test_scan_matches_python_loop_reference(model, tokens, logits):
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    expected = jax.jit(_reference_logits, static_argnums=2)(params, tokens, CONFIG.n_head)
+    np.testing.assert_allclose(logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_remat_gives_identical_loss_and_grads(model, tokens, fp32_loss_and_grads):
+    loss, grads = fp32_loss_and_grads
+    remat_loss, remat_grads = _loss_and_grads(
+        _with_params(nnx.state(model), remat=True), tokens
+    )
+    np.testing.assert_allclose(remat_loss, loss, rtol=1e-6, atol=1e-6)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), remat_grads, grads
+    )
+
+
+def test_bf16_compute_keeps_float32_params_and_grads(model, tokens, fp32_loss_and_grads):
+    loss, grads = fp32_loss_and_grads
+    bf16_model = _with_params(nnx.state(model), compute_dtype=jnp.bfloat16)
+    bf16_loss, bf16_grads = _loss_and_grads(bf16_model, tokens)
+    assert abs(float(bf16_loss) - float(loss)) < 0.02 * float(loss)
+    for path, grad in nnx.to_flat_state(bf16_grads):
+        assert grad.get_value().dtype == jnp.float32, path
+    for path, param in nnx.to_flat_state(nnx.state(bf16_model, nnx.Param)):
+        assert param.get_value().dtype == jnp.float32, path
+    flat_grads = jnp.concatenate([g.ravel() for g in jax.tree.leaves(grads)])
+    flat_bf16 = jnp.concatenate([g.ravel() for g in jax.tree.leaves(bf16_grads)])
+    assert jnp.linalg.norm(flat_bf16 - flat_grads) < 0.05 * jnp.linalg.norm(flat_grads)
+
+
+def test_tensor_parallel_forward_matches_single_device(model, tokens, logits):
+    mesh = Topology.new(ShardingPolicy(tp=4)).mesh
+    graphdef, params = nnx.split(model)
+    check_layouts(params, GPT_PLAN, ShardingPolicy(tp=4), mesh, phases=("compute",))
+    shardings = layout(params, GPT_PLAN.tp, mesh)
+    assert shardings["blocks"]["attn_q"]["kernel"].spec == (None, None, "shard")
+    sharded = jax.device_put(params, shardings)
+    forward = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))
+    np.testing.assert_allclose(forward(sharded, tokens), logits, rtol=1e-5, atol=1e-5)
+
+
+# --- dense --------------------------------------------------------------------------------------
+
+
+def _dense_inputs():
+    x_key, w_key, g_key = jax.random.split(jax.random.key(3), 3)
+    x = jax.random.normal(x_key, (2, 5, 16))  # (batch, seq, d_in)
+    w = jax.random.normal(w_key, (16, 8)) / 4  # (d_in, d_out)
+    cotangent = jax.random.normal(g_key, (2, 5, 8))  # (batch, seq, d_out)
+    return x, w, cotangent
+
+
+def test_dense_at_float32_is_exactly_matmul():
+    x, w, cotangent = _dense_inputs()
+    out, vjp = jax.vjp(dense, x, w)
+    expected, expected_vjp = jax.vjp(lambda x, w: x @ w, x, w)
+    np.testing.assert_array_equal(out, expected)
+    for grad, expected_grad in zip(vjp(cotangent), expected_vjp(cotangent), strict=True):
+        np.testing.assert_array_equal(grad, expected_grad)
+
+
+def test_dense_bf16_grads_are_float32_for_the_weight():
+    x, w, cotangent = _dense_inputs()
+    x_bf16 = x.astype(jnp.bfloat16)
+    out, vjp = jax.vjp(dense, x_bf16, w)
+    grad_x, grad_w = vjp(cotangent.astype(jnp.bfloat16))
+    assert out.dtype == grad_x.dtype == jnp.bfloat16
+    assert grad_w.dtype == jnp.float32
+    _, expected_vjp = jax.vjp(lambda x, w: x @ w, x, w)
+    expected_grad_x, expected_grad_w = expected_vjp(cotangent)
+    np.testing.assert_allclose(grad_w, expected_grad_w, rtol=2e-2, atol=5e-2)
+    np.testing.assert_allclose(grad_x.astype(jnp.float32), expected_grad_x, rtol=2e-2, atol=5e-2)
+    assert dense(x_bf16, w, jnp.float32).dtype == jnp.float32

@@ -1,0 +1,194 @@
+"""Every policy trains GPT to the numbers of one device; layouts and memory match the plan."""
+
+import functools
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from theseus.base.axis import ShardingPolicy
+from theseus.base.layout import LayoutError
+from theseus.base.topology import Topology
+from theseus.config import apply_overrides
+from theseus.data import Sampler, load_corpus, validation_batches
+from theseus.model import GPTConfig
+from theseus.training.base import plan_batch
+from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
+
+# n_embd and n_mlp divide by 8 (tp=8 and FSDP over 8 devices); other dims differ from them.
+MODEL = GPTConfig(vocab_size=256, block_size=24, n_layer=3, n_head=4, n_embd=40, mlp_ratio=4)
+GLOBAL_BATCH = 32
+STEPS = 3
+VALIDATION_BATCHES = 2
+
+POLICIES = [
+    ShardingPolicy(tp=1, zero=False),
+    ShardingPolicy(tp=1),
+    ShardingPolicy(tp=1, fsdp=True),
+    ShardingPolicy(tp=2),
+    ShardingPolicy(tp=2, fsdp=True),
+    ShardingPolicy(tp=4, fsdp=True),
+    ShardingPolicy(tp=8, zero=False),
+]
+
+
+def config(per_device_batch_size: int, **training) -> GPTTrainerConfig:
+    base = GPTTrainerConfig(model=MODEL)
+    overrides = {
+        "training.batch_size": GLOBAL_BATCH,
+        "training.per_device_batch_size": per_device_batch_size,
+        "training.steps": 100,
+        "optimization.learning_rate": 1e-3,
+        "optimization.warmup_steps": 1,
+        **{f"training.{k}": v for k, v in training.items()},
+    }
+    return apply_overrides(base, [f"{k}={v}" for k, v in overrides.items()])
+
+
+@functools.cache
+def corpus():
+    return load_corpus(None)
+
+
+def batches(trainer: GPTTrainer):
+    plan = trainer.batch_plan
+    sampler = Sampler(corpus().train, plan.seq_len, seed=0)
+    shape = (plan.accumulation_steps, plan.examples_per_microbatch, plan.seq_len + 1)
+    for step in range(STEPS):
+        position = step * plan.global_batch_size
+        rows = sampler.global_batch(position, plan.accumulation_steps, plan.examples_per_microbatch)
+        yield trainer.put_batch(lambda r, rows=rows: rows[:, r], shape)
+
+
+def run(trainer: GPTTrainer):
+    """Three steps; per-step losses, final params on host, validation loss."""
+    state = trainer.init_state()
+    losses = []
+    for batch in batches(trainer):
+        state, metrics = trainer.train_step(state, batch)
+        losses.append(float(metrics["loss"]))
+    plan = trainer.batch_plan
+    held_out = validation_batches(
+        corpus().validation,
+        plan.seq_len,
+        VALIDATION_BATCHES * plan.accumulation_steps,
+        plan.examples_per_microbatch,
+    )
+    val = float(trainer.validation_step(state.params, trainer.put_batch(
+        lambda r: held_out[:, r], held_out.shape
+    )))
+    return np.array(losses), jax.device_get(state.params), val, state
+
+
+@functools.cache
+def reference():
+    one_device = Topology.new(ShardingPolicy(), devices=jax.devices()[:1])
+    trainer = GPTTrainer(config(GLOBAL_BATCH), ShardingPolicy(), one_device)
+    assert trainer.batch_plan.accumulation_steps == 1
+    losses, params, val, _ = run(trainer)
+    return losses, params, val
+
+
+@pytest.mark.parametrize("accumulation", [1, 4])
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: f"tp{p.tp}-zero{p.zero}-fsdp{p.fsdp}")
+def test_policy_matches_one_device(policy, accumulation):
+    replicas = 8 // policy.tp
+    trainer = GPTTrainer(config(GLOBAL_BATCH // (replicas * accumulation)), policy)
+    assert trainer.batch_plan.accumulation_steps == accumulation
+    assert trainer.batch_plan.global_batch_size == GLOBAL_BATCH
+    losses, params, val, state = run(trainer)
+    ref_losses, ref_params, ref_val = reference()
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert losses[-1] < losses[0]
+    for path, (got, want) in zip(
+        jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(ref_params), strict=True
+    ):
+        np.testing.assert_allclose(got[1], want, atol=1e-4, rtol=0, err_msg=str(got[0]))
+    np.testing.assert_allclose(val, ref_val, rtol=1e-5)
+    assert int(state.step) == STEPS
+
+
+def shard_shapes(array):
+    return {tuple(s.data.shape) for s in array.addressable_shards}
+
+
+@pytest.mark.parametrize("policy", [ShardingPolicy(tp=2, fsdp=True), ShardingPolicy(tp=4)])
+def test_state_shards_follow_layouts(policy):
+    trainer = GPTTrainer(config(4 // (policy.tp // 2)), policy)
+    state = trainer.init_state()
+    state, _ = trainer.train_step(state, next(batches(trainer)))
+    layouts = trainer.layouts
+    flat_params = jax.tree_util.tree_flatten_with_path(state.params)[0]
+    storage = jax.tree.leaves(layouts.storage)
+    update = jax.tree.leaves(layouts.update)
+    adam = state.opt_state[1][0]
+    for (path, param), store, upd, mu, nu in zip(
+        flat_params, storage, update, jax.tree.leaves(adam.mu), jax.tree.leaves(adam.nu),
+        strict=True,
+    ):
+        assert shard_shapes(param) == {store.shard_shape(param.shape)}, path
+        assert param.sharding.is_equivalent_to(store, param.ndim), path
+        assert shard_shapes(mu) == {upd.shard_shape(param.shape)}, path
+        assert shard_shapes(nu) == {upd.shard_shape(param.shape)}, path
+    params = state.params
+    assert params["ln_f"]["scale"].sharding.is_fully_replicated
+    assert not params["wte"].sharding.is_fully_replicated == (not policy.fsdp)
+
+
+def test_fsdp_step_gathers_parameters():
+    trainer = GPTTrainer(config(2), ShardingPolicy(tp=2, fsdp=True))
+    state = trainer.abstract_state
+    batch_shape = (trainer.batch_plan.accumulation_steps, 8 // 2 * 2, trainer.seq_len + 1)
+    batch = jax.ShapeDtypeStruct(batch_shape, np.int32, sharding=trainer.batch_sharding)
+    hlo = trainer.train_step.lower(state, batch).compile().as_text()
+    assert "all-gather" in hlo
+    no_fsdp = GPTTrainer(config(2), ShardingPolicy(tp=2, zero=False))
+    hlo = no_fsdp.train_step.lower(no_fsdp.abstract_state, batch).compile().as_text()
+    assert "all-gather" not in hlo
+
+
+def replicated_bytes(trainer):
+    return sum(
+        math.prod(leaf.shape) * 4 * 3  # param + two Adam moments, float32
+        for leaf in trainer.abstract_leaves
+        if not any(leaf.names or ())
+    )
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: f"tp{p.tp}-zero{p.zero}-fsdp{p.fsdp}")
+def test_measured_memory_matches_layouts(policy):
+    trainer = GPTTrainer(config(4 * policy.tp // 1 if policy.tp < 8 else 32), policy)
+    facts = trainer.memory_facts(trainer.init_state())
+    assert facts.measured_bytes / facts.predicted_bytes == pytest.approx(1.0, abs=0.02)
+
+
+def test_fsdp_memory_is_an_eighth_plus_replicated_leaves():
+    one_device = Topology.new(ShardingPolicy(), devices=jax.devices()[:1])
+    single = GPTTrainer(config(GLOBAL_BATCH), ShardingPolicy(), one_device)
+    single_bytes = single.memory_facts(single.init_state()).measured_bytes
+    fsdp = GPTTrainer(config(4), ShardingPolicy(fsdp=True))
+    fsdp_bytes = fsdp.memory_facts(fsdp.init_state()).measured_bytes
+    replicated = replicated_bytes(fsdp)
+    expected = (single_bytes - replicated) / 8 + replicated
+    assert fsdp_bytes == pytest.approx(expected, rel=0.02)
+    assert fsdp_bytes < single_bytes / 4
+
+
+def test_batch_plan_errors_name_three_numbers():
+    topology = Topology.new(ShardingPolicy(tp=2))
+    bad = config(3).training
+    with pytest.raises(ValueError, match=r"batch_size=32.*per_device_batch_size=3.*4 replicas"):
+        plan_batch(bad, topology, 24)
+
+
+def test_preflight_failure_allocates_nothing():
+    cfg = apply_overrides(config(4), ["model.n_embd=100", "model.n_head=4"])
+    before = len(jax.live_arrays())
+    with pytest.raises(LayoutError) as failure:
+        GPTTrainer(cfg, ShardingPolicy(fsdp=True))
+    assert len(jax.live_arrays()) == before
+    message = str(failure.value)
+    for path in ("blocks/attn_q", "blocks/mlp_fc"):
+        assert any(p.leaf.path.startswith(path) for p in failure.value.problems), message
+    assert "(3, 100, 100)" in message and "'batch'" in message

@@ -1,0 +1,172 @@
+"""Sharding vocabulary: mesh axes, the execution's policy, the model's plan and rule resolution.
+
+A *rule* maps a logical name (a name for a tensor dimension, such as ``n_attn``) to a mesh axis,
+a tuple of mesh axes, or ``None``. A model declares one :class:`ShardingPlan` (TP rules and
+optionally ZeRO rules); the execution chooses one :class:`ShardingPolicy`. Together they give the
+rules of each of the three parameter layouts (compute, storage, update).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal, Union
+
+import pydantic
+from jax.sharding import PartitionSpec
+
+
+class Axis:
+    """The two mesh axes: ``batch`` (data replicas) and ``shard`` (TP devices of one replica)."""
+
+    BATCH = "batch"
+    SHARD = "shard"
+
+
+MESH_AXES = (Axis.BATCH, Axis.SHARD)
+
+MeshAxes = Union[str, tuple[str, ...], None]
+Rule = tuple[str, MeshAxes]
+Phase = Literal["compute", "storage", "update"]
+PHASES: tuple[Phase, ...] = ("compute", "storage", "update")
+
+
+class ShardingPolicy(pydantic.BaseModel):
+    """The execution's choice of layouts.
+
+    ``tp`` devices evaluate one replica together; ``zero`` partitions optimizer state and the
+    update over ``batch``; ``fsdp`` additionally partitions stored parameters (and the gradient
+    accumulator) over ``batch``; ``activation_checkpointing`` recomputes each layer in backward.
+    """
+
+    model_config = pydantic.ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    tp: int = pydantic.Field(default=1, ge=1)
+    zero: bool = True
+    fsdp: bool = False
+    activation_checkpointing: bool = False
+
+    @pydantic.model_validator(mode="after")
+    def _fsdp_requires_zero(self) -> ShardingPolicy:
+        if self.fsdp and not self.zero:
+            raise ValueError(
+                "fsdp=True requires zero=True: FSDP requires ZeRO in theseus (stored parameter "
+                "shards are the ZeRO partitions). Set zero=True or fsdp=False."
+            )
+        return self
+
+    def merge(self, **changes: object) -> ShardingPolicy:
+        """A new policy with ``changes`` applied over this one's fields (validated)."""
+        return ShardingPolicy(**{**self.model_dump(), **changes})
+
+    def describe(self) -> str:
+        return (
+            f"tp={self.tp} zero={self.zero} fsdp={self.fsdp} "
+            f"activation_checkpointing={self.activation_checkpointing}"
+        )
+
+
+def _axes_tuple(axes: MeshAxes) -> tuple[str, ...]:
+    if axes is None:
+        return ()
+    if isinstance(axes, str):
+        return (axes,)
+    return tuple(axes)
+
+
+def _spec_entry(axes: Sequence[str]) -> MeshAxes:
+    """One PartitionSpec entry: None, a single axis name, or a tuple of axis names."""
+    if not axes:
+        return None
+    if len(axes) == 1:
+        return axes[0]
+    return tuple(axes)
+
+
+def _validated_rules(rules: Iterable[Rule], which: str) -> tuple[Rule, ...]:
+    checked: list[Rule] = []
+    seen: set[str] = set()
+    for rule in rules:
+        if not (isinstance(rule, tuple | list) and len(rule) == 2 and isinstance(rule[0], str)):
+            raise TypeError(
+                f"{which} rule {rule!r} is not a (logical_name, mesh_axis | tuple_of_mesh_axes | "
+                "None) pair."
+            )
+        name, axes = rule
+        if name in seen:
+            raise ValueError(
+                f"{which} rules name {name!r} twice; give each logical name one rule (use a tuple "
+                "of mesh axes to split a dimension over several axes)."
+            )
+        seen.add(name)
+        axes_tuple = _axes_tuple(axes)
+        unknown = [axis for axis in axes_tuple if axis not in MESH_AXES]
+        if unknown or len(set(axes_tuple)) != len(axes_tuple):
+            raise ValueError(
+                f"{which} rule for {name!r} maps to {axes!r}; mesh axes are {MESH_AXES}, each at "
+                "most once."
+            )
+        checked.append((name, _spec_entry(axes_tuple)))
+    return tuple(checked)
+
+
+@dataclass(frozen=True, init=False)
+class ShardingPlan:
+    """A model's rules: TP rules for execution and ZeRO rules for partitions over ``batch``.
+
+    When ``zero`` is None, every logical name that TP maps to an axis is mapped to ``batch`` for
+    ZeRO. A model may instead give its own ZeRO rules (GPT partitions ``vocab`` over ``batch`` for
+    ZeRO while leaving it whole for TP). One plan per model: submodules declare none.
+    """
+
+    tp: tuple[Rule, ...]
+    zero: tuple[Rule, ...]
+
+    def __init__(self, tp: Iterable[Rule], zero: Iterable[Rule] | None = None):
+        tp_rules = _validated_rules(tp, "TP")
+        if zero is None:
+            zero_rules = tuple((name, Axis.BATCH) for name, axes in tp_rules if axes is not None)
+        else:
+            zero_rules = _validated_rules(zero, "ZeRO")
+        object.__setattr__(self, "tp", tp_rules)
+        object.__setattr__(self, "zero", zero_rules)
+
+    def merged(self) -> tuple[Rule, ...]:
+        """TP+ZeRO rules: per logical name, the TP axes first, then the ZeRO axes not yet used."""
+        tp = dict(self.tp)
+        zero = dict(self.zero)
+        rules = []
+        for name in [*tp, *(n for n in zero if n not in tp)]:
+            tp_axes = _axes_tuple(tp.get(name))
+            zero_axes = tuple(a for a in _axes_tuple(zero.get(name)) if a not in tp_axes)
+            rules.append((name, _spec_entry(tp_axes + zero_axes)))
+        return tuple(rules)
+
+    def rules(self, policy: ShardingPolicy, phase: Phase) -> tuple[Rule, ...]:
+        """The rules of one layout: compute = TP; storage = TP+ZeRO when fsdp, else TP;
+        update = TP+ZeRO when zero, else TP."""
+        if phase == "compute":
+            return self.tp
+        if phase == "storage":
+            return self.merged() if policy.fsdp else self.tp
+        if phase == "update":
+            return self.merged() if policy.zero else self.tp
+        raise ValueError(f"unknown layout phase {phase!r}; expected one of {PHASES}")
+
+
+def partition_spec(names: Sequence[str | None] | None, rules: Iterable[Rule]) -> PartitionSpec:
+    """Resolve a tensor's logical names to a PartitionSpec.
+
+    Each dimension takes the axes of its rule that no earlier dimension of the same array has
+    used. A name without a rule, a ``None`` name, and an array without names are unpartitioned.
+    """
+    if not names:
+        return PartitionSpec()
+    table = {name: _axes_tuple(axes) for name, axes in rules}
+    used: set[str] = set()
+    entries = []
+    for name in names:
+        axes = tuple(a for a in table.get(name, ()) if a not in used) if name is not None else ()
+        used.update(axes)
+        entries.append(_spec_entry(axes))
+    return PartitionSpec(*entries)

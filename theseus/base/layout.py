@@ -1,0 +1,210 @@
+"""Layouts: pytrees of ``NamedSharding`` resolved from logical names, and the pre-flight check.
+
+An *abstract state* is any pytree whose leaves have a shape (``jax.ShapeDtypeStruct``, arrays),
+where annotated leaves are ``nnx.Variable`` objects carrying logical names in their
+``out_sharding`` metadata (as ``nnx.with_partitioning`` sets them), e.g. ``nnx.state`` of a model
+built under ``nnx.eval_shape``. Unannotated leaves are replicated under every layout.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from theseus.base.axis import PHASES, Phase, Rule, ShardingPlan, ShardingPolicy, partition_spec
+
+_NAMES_METADATA_KEYS = ("out_sharding", "sharding_names", "sharding")
+
+
+@dataclass(frozen=True)
+class AbstractLeaf:
+    """One leaf of an abstract state: where it is, its global shape and its logical names."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    names: tuple[str | None, ...] | None
+
+    @property
+    def num_bytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class Layouts:
+    """The three parameter layouts: pytrees of ``NamedSharding`` shaped like the abstract state."""
+
+    compute: Any
+    storage: Any
+    update: Any
+
+    def __getitem__(self, phase: Phase) -> Any:
+        if phase not in PHASES:
+            raise ValueError(f"unknown layout phase {phase!r}; expected one of {PHASES}")
+        return getattr(self, phase)
+
+
+def _is_variable(x: object) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def path_str(path: Sequence[Any]) -> str:
+    """A readable state path such as ``blocks/attn_qkv`` from a pytree key path."""
+    parts = []
+    for key in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+        else:
+            parts.append(str(key))
+    return "/".join(parts)
+
+
+def _leaf_names(leaf: object) -> tuple[str | None, ...] | None:
+    if not _is_variable(leaf):
+        return None
+    metadata = leaf.get_metadata()
+    for key in _NAMES_METADATA_KEYS:
+        names = metadata.get(key)
+        if names:
+            return tuple(names)
+    return None
+
+
+def abstract_leaves(abstract_state: Any) -> tuple[list[AbstractLeaf], Any]:
+    """Flatten an abstract state into leaves (``nnx.Variable`` counts as one leaf) and a treedef."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_state, is_leaf=_is_variable)
+    leaves = []
+    for path, leaf in flat:
+        value = leaf.get_value() if _is_variable(leaf) else leaf
+        shape = tuple(np.shape(value))
+        dtype = getattr(value, "dtype", None) or np.asarray(value).dtype
+        leaves.append(AbstractLeaf(path_str(path), shape, np.dtype(dtype), _leaf_names(leaf)))
+    return leaves, treedef
+
+
+def leaf_spec(leaf: AbstractLeaf, rules: Sequence[Rule]) -> PartitionSpec:
+    return partition_spec(leaf.names, rules)
+
+
+def layout(abstract_state: Any, rules: Sequence[Rule], mesh: Mesh) -> Any:
+    """One layout: a ``NamedSharding`` per leaf, shaped like ``abstract_state``."""
+    leaves, treedef = abstract_leaves(abstract_state)
+    shardings = [NamedSharding(mesh, leaf_spec(leaf, rules)) for leaf in leaves]
+    return jax.tree_util.tree_unflatten(treedef, shardings)
+
+
+def resolve_layouts(
+    abstract_state: Any, plan: ShardingPlan, policy: ShardingPolicy, mesh: Mesh
+) -> Layouts:
+    """The compute, storage and update layouts of a parameter state."""
+    return Layouts(**{p: layout(abstract_state, plan.rules(policy, p), mesh) for p in PHASES})
+
+
+def optimizer_layout(
+    optimizer: optax.GradientTransformation,
+    abstract_opt_state: Any,
+    param_update_layout: Any,
+    mesh: Mesh,
+) -> Any:
+    """The optimizer state's layout: parameter-shaped state (Adam's moments) follows the update
+    layout of its parameter; everything else (step counters, scalars) is replicated."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return optax.tree_map_params(
+        optimizer,
+        lambda _, sharding: sharding,
+        abstract_opt_state,
+        param_update_layout,
+        transform_non_params=lambda _: replicated,
+        is_leaf=lambda x: isinstance(x, NamedSharding),
+    )
+
+
+@dataclass(frozen=True)
+class LayoutProblem:
+    """A leaf that a layout cannot hold without padding."""
+
+    leaf: AbstractLeaf
+    phase: Phase
+    spec: PartitionSpec
+    reason: str
+
+
+class LayoutError(ValueError):
+    """Raised before anything is allocated when a layout does not divide a tensor evenly."""
+
+    def __init__(self, problems: Sequence[LayoutProblem], mesh_shape: dict[str, int]):
+        self.problems = tuple(problems)
+        mesh = ", ".join(f"{axis}={size}" for axis, size in mesh_shape.items())
+        lines = [
+            f"Layout check failed for {len({p.leaf.path for p in problems})} tensor(s) on mesh "
+            f"({mesh}); theseus never pads or silently replicates:"
+        ]
+        for p in problems:
+            lines.append(
+                f"  {p.leaf.path}: shape {p.leaf.shape}, names {p.leaf.names}, {p.phase} spec "
+                f"{p.spec}: {p.reason}"
+            )
+        lines.append(
+            "Fix: make each listed dimension a multiple of its split (e.g. pad the vocabulary or "
+            "change the model size), choose a tp that divides it, or drop the partition over "
+            "batch (fsdp=False for storage, zero=False for the update)."
+        )
+        super().__init__("\n".join(lines))
+
+
+def _leaf_problems(leaf: AbstractLeaf, phase: Phase, spec: PartitionSpec, mesh_shape) -> list[str]:
+    if leaf.names is not None and len(leaf.names) != len(leaf.shape):
+        return [f"{len(leaf.names)} logical names for a tensor of rank {len(leaf.shape)}"]
+    reasons = []
+    for dim, (size, entry) in enumerate(zip(leaf.shape, tuple(spec), strict=False)):
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        pieces = math.prod(mesh_shape[axis] for axis in axes)
+        if size % pieces:
+            split = " × ".join(f"{axis}={mesh_shape[axis]}" for axis in axes)
+            reasons.append(f"dim {dim} of size {size} does not divide into {pieces} pieces ({split})")
+    return reasons
+
+
+def check_layouts(
+    abstract_state: Any,
+    plan: ShardingPlan,
+    policy: ShardingPolicy,
+    mesh: Mesh,
+    phases: Sequence[Phase] = PHASES,
+) -> None:
+    """Check every leaf of every given layout divides evenly; raise one error listing them all."""
+    leaves, _ = abstract_leaves(abstract_state)
+    mesh_shape = dict(mesh.shape)
+    problems = []
+    for leaf in leaves:
+        for phase in phases:
+            spec = leaf_spec(leaf, plan.rules(policy, phase))
+            problems += [
+                LayoutProblem(leaf, phase, spec, reason)
+                for reason in _leaf_problems(leaf, phase, spec, mesh_shape)
+            ]
+    if problems:
+        raise LayoutError(problems, mesh_shape)
+
+
+def shard_shape(leaf: AbstractLeaf, spec: PartitionSpec, mesh_shape: dict[str, int]) -> tuple:
+    """The per-device shape of ``leaf`` under ``spec`` (assumes the check passed)."""
+    shape = list(leaf.shape)
+    for dim, entry in enumerate(tuple(spec)):
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        shape[dim] //= math.prod(mesh_shape[a] for a in axes)
+    return tuple(shape)
+
+
+def tree_paths(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[str]:
+    return [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]]

@@ -1,0 +1,132 @@
+"""Typed job configuration, grouped by component, with dotted ``key=value`` overrides and YAML."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import pydantic
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration key or value a user gave cannot be used."""
+
+
+class Section(pydantic.BaseModel):
+    """A group of settings: unknown keys and wrong types are errors; assignments are validated."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TrainingConfig(Section):
+    """How many examples, steps and which numeric precision."""
+
+    batch_size: int = pydantic.Field(32, gt=0, description="global examples per optimizer step")
+    per_device_batch_size: int = pydantic.Field(
+        8, gt=0, description="examples per replica per microbatch (accumulation is derived)"
+    )
+    seq_len: int | None = pydantic.Field(
+        None, gt=0, description="tokens per example; None means the model's context length"
+    )
+    steps: int = pydantic.Field(300, gt=0, description="optimizer steps to train")
+    seed: int = pydantic.Field(0, description="seed of the initial parameters and data order")
+    dtype: Literal["float32", "bfloat16"] = pydantic.Field(
+        "float32", description="compute dtype; parameters and gradient sums stay float32"
+    )
+    validation_interval: int = pydantic.Field(
+        50, gt=0, description="run validation every this many steps (and at the last step)"
+    )
+    validation_batches: int = pydantic.Field(
+        4, gt=0, description="held-out batches (of batch_size examples) averaged per validation"
+    )
+    log_interval: int = pydantic.Field(10, gt=0, description="print a progress line this often")
+
+
+class OptimizationConfig(Section):
+    """AdamW with global-norm clipping, linear warmup and cosine decay."""
+
+    learning_rate: float = pydantic.Field(3e-3, gt=0, description="peak learning rate")
+    warmup_steps: int = pydantic.Field(20, ge=0, description="linear warmup from 0 to the peak")
+    min_learning_rate_ratio: float = pydantic.Field(
+        0.1, ge=0, le=1, description="final learning rate as a fraction of the peak"
+    )
+    weight_decay: float = pydantic.Field(0.1, ge=0, description="decoupled decay on matrices")
+    b1: float = pydantic.Field(0.9, gt=0, lt=1)
+    b2: float = pydantic.Field(0.95, gt=0, lt=1)
+    eps: float = pydantic.Field(1e-8, gt=0)
+    grad_clip: float = pydantic.Field(1.0, gt=0, description="global gradient norm limit")
+
+
+class DataConfig(Section):
+    """Where tokens come from; None means the built-in dataset (no download)."""
+
+    path: str | None = pydantic.Field(
+        None, description="text file, folder of text files, or pre-tokenized .bin; None: built-in"
+    )
+    validation_fraction: float = pydantic.Field(0.1, gt=0, lt=1)
+    token_dtype: Literal["uint16", "uint32"] = pydantic.Field(
+        "uint16", description="element type of a .bin token file"
+    )
+
+
+ConfigT = TypeVar("ConfigT", bound=pydantic.BaseModel)
+
+
+def _parse_value(raw: str) -> Any:
+    try:
+        return yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        return raw
+
+
+def apply_overrides(config: ConfigT, overrides: Sequence[str]) -> ConfigT:
+    """A copy of ``config`` with dotted overrides such as ``training.batch_size=16`` applied."""
+    data = config.model_dump()
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not of the form section.key=value")
+        node = data
+        parts = key.split(".")
+        for depth, part in enumerate(parts):
+            if not isinstance(node, dict) or part not in node:
+                prefix = ".".join(parts[:depth]) or "the top level"
+                accepted = ", ".join(sorted(node)) if isinstance(node, dict) else "(none)"
+                raise ConfigError(
+                    f"unknown config key {key!r} (in override {item!r}): {prefix} has no "
+                    f"{part!r}; accepted keys there: {accepted}"
+                )
+            if depth == len(parts) - 1:
+                node[part] = _parse_value(raw)
+            else:
+                node = node[part]
+    return validate(type(config), data)
+
+
+def validate(config_class: type[ConfigT], data: Any) -> ConfigT:
+    """Build a config from plain data, turning validation errors into one readable ConfigError."""
+    try:
+        return config_class.model_validate(data)
+    except pydantic.ValidationError as error:
+        problems = []
+        for e in error.errors():
+            key = ".".join(str(p) for p in e["loc"])
+            if e["type"] == "extra_forbidden":
+                problems.append(f"unknown config key {key!r} (value {e['input']!r})")
+            else:
+                problems.append(f"{key}={e['input']!r}: {e['msg']}")
+        raise ConfigError("invalid configuration: " + "; ".join(problems)) from None
+
+
+def save_yaml(config: pydantic.BaseModel, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+
+
+def load_yaml(config_class: type[ConfigT], path: str | Path) -> ConfigT:
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as error:
+        raise ConfigError(f"cannot read config {path}: {error}") from None
+    return validate(config_class, data or {})

@@ -1,0 +1,78 @@
+"""Mixed-precision building blocks: weight matmuls, LayerNorm and causal attention.
+
+Parameters are float32 master weights. Matmuls run in the dtype of their input activations (the
+compute dtype) and accumulate in float32; LayerNorm statistics and softmax are float32.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.typing import DTypeLike
+
+
+def dense(x: jax.Array, w: jax.Array, out_dtype: DTypeLike | None = None) -> jax.Array:
+    """``x @ w`` in ``x.dtype`` with float32 accumulation; the result is cast to ``out_dtype``
+    (default ``x.dtype``).
+
+    ``w`` is the float32 master weight, cast to ``x.dtype`` inside. The backward pass computes the
+    weight gradient with float32 accumulation and returns it in ``w.dtype``, so it is reduced over
+    batch (and over data replicas) in float32 rather than in the compute dtype; the input gradient
+    is in ``x.dtype``.
+    """
+    return _dense(x, w, jnp.dtype(x.dtype if out_dtype is None else out_dtype))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _dense(x: jax.Array, w: jax.Array, out_dtype: jnp.dtype) -> jax.Array:
+    # x: (..., d_in), w: (d_in, d_out) -> (..., d_out)
+    return jnp.matmul(x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+def _dense_fwd(x: jax.Array, w: jax.Array, out_dtype: jnp.dtype):
+    return _dense(x, w, out_dtype), (x, w)
+
+
+def _dense_bwd(out_dtype: jnp.dtype, residuals, grad_out: jax.Array):
+    x, w = residuals
+    grad_out = grad_out.astype(x.dtype)  # (..., d_out)
+    grad_x = jnp.matmul(grad_out, w.astype(x.dtype).T, preferred_element_type=jnp.float32)
+    grad_w = jnp.einsum("...i,...o->io", x, grad_out, preferred_element_type=jnp.float32)
+    return grad_x.astype(x.dtype), grad_w.astype(w.dtype)  # (..., d_in), (d_in, d_out)
+
+
+_dense.defvjp(_dense_fwd, _dense_bwd)
+
+
+def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array) -> jax.Array:
+    """``x @ kernel + bias`` in ``x.dtype``; the bias is added in float32 before the one rounding,
+    so its gradient is also reduced in float32."""
+    return (dense(x, kernel, jnp.float32) + bias).astype(x.dtype)
+
+
+def layer_norm(
+    x: jax.Array, scale: jax.Array, bias: jax.Array, dtype: DTypeLike, eps: float = 1e-5
+) -> jax.Array:
+    """LayerNorm over the last axis with float32 statistics; the result is cast to ``dtype``."""
+    x = x.astype(jnp.float32)  # (..., dim)
+    mean = x.mean(axis=-1, keepdims=True)  # (..., 1)
+    variance = jnp.square(x - mean).mean(axis=-1, keepdims=True)  # (..., 1)
+    normalized = (x - mean) * jax.lax.rsqrt(variance + eps)  # (..., dim)
+    return (normalized * scale + bias).astype(dtype)
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, n_head: int) -> jax.Array:
+    """Causal multi-head attention of ``(batch, seq, n_attn)`` projections, in ``q.dtype`` with
+    float32 scores and softmax. Heads are contiguous slices of ``n_attn``."""
+    batch, seq, n_attn = q.shape
+    head_dim = n_attn // n_head
+    q, k, v = (t.reshape(batch, seq, n_head, head_dim) for t in (q, k, v))
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+    scores = scores / jnp.sqrt(jnp.float32(head_dim))  # (batch, n_head, seq, seq)
+    causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))  # (seq, seq): query attends to key <= it
+    scores = jnp.where(causal, scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)  # (batch, n_head, seq, seq)
+    out = jnp.einsum("bhqk,bkhd->bqhd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(batch, seq, n_attn).astype(q.dtype)  # (batch, seq, n_attn)

@@ -1,0 +1,416 @@
+"""BaseTrainer: abstract state, layouts, pre-flight check, sharded init, train and validation steps.
+
+The step moves parameters through the three layouts of the specification:
+storage → compute (per microbatch; the gather under FSDP) → update (optimizer) → storage.
+The layouts are data (pytrees of ``NamedSharding``); the step only applies them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pydantic
+from flax import nnx, struct
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from theseus.base.axis import Axis, ShardingPlan, ShardingPolicy
+from theseus.base.layout import (
+    AbstractLeaf,
+    Layouts,
+    abstract_leaves,
+    check_layouts,
+    optimizer_layout,
+    resolve_layouts,
+)
+from theseus.base.topology import Topology
+from theseus.data import Corpus
+from theseus.config import DataConfig, OptimizationConfig, Section, TrainingConfig
+
+COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+class TrainerConfig(Section):
+    """The components every trainer shares; a trainer's config adds a ``model`` section."""
+
+    training: TrainingConfig = pydantic.Field(default_factory=TrainingConfig)
+    optimization: OptimizationConfig = pydantic.Field(default_factory=OptimizationConfig)
+    data: DataConfig = pydantic.Field(default_factory=DataConfig)
+
+
+@struct.dataclass
+class TrainState:
+    """Everything a step changes: float32 parameters, optimizer state, step counter and RNG key."""
+
+    params: Any
+    opt_state: Any
+    step: jax.Array
+    rng: jax.Array
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How the global batch of one step is split: per replica × replicas × accumulation."""
+
+    per_device_batch_size: int
+    replicas: int
+    accumulation_steps: int
+    seq_len: int
+
+    @property
+    def examples_per_microbatch(self) -> int:
+        return self.per_device_batch_size * self.replicas
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.examples_per_microbatch * self.accumulation_steps
+
+    def describe(self) -> str:
+        return (
+            f"batch: {self.per_device_batch_size} per replica × {self.replicas} replicas × "
+            f"{self.accumulation_steps} accumulation steps = {self.global_batch_size} examples "
+            f"of {self.seq_len} tokens per step"
+        )
+
+
+def plan_batch(training: TrainingConfig, topology: Topology, seq_len: int) -> BatchPlan:
+    """Derive accumulation steps from the global and per-device batch sizes, exactly."""
+    per_step = training.per_device_batch_size * topology.replicas
+    if training.batch_size % per_step:
+        raise ValueError(
+            f"training.batch_size={training.batch_size} cannot be split into microbatches of "
+            f"training.per_device_batch_size={training.per_device_batch_size} × "
+            f"{topology.replicas} replicas = {per_step} examples; make batch_size a multiple of "
+            f"{per_step} or change per_device_batch_size."
+        )
+    return BatchPlan(
+        training.per_device_batch_size,
+        topology.replicas,
+        training.batch_size // per_step,
+        seq_len,
+    )
+
+
+@dataclass(frozen=True)
+class MemoryFacts:
+    """Per-device bytes of the persistent state, predicted from layouts and measured."""
+
+    predicted_params_bytes: int
+    predicted_opt_state_bytes: int
+    measured_params_bytes: int | None = None
+    measured_opt_state_bytes: int | None = None
+
+    @property
+    def predicted_bytes(self) -> int:
+        return self.predicted_params_bytes + self.predicted_opt_state_bytes
+
+    @property
+    def measured_bytes(self) -> int | None:
+        if self.measured_params_bytes is None:
+            return None
+        return self.measured_params_bytes + self.measured_opt_state_bytes
+
+
+def _is_sharding(x: object) -> bool:
+    return isinstance(x, NamedSharding)
+
+
+def shard_bytes(abstract: Any, shardings: Any) -> int:
+    """Per-device bytes of ``abstract`` placed with ``shardings`` (matching pytrees)."""
+    total = 0
+    for value, sharding in zip(
+        jax.tree.leaves(abstract), jax.tree.leaves(shardings, is_leaf=_is_sharding), strict=True
+    ):
+        shape = sharding.shard_shape(tuple(value.shape))
+        total += math.prod(shape) * np.dtype(value.dtype).itemsize
+    return total
+
+
+def device_bytes(tree: Any, device: jax.Device) -> int:
+    """Bytes that ``device`` holds of the arrays in ``tree`` (from their addressable shards)."""
+    return sum(
+        shard.data.nbytes
+        for array in jax.tree.leaves(tree)
+        for shard in array.addressable_shards
+        if shard.device == device
+    )
+
+
+def next_token_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean cross-entropy of float32 logits (examples, seq, vocab) against targets (examples, seq)."""
+    logits = logits.astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+class BaseTrainer:
+    """Trains an annotated NNX model under any :class:`ShardingPolicy` with the same numbers.
+
+    A subclass names its config class and plan and builds its model; the base class does the
+    rest: abstract state, layouts, the pre-flight check, sharded initialisation and the steps.
+    Constructing a trainer allocates nothing; :meth:`init_state` creates the state in its layouts.
+    """
+
+    config_class: ClassVar[type[TrainerConfig]] = TrainerConfig
+    plan: ClassVar[ShardingPlan]
+
+    def __init__(
+        self, config: TrainerConfig, policy: ShardingPolicy, topology: Topology | None = None
+    ):
+        if not isinstance(config, self.config_class):
+            raise TypeError(
+                f"{type(self).__name__} needs a {self.config_class.__name__}, got "
+                f"{type(config).__name__}"
+            )
+        self.config = config
+        self.policy = policy
+        self.topology = topology if topology is not None else Topology.new(policy)
+        if self.topology.policy.tp != policy.tp:
+            raise ValueError(
+                f"topology was built for tp={self.topology.policy.tp} but the policy has "
+                f"tp={policy.tp}"
+            )
+        self.mesh = self.topology.mesh
+        self.batch_plan = plan_batch(config.training, self.topology, self.seq_len)
+        self.optimizer = self.build_optimizer()
+        self._abstract_model, self.graphdef = self._build_abstract_model()
+        self.abstract_params = nnx.state(self._abstract_model, nnx.Param)
+        check_layouts(self.abstract_params, self.plan, policy, self.mesh)
+        annotated = resolve_layouts(self.abstract_params, self.plan, policy, self.mesh)
+        self.layouts = Layouts(*(annotated[p].to_pure_dict() for p in ("compute", "storage", "update")))
+        self.state_layout = self._state_layout()
+
+    # --- what a subclass provides ------------------------------------------------------------
+
+    def build_model(self, rngs: nnx.Rngs) -> nnx.Module:
+        """The model, built from ``self.config``; its weights carry logical names."""
+        raise NotImplementedError(f"{type(self).__name__} must define build_model(rngs)")
+
+    def default_seq_len(self) -> int:
+        """Tokens per example when ``training.seq_len`` is not set."""
+        raise ValueError(
+            f"{type(self).__name__} has no default sequence length; set training.seq_len"
+        )
+
+    def check_corpus(self, corpus: Corpus) -> None:
+        """Reject data the model cannot read (e.g. token ids beyond its vocabulary)."""
+
+    def loss_fn(self, model: nnx.Module, tokens: jax.Array, rng: jax.Array) -> jax.Array:
+        """Mean next-token loss of ``tokens`` (examples, seq_len + 1); override for other tasks."""
+        del rng
+        return next_token_loss(model(tokens[:, :-1]), tokens[:, 1:])
+
+    # --- derived facts -----------------------------------------------------------------------
+
+    @cached_property
+    def seq_len(self) -> int:
+        return self.config.training.seq_len or self.default_seq_len()
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return COMPUTE_DTYPES[self.config.training.dtype]
+
+    def _build_abstract_model(self) -> tuple[nnx.Module, nnx.GraphDef]:
+        with nnx.use_eager_sharding(False):
+            model = nnx.eval_shape(lambda: self.build_model(nnx.Rngs(0)))
+        graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+        if jax.tree.leaves(rest):
+            raise ValueError(
+                f"{type(model).__name__} has state that is not nnx.Param "
+                f"({sorted(str(p) for p, _ in nnx.to_flat_state(rest))[:5]}); theseus trains "
+                "models whose variables are all nnx.Param."
+            )
+        return model, graphdef
+
+    @cached_property
+    def abstract_leaves(self) -> list[AbstractLeaf]:
+        return abstract_leaves(self.abstract_params)[0]
+
+    @cached_property
+    def num_params(self) -> int:
+        return sum(math.prod(leaf.shape) for leaf in self.abstract_leaves)
+
+    def learning_rate(self) -> optax.Schedule:
+        opt = self.config.optimization
+        steps = self.config.training.steps
+        warmup = min(opt.warmup_steps, steps)
+        return optax.warmup_cosine_decay_schedule(
+            init_value=0.0,
+            peak_value=opt.learning_rate,
+            warmup_steps=warmup,
+            decay_steps=max(steps, warmup + 1),
+            end_value=opt.learning_rate * opt.min_learning_rate_ratio,
+        )
+
+    def _decay_mask(self, params: Any) -> Any:
+        """Weight decay applies to matrices: leaves with two or more dims besides ``n_layer``."""
+        names = {leaf.path: leaf.names for leaf in self.abstract_leaves}
+
+        def is_matrix(path, value):
+            leaf_names = names.get("/".join(str(getattr(k, "key", k)) for k in path))
+            stacked = 1 if leaf_names and leaf_names[0] == "n_layer" else 0
+            return value.ndim - stacked >= 2
+
+        return jax.tree_util.tree_map_with_path(is_matrix, params)
+
+    def build_optimizer(self) -> optax.GradientTransformation:
+        opt = self.config.optimization
+        return optax.chain(
+            optax.clip_by_global_norm(opt.grad_clip),
+            optax.adamw(
+                self.learning_rate(),
+                b1=opt.b1,
+                b2=opt.b2,
+                eps=opt.eps,
+                weight_decay=opt.weight_decay,
+                mask=self._decay_mask,
+            ),
+        )
+
+    # --- state -------------------------------------------------------------------------------
+
+    def _init_fn(self, seed: jax.Array) -> TrainState:
+        init_key, rng = jax.random.split(jax.random.PRNGKey(seed))
+        with nnx.use_eager_sharding(False):
+            model = self.build_model(nnx.Rngs(params=init_key))
+        params = nnx.state(model, nnx.Param).to_pure_dict()
+        return TrainState(params, self.optimizer.init(params), jnp.zeros((), jnp.int32), rng)
+
+    @cached_property
+    def abstract_state(self) -> TrainState:
+        return jax.eval_shape(self._init_fn, 0)
+
+    def _state_layout(self) -> TrainState:
+        replicated = NamedSharding(self.mesh, P())
+        opt_layout = optimizer_layout(
+            self.optimizer, self.abstract_state.opt_state, self.layouts.update, self.mesh
+        )
+        return TrainState(self.layouts.storage, opt_layout, replicated, replicated)
+
+    def init_state(self, seed: int | None = None) -> TrainState:
+        """Create the state directly in its layouts; it is never whole on one device."""
+        seed = self.config.training.seed if seed is None else seed
+        init = jax.jit(self._init_fn, out_shardings=self.state_layout)
+        with jax.set_mesh(self.mesh):
+            return init(seed)
+
+    def memory_facts(self, state: TrainState | None = None) -> MemoryFacts:
+        """Per-device persistent bytes of params and optimizer state: predicted and (given a
+        state) measured on the first local device."""
+        abstract = self.abstract_state
+        facts = MemoryFacts(
+            shard_bytes(abstract.params, self.state_layout.params),
+            shard_bytes(abstract.opt_state, self.state_layout.opt_state),
+        )
+        if state is None:
+            return facts
+        device = self.mesh.devices.flat[0]
+        return MemoryFacts(
+            facts.predicted_params_bytes,
+            facts.predicted_opt_state_bytes,
+            device_bytes(state.params, device),
+            device_bytes(state.opt_state, device),
+        )
+
+    # --- steps -------------------------------------------------------------------------------
+
+    @property
+    def batch_sharding(self) -> NamedSharding:
+        """(accumulation, examples, seq_len + 1): examples over ``batch``, shared across ``shard``."""
+        return NamedSharding(self.mesh, P(None, Axis.BATCH, None))
+
+    def _loss(self, params: Any, tokens: jax.Array, rng: jax.Array) -> jax.Array:
+        return self.loss_fn(nnx.merge(self.graphdef, params), tokens, rng)
+
+    def _train_step(self, state: TrainState, batch: jax.Array) -> tuple[TrainState, dict]:
+        layouts = self.layouts
+        constrain = jax.lax.with_sharding_constraint
+        rng, step_rng = jax.random.split(state.rng)
+        num_micro = batch.shape[0]
+
+        def microbatch(grad_sum, inputs):
+            tokens, micro_rng = inputs  # (examples, seq_len + 1)
+            params = constrain(state.params, layouts.compute)
+            loss, grads = jax.value_and_grad(self._loss)(params, tokens, micro_rng)
+            grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+            grad_sum = constrain(jax.tree.map(jnp.add, grad_sum, grads), layouts.storage)
+            return grad_sum, loss
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+        zeros = constrain(zeros, layouts.storage)
+        micro_rngs = jax.random.split(step_rng, num_micro)
+        grad_sum, losses = jax.lax.scan(microbatch, zeros, (batch, micro_rngs))
+
+        grads = constrain(jax.tree.map(lambda g: g / num_micro, grad_sum), layouts.update)
+        params = constrain(state.params, layouts.update)
+        updates, opt_state = self.optimizer.update(grads, state.opt_state, params)
+        params = constrain(optax.apply_updates(params, updates), layouts.storage)
+        metrics = {
+            "loss": losses.mean(),
+            "grad_norm": optax.global_norm(grads),
+            "learning_rate": self.learning_rate()(state.step),
+        }
+        return TrainState(params, opt_state, state.step + 1, rng), metrics
+
+    @cached_property
+    def train_step(self) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict]]:
+        """One jitted step: state donated, explicit in/out shardings."""
+        replicated = NamedSharding(self.mesh, P())
+        step = jax.jit(
+            self._train_step,
+            in_shardings=(self.state_layout, self.batch_sharding),
+            out_shardings=(self.state_layout, replicated),
+            donate_argnums=0,
+        )
+        return _under_mesh(step, self.mesh)
+
+    def _validation_loss(self, params: Any, batches: jax.Array) -> jax.Array:
+        params = jax.lax.with_sharding_constraint(params, self.layouts.compute)
+        rng = jax.random.PRNGKey(0)
+
+        def one(total, tokens):
+            return total + self._loss(params, tokens, rng), None
+
+        total, _ = jax.lax.scan(one, jnp.zeros((), jnp.float32), batches)
+        return total / batches.shape[0]
+
+    @cached_property
+    def validation_step(self) -> Callable[[Any, jax.Array], jax.Array]:
+        """Mean loss over (num_batches, examples, seq_len + 1) under the compute layout."""
+        step = jax.jit(
+            self._validation_loss,
+            in_shardings=(self.layouts.storage, self.batch_sharding),
+            out_shardings=NamedSharding(self.mesh, P()),
+        )
+        return _under_mesh(step, self.mesh)
+
+    def put_batch(self, rows_for: Callable[[slice], np.ndarray], shape: tuple[int, ...]) -> jax.Array:
+        """A global batch array whose devices each read only their own example rows."""
+
+        def fetch(index):
+            return np.asarray(rows_for(index[1]), dtype=np.int32)[:, :, index[2]]
+
+        return jax.make_array_from_callback(shape, self.batch_sharding, fetch)
+
+
+def _under_mesh(fn: Callable, mesh) -> Callable:
+    """Run ``fn`` with ``mesh`` as the ambient mesh (for sharding constraints in traced code)."""
+
+    def wrapped(*args, **kwargs):
+        with jax.set_mesh(mesh):
+            return fn(*args, **kwargs)
+
+    wrapped.lower = lambda *a, **k: _lower_under_mesh(fn, mesh, *a, **k)
+    return wrapped
+
+
+def _lower_under_mesh(fn, mesh, *args, **kwargs):
+    with jax.set_mesh(mesh):
+        return fn.lower(*args, **kwargs)

@@ -1,0 +1,54 @@
+"""The GPT trainer: the GPT model and plan plugged into BaseTrainer."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import pydantic
+from flax import nnx
+
+from theseus.base.axis import ShardingPlan
+from theseus.data import Corpus
+from theseus.model import GPT, GPT_PLAN, GPTConfig
+from theseus.training.base import BaseTrainer, TrainerConfig
+
+
+class GPTTrainerConfig(TrainerConfig):
+    """GPT pretraining: the shared training sections plus the model's hyperparameters."""
+
+    model: GPTConfig = pydantic.Field(default_factory=GPTConfig)
+
+
+class GPTTrainer(BaseTrainer):
+    """Next-token pretraining of :class:`GPT` on byte or token data."""
+
+    config_class: ClassVar[type[TrainerConfig]] = GPTTrainerConfig
+    plan: ClassVar[ShardingPlan] = GPT_PLAN
+
+    def __init__(self, config: GPTTrainerConfig, policy, topology=None):
+        seq_len = config.training.seq_len
+        if seq_len is not None and seq_len > config.model.block_size:
+            raise ValueError(
+                f"training.seq_len={seq_len} exceeds model.block_size={config.model.block_size}; "
+                "lower the sequence length or raise the block size."
+            )
+        super().__init__(config, policy, topology)
+
+    def build_model(self, rngs: nnx.Rngs) -> GPT:
+        return GPT(
+            self.config.model,
+            rngs=rngs,
+            compute_dtype=self.compute_dtype,
+            remat=self.policy.activation_checkpointing,
+        )
+
+    def default_seq_len(self) -> int:
+        return self.config.model.block_size
+
+    def check_corpus(self, corpus: Corpus) -> None:
+        vocab = self.config.model.vocab_size
+        if corpus.vocab_size > vocab:
+            raise ValueError(
+                f"the data ({corpus.source}) has token ids up to {corpus.vocab_size - 1} but "
+                f"model.vocab_size={vocab}; set model.vocab_size={corpus.vocab_size} or more."
+            )
