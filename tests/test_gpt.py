@@ -1,6 +1,7 @@
 """GPT: shapes, logical names, parameter count, causality, scan vs loop, remat, bf16, dense."""
 
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from theseus.base.axis import ShardingPolicy
 from theseus.base.layout import abstract_leaves, check_layouts, layout
@@ -35,16 +37,6 @@ EXPECTED_NAMES = {
 }
 
 
-def _perturbed(model: GPT) -> GPT:
-    """``model`` with noise added to every parameter, so zero biases and unit scales matter."""
-    params = nnx.state(model, nnx.Param)
-    leaves, treedef = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.key(1), len(leaves))
-    noisy = [p + 0.1 * jax.random.normal(k, p.shape) for p, k in zip(leaves, keys, strict=True)]
-    nnx.update(model, jax.tree.unflatten(treedef, noisy))
-    return model
-
-
 def _with_params(params, **options) -> GPT:
     model = GPT(CONFIG, rngs=nnx.Rngs(0), **options)
     nnx.update(model, params)
@@ -56,23 +48,54 @@ def _loss(model: GPT, tokens: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
-def _loss_and_grads(model: GPT, tokens: jax.Array):
-    return nnx.jit(nnx.value_and_grad(_loss))(model, tokens)
+# Unoptimized XLA:CPU code halves compile time, which dominates these tests on a small model.
+_jit = partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
+
+
+@partial(_jit, static_argnums=0)
+def _merged_forward(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array) -> jax.Array:
+    return nnx.merge(graphdef, params)(tokens)
+
+
+@partial(_jit, static_argnums=0)
+def _merged_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array):
+    return jax.value_and_grad(lambda p: _loss(nnx.merge(graphdef, p), tokens))(params)
+
+
+def _forward(model: GPT, tokens: jax.Array) -> jax.Array:
+    return _merged_forward(*nnx.split(model), tokens)
+
+
+def _loss_and_grads(model: GPT, tokens: jax.Array) -> tuple[jax.Array, nnx.State]:
+    return _merged_loss_and_grads(*nnx.split(model), tokens)
 
 
 @pytest.fixture(scope="module")
-def model() -> GPT:
-    return _perturbed(GPT(CONFIG, rngs=nnx.Rngs(0)))
+def initialized() -> GPT:
+    return GPT(CONFIG, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def model(initialized) -> GPT:
+    """The initialized model with noise on every parameter, so zero biases and unit scales matter
+    (numpy noise: no compilation)."""
+    rng = np.random.default_rng(1)
+    params = jax.tree.map(
+        lambda p: jnp.asarray(p + 0.1 * rng.standard_normal(p.shape, np.float32)),
+        nnx.state(initialized, nnx.Param),
+    )
+    return _with_params(params)
 
 
 @pytest.fixture(scope="module")
 def tokens() -> jax.Array:
-    return jax.random.randint(jax.random.key(2), (BATCH, SEQ), 0, CONFIG.vocab_size, jnp.int32)
+    token_ids = np.random.default_rng(2).integers(0, CONFIG.vocab_size, (BATCH, SEQ))
+    return jnp.asarray(token_ids, jnp.int32)
 
 
 @pytest.fixture(scope="module")
 def logits(model, tokens) -> jax.Array:
-    return nnx.jit(lambda m, t: m(t))(model, tokens)
+    return _forward(model, tokens)
 
 
 @pytest.fixture(scope="module")
@@ -100,9 +123,7 @@ def _reference_logits(params: dict, tokens: jax.Array, n_head: int) -> jax.Array
     for i in range(CONFIG.n_layer):
         layer = jax.tree.map(lambda a, i=i: a[i], params["blocks"])
         h = norm(x, layer["ln1"])
-        q, k, v = (
-            proj(h, layer[f"attn_{x}"]).reshape(batch, seq, n_head, -1) for x in "qkv"
-        )
+        q, k, v = (proj(h, layer[f"attn_{n}"]).reshape(batch, seq, n_head, -1) for n in "qkv")
         attended = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(batch, seq, -1)
         x = x + proj(attended, layer["attn_out"])
         h = jax.nn.gelu(proj(norm(x, layer["ln2"]), layer["mlp_fc"]), approximate=True)
@@ -154,9 +175,9 @@ def test_logical_names():
         if leaf.names is not None:
             assert len(leaf.names) == len(leaf.shape), leaf.path
             assert set(leaf.names) <= LOGICAL_NAMES, leaf.path
-        if len(leaf.shape) >= 2 and "/ln" not in f"/{leaf.path}":
-            assert leaf.names is not None and None not in leaf.names[:2], leaf.path
-        if "ln" in leaf.path.split("/")[-2:][0]:
+        if len(leaf.shape) >= 2:
+            assert leaf.names is not None, leaf.path
+        if "/ln" in f"/{leaf.path}":  # a LayerNorm's scale or bias
             assert leaf.names in (None, ("n_layer", None)), leaf.path
         if leaf.path.startswith("blocks/"):
             assert leaf.names[0] == "n_layer" and leaf.shape[0] == CONFIG.n_layer, leaf.path
@@ -169,27 +190,38 @@ def test_num_params():
     assert GPT.num_params(gpt2_small) == 124_439_808  # GPT-2 small with its tied head
 
 
-def test_gpt2_initialization():
-    model = GPT(GPTConfig(n_layer=8), rngs=nnx.Rngs(0))
-    np.testing.assert_allclose(jnp.std(model.wte[...]), 0.02, rtol=0.05)
-    np.testing.assert_allclose(jnp.std(model.blocks.attn_q.kernel[...]), 0.02, rtol=0.05)
-    np.testing.assert_allclose(jnp.std(model.blocks.mlp_proj.kernel[...]), 0.005, rtol=0.05)
-    assert not jnp.any(model.blocks.mlp_fc.bias[...])
-    assert jnp.all(model.blocks.ln1.scale[...] == 1)
+def test_gpt2_initialization(initialized):
+    blocks = initialized.blocks
+    residual_std = 0.02 / math.sqrt(2 * CONFIG.n_layer)
+    for param, std in [
+        (initialized.wte, 0.02),
+        (initialized.wpe, 0.02),
+        (blocks.attn_q.kernel, 0.02),
+        (blocks.mlp_fc.kernel, 0.02),
+        (blocks.attn_out.kernel, residual_std),
+        (blocks.mlp_proj.kernel, residual_std),
+    ]:
+        np.testing.assert_allclose(np.std(param[...]), std, rtol=0.1)
+    assert not np.any(blocks.mlp_fc.bias[...]) and not np.any(initialized.ln_f.bias[...])
+    assert np.all(blocks.ln1.scale[...] == 1) and np.all(initialized.ln_f.scale[...] == 1)
 
 
 def test_abstract_build_allocates_nothing_and_needs_no_mesh():
-    # Eager sharding on would fail without a mesh if flax applied the logical names as mesh axes.
-    for eager in (False, True):
-        params = nnx.state(_abstract_model(eager_sharding=eager), nnx.Param)
-        values = [v.get_value() for v in jax.tree.leaves(params, is_leaf=nnx.is_variable)]
-        assert values and all(isinstance(v, jax.ShapeDtypeStruct) for v in values)
+    # With eager sharding on (flax's default) the build would fail here, without a mesh, if flax
+    # applied the logical names as mesh axes.
+    for eager_sharding in (False, True):
+        params = nnx.state(_abstract_model(eager_sharding), nnx.Param)
+        variables = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        assert len(variables) == len(EXPECTED_NAMES)
+        assert all(isinstance(v.get_value(), jax.ShapeDtypeStruct) for v in variables)
         assert params["wte"].get_metadata()["out_sharding"] == ("vocab", "n_embd")
 
 
 def test_depth_is_scanned_and_remat_is_per_layer(tokens):
     def top_level_primitives(config, remat):
-        graphdef, params = nnx.split(GPT(config, rngs=nnx.Rngs(0), remat=remat))
+        with nnx.use_eager_sharding(False):
+            abstract = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0), remat=remat))
+        graphdef, params = nnx.split(abstract)
         jaxpr = jax.make_jaxpr(lambda p: nnx.merge(graphdef, p)(tokens))(params).jaxpr
         return [eqn.primitive.name for eqn in jaxpr.eqns], jaxpr
 
@@ -198,9 +230,9 @@ def test_depth_is_scanned_and_remat_is_per_layer(tokens):
     assert shallow == deep and deep.count("scan") == 1
 
     primitives, jaxpr = top_level_primitives(GPTConfig(n_layer=2), remat=True)
-    assert "checkpoint" not in primitives
+    assert "remat2" not in primitives  # jax.checkpoint's primitive
     (scan,) = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "scan"]
-    assert "checkpoint" in [eqn.primitive.name for eqn in scan.params["jaxpr"].jaxpr.eqns]
+    assert "remat2" in [eqn.primitive.name for eqn in scan.params["jaxpr"].jaxpr.eqns]
 
 
 # --- numerics -----------------------------------------------------------------------------------
@@ -209,14 +241,14 @@ def test_depth_is_scanned_and_remat_is_per_layer(tokens):
 def test_causality(model, tokens, logits):
     position = 4
     changed = tokens.at[:, position].set((tokens[:, position] + 1) % CONFIG.vocab_size)
-    changed_logits = nnx.jit(lambda m, t: m(t))(model, changed)
+    changed_logits = _forward(model, changed)
     np.testing.assert_array_equal(changed_logits[:, :position], logits[:, :position])
     assert not np.allclose(changed_logits[:, position:], logits[:, position:], atol=1e-3)
 
 
 def test_scan_matches_python_loop_reference(model, tokens, logits):
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    expected = jax.jit(_reference_logits, static_argnums=2)(params, tokens, CONFIG.n_head)
+    expected = _jit(_reference_logits, static_argnums=2)(params, tokens, CONFIG.n_head)
     np.testing.assert_allclose(logits, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -235,14 +267,14 @@ def test_bf16_compute_keeps_float32_params_and_grads(model, tokens, fp32_loss_an
     loss, grads = fp32_loss_and_grads
     bf16_model = _with_params(nnx.state(model), compute_dtype=jnp.bfloat16)
     bf16_loss, bf16_grads = _loss_and_grads(bf16_model, tokens)
-    assert abs(float(bf16_loss) - float(loss)) < 0.02 * float(loss)
+    assert abs(float(bf16_loss) - float(loss)) < 0.01 * float(loss)
     for path, grad in nnx.to_flat_state(bf16_grads):
         assert grad.get_value().dtype == jnp.float32, path
     for path, param in nnx.to_flat_state(nnx.state(bf16_model, nnx.Param)):
         assert param.get_value().dtype == jnp.float32, path
     flat_grads = jnp.concatenate([g.ravel() for g in jax.tree.leaves(grads)])
     flat_bf16 = jnp.concatenate([g.ravel() for g in jax.tree.leaves(bf16_grads)])
-    assert jnp.linalg.norm(flat_bf16 - flat_grads) < 0.05 * jnp.linalg.norm(flat_grads)
+    assert jnp.linalg.norm(flat_bf16 - flat_grads) < 0.03 * jnp.linalg.norm(flat_grads)
 
 
 def test_tensor_parallel_forward_matches_single_device(model, tokens, logits):
@@ -250,21 +282,20 @@ def test_tensor_parallel_forward_matches_single_device(model, tokens, logits):
     graphdef, params = nnx.split(model)
     check_layouts(params, GPT_PLAN, ShardingPolicy(tp=4), mesh, phases=("compute",))
     shardings = layout(params, GPT_PLAN.tp, mesh)
-    assert shardings["blocks"]["attn_q"]["kernel"].spec == (None, None, "shard")
-    sharded = jax.device_put(params, shardings)
-    forward = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))
-    np.testing.assert_allclose(forward(sharded, tokens), logits, rtol=1e-5, atol=1e-5)
+    assert shardings["blocks"]["attn_q"]["kernel"].spec == P(None, None, "shard")
+    sharded_logits = _merged_forward(graphdef, jax.device_put(params, shardings), tokens)
+    np.testing.assert_allclose(sharded_logits, logits, rtol=1e-5, atol=1e-5)
 
 
 # --- dense --------------------------------------------------------------------------------------
 
 
 def _dense_inputs():
-    x_key, w_key, g_key = jax.random.split(jax.random.key(3), 3)
-    x = jax.random.normal(x_key, (2, 5, 16))  # (batch, seq, d_in)
-    w = jax.random.normal(w_key, (16, 8)) / 4  # (d_in, d_out)
-    cotangent = jax.random.normal(g_key, (2, 5, 8))  # (batch, seq, d_out)
-    return x, w, cotangent
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 5, 16), np.float32)  # (batch, seq, d_in)
+    w = rng.standard_normal((16, 8), np.float32) / 4  # (d_in, d_out)
+    cotangent = rng.standard_normal((2, 5, 8), np.float32)  # (batch, seq, d_out)
+    return jnp.asarray(x), jnp.asarray(w), jnp.asarray(cotangent)
 
 
 def test_dense_at_float32_is_exactly_matmul():
@@ -276,15 +307,29 @@ def test_dense_at_float32_is_exactly_matmul():
         np.testing.assert_array_equal(grad, expected_grad)
 
 
-def test_dense_bf16_grads_are_float32_for_the_weight():
+def test_dense_transposed_takes_the_weight_as_out_by_in():
     x, w, cotangent = _dense_inputs()
-    x_bf16 = x.astype(jnp.bfloat16)
-    out, vjp = jax.vjp(dense, x_bf16, w)
-    grad_x, grad_w = vjp(cotangent.astype(jnp.bfloat16))
+    out, vjp = jax.vjp(partial(dense, transposed=True), x, w.T)
+    expected, expected_vjp = jax.vjp(dense, x, w)
+    np.testing.assert_allclose(out, expected, rtol=1e-6, atol=1e-6)
+    grad_x, grad_w_transposed = vjp(cotangent)
+    expected_grad_x, expected_grad_w = expected_vjp(cotangent)
+    np.testing.assert_allclose(grad_x, expected_grad_x, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(grad_w_transposed, expected_grad_w.T, rtol=1e-6, atol=1e-6)
+
+
+def test_dense_bf16_weight_grads_are_float32_and_accumulated_in_float32():
+    x, w, cotangent = _dense_inputs()
+    x, cotangent = x.astype(jnp.bfloat16), cotangent.astype(jnp.bfloat16)
+    out, vjp = jax.vjp(dense, x, w)
+    grad_x, grad_w = vjp(cotangent)
     assert out.dtype == grad_x.dtype == jnp.bfloat16
     assert grad_w.dtype == jnp.float32
-    _, expected_vjp = jax.vjp(lambda x, w: x @ w, x, w)
-    expected_grad_x, expected_grad_w = expected_vjp(cotangent)
-    np.testing.assert_allclose(grad_w, expected_grad_w, rtol=2e-2, atol=5e-2)
-    np.testing.assert_allclose(grad_x.astype(jnp.float32), expected_grad_x, rtol=2e-2, atol=5e-2)
-    assert dense(x_bf16, w, jnp.float32).dtype == jnp.float32
+    assert dense(x, w, jnp.float32).dtype == jnp.float32
+    # The float32 reference on the same bfloat16 values: the weight gradient, accumulated and
+    # returned in float32, matches it to float32 precision; the input gradient is bfloat16.
+    w_bf16_values = w.astype(jnp.bfloat16).astype(jnp.float32)
+    _, reference_vjp = jax.vjp(lambda x, w: x @ w, x.astype(jnp.float32), w_bf16_values)
+    expected_grad_x, expected_grad_w = reference_vjp(cotangent.astype(jnp.float32))
+    np.testing.assert_allclose(grad_w, expected_grad_w, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(grad_x.astype(jnp.float32), expected_grad_x, rtol=1e-2, atol=1e-2)

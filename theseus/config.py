@@ -30,7 +30,7 @@ class TrainingConfig(Section):
     seq_len: int | None = pydantic.Field(
         None, gt=0, description="tokens per example; None means the model's context length"
     )
-    steps: int = pydantic.Field(300, gt=0, description="optimizer steps to train")
+    steps: int = pydantic.Field(200, gt=0, description="optimizer steps to train")
     seed: int = pydantic.Field(0, description="seed of the initial parameters and data order")
     dtype: Literal["float32", "bfloat16"] = pydantic.Field(
         "float32", description="compute dtype; parameters and gradient sums stay float32"

@@ -149,10 +149,14 @@ class LayoutError(ValueError):
             f"Layout check failed for {len({p.leaf.path for p in problems})} tensor(s) on mesh "
             f"({mesh}); theseus never pads or silently replicates:"
         ]
+        # One line per leaf and failure; layouts failing the same way are named together.
+        phases_by_failure: dict[tuple, list[str]] = {}
         for p in problems:
+            phases_by_failure.setdefault((p.leaf.path, p.leaf, p.spec, p.reason), []).append(p.phase)
+        for (path, leaf, spec, reason), phases in phases_by_failure.items():
             lines.append(
-                f"  {p.leaf.path}: shape {p.leaf.shape}, names {p.leaf.names}, {p.phase} spec "
-                f"{p.spec}: {p.reason}"
+                f"  {path}: shape {leaf.shape}, names {leaf.names}, {' and '.join(phases)} spec "
+                f"{spec}: {reason}"
             )
         lines.append(
             "Fix: make each listed dimension a multiple of its split (e.g. pad the vocabulary or "

@@ -19,9 +19,11 @@ from jax.typing import DTypeLike
 from theseus.base.axis import Axis, ShardingPlan
 from theseus.model.layers import causal_attention, dense, layer_norm, linear
 
-# TP splits the attention width (whole heads when tp divides n_head) and the MLP width over
-# `shard`; everything else is whole on each TP device. ZeRO additionally partitions the
-# vocabulary and position tables over `batch`, which TP leaves whole.
+# TP splits the attention width and the MLP width over `shard`; everything else is whole on each
+# TP device. Heads are contiguous slices of n_attn, so each device holds whole heads when tp
+# divides n_head: n_head should be a multiple of tp for efficient attention (results are correct
+# for any tp). ZeRO partitions over `batch` the TP-split widths and also the vocabulary and
+# position tables, which TP leaves whole.
 GPT_PLAN = ShardingPlan(
     tp=[
         ("n_attn", Axis.SHARD),
@@ -116,9 +118,9 @@ class StackedLinear(nnx.Module):
     ):
         in_name, out_name = names
         bias_name = None if out_name == "n_embd" else out_name
-        self.kernel = _param(
-            rngs, (n_layer, d_in, d_out), ("n_layer", in_name, out_name), nnx.initializers.normal(std)
-        )
+        kernel_names = ("n_layer", in_name, out_name)
+        kernel_init = nnx.initializers.normal(std)
+        self.kernel = _param(rngs, (n_layer, d_in, d_out), kernel_names, kernel_init)
         self.bias = _param(rngs, (n_layer, d_out), ("n_layer", bias_name), nnx.initializers.zeros)
 
 
@@ -136,24 +138,18 @@ class Blocks(nnx.Module):
     """The weights of all transformer blocks, each stacked along a leading ``n_layer`` axis."""
 
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
-        c = config
+        n_layer, n_embd, n_attn, n_mlp = config.n_layer, config.n_embd, config.n_attn, config.n_mlp
         std = 0.02
-        residual_std = 0.02 / math.sqrt(2 * c.n_layer)  # GPT-2: output projections into residual
-        self.ln1 = LayerNorm(c.n_embd, n_layer=c.n_layer, rngs=rngs)
-        qkv = partial(StackedLinear, c.n_layer, c.n_embd, c.n_attn, ("n_embd", "n_attn"), std=std)
-        self.attn_q = qkv(rngs=rngs)
-        self.attn_k = qkv(rngs=rngs)
-        self.attn_v = qkv(rngs=rngs)
-        self.attn_out = StackedLinear(
-            c.n_layer, c.n_attn, c.n_embd, ("n_attn", "n_embd"), std=residual_std, rngs=rngs
-        )
-        self.ln2 = LayerNorm(c.n_embd, n_layer=c.n_layer, rngs=rngs)
-        self.mlp_fc = StackedLinear(
-            c.n_layer, c.n_embd, c.n_mlp, ("n_embd", "n_mlp"), std=std, rngs=rngs
-        )
-        self.mlp_proj = StackedLinear(
-            c.n_layer, c.n_mlp, c.n_embd, ("n_mlp", "n_embd"), std=residual_std, rngs=rngs
-        )
+        residual_std = 0.02 / math.sqrt(2 * n_layer)  # GPT-2: projections into the residual
+        stacked_linear = partial(StackedLinear, n_layer, rngs=rngs)
+        self.ln1 = LayerNorm(n_embd, n_layer=n_layer, rngs=rngs)
+        self.attn_q = stacked_linear(n_embd, n_attn, ("n_embd", "n_attn"), std=std)
+        self.attn_k = stacked_linear(n_embd, n_attn, ("n_embd", "n_attn"), std=std)
+        self.attn_v = stacked_linear(n_embd, n_attn, ("n_embd", "n_attn"), std=std)
+        self.attn_out = stacked_linear(n_attn, n_embd, ("n_attn", "n_embd"), std=residual_std)
+        self.ln2 = LayerNorm(n_embd, n_layer=n_layer, rngs=rngs)
+        self.mlp_fc = stacked_linear(n_embd, n_mlp, ("n_embd", "n_mlp"), std=std)
+        self.mlp_proj = stacked_linear(n_mlp, n_embd, ("n_mlp", "n_embd"), std=residual_std)
 
 
 def block(layer: dict, x: jax.Array, *, n_head: int, compute_dtype: jnp.dtype) -> jax.Array:
@@ -179,12 +175,18 @@ class GPT(nnx.Module):
     with ``jax.lax.scan`` (compile time independent of depth), a final LayerNorm and an output
     head tied to the token embedding.
 
-    State paths: ``wte`` (vocab, n_embd), ``wpe`` (block_size, n_embd), ``ln_f/{scale,bias}``
-    (unannotated), and under ``blocks/`` the stacked ``ln1``, ``ln2`` (``scale``, ``bias``) and
-    ``attn_q``, ``attn_k``, ``attn_v``, ``attn_out``, ``mlp_fc``, ``mlp_proj`` (``kernel``,
-    ``bias``). Parameters are float32; ``compute_dtype`` is the dtype of matmuls and activations
-    (LayerNorm statistics, softmax, the residual stream and the logits stay float32).
-    ``remat=True`` recomputes each layer in the backward pass.
+    State paths and logical names: ``wte`` (vocab, n_embd); ``wpe`` (block_size, n_embd);
+    ``ln_f/scale``, ``ln_f/bias`` unannotated; under ``blocks/``, stacked along ``n_layer``:
+    ``ln1`` and ``ln2`` (``scale``, ``bias``: n_layer, None), ``attn_q``, ``attn_k``, ``attn_v``
+    (``kernel``: n_layer, n_embd, n_attn; ``bias``: n_layer, n_attn), ``attn_out`` (``kernel``:
+    n_layer, n_attn, n_embd), ``mlp_fc`` (``kernel``: n_layer, n_embd, n_mlp; ``bias``: n_layer,
+    n_mlp), ``mlp_proj`` (``kernel``: n_layer, n_mlp, n_embd). Biases of width n_attn or n_mlp
+    carry that name, so TP splits them with their kernel; n_embd-wide biases and LayerNorm
+    parameters are replicated (n_layer, None).
+
+    Parameters are float32 master weights; ``compute_dtype`` is the dtype of matmuls and of the
+    activations between them, while LayerNorm statistics, softmax, the residual stream and the
+    logits stay float32. ``remat=True`` recomputes each layer in the backward pass.
     """
 
     plan = GPT_PLAN
@@ -223,7 +225,7 @@ class GPT(nnx.Module):
         layers = nnx.to_pure_dict(nnx.state(self.blocks))  # arrays of shape (n_layer, ...)
         x, _ = jax.lax.scan(lambda x, layer: (layer_step(layer, x), None), x, layers)
         h = layer_norm(x, **nnx.to_pure_dict(nnx.state(self.ln_f)), dtype=self.compute_dtype)
-        return dense(h, wte.T, jnp.float32)  # (batch, seq, vocab)
+        return dense(h, wte, jnp.float32, transposed=True)  # (batch, seq, vocab)
 
     @staticmethod
     def num_params(config: GPTConfig) -> int:

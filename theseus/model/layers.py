@@ -13,34 +13,43 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 
 
-def dense(x: jax.Array, w: jax.Array, out_dtype: DTypeLike | None = None) -> jax.Array:
-    """``x @ w`` in ``x.dtype`` with float32 accumulation; the result is cast to ``out_dtype``
-    (default ``x.dtype``).
+def dense(
+    x: jax.Array, w: jax.Array, out_dtype: DTypeLike | None = None, *, transposed: bool = False
+) -> jax.Array:
+    """``x @ w`` (``x @ w.T`` when ``transposed``) in ``x.dtype`` with float32 accumulation; the
+    result is cast to ``out_dtype`` (default ``x.dtype``).
 
-    ``w`` is the float32 master weight, cast to ``x.dtype`` inside. The backward pass computes the
-    weight gradient with float32 accumulation and returns it in ``w.dtype``, so it is reduced over
-    batch (and over data replicas) in float32 rather than in the compute dtype; the input gradient
-    is in ``x.dtype``.
+    ``w`` is the float32 master weight, ``(d_in, d_out)`` or, when ``transposed``, ``(d_out,
+    d_in)``: a tied embedding table is used as it is stored (XLA:CPU cannot run the bfloat16
+    weight-gradient dot of ``w.T``). It is cast to ``x.dtype`` inside. The backward pass computes
+    the weight gradient with float32 accumulation and returns it in ``w.dtype``, so it is reduced
+    over the batch (and over data replicas) in float32 rather than in the compute dtype; the
+    input gradient is in ``x.dtype``.
     """
-    return _dense(x, w, jnp.dtype(x.dtype if out_dtype is None else out_dtype))
+    w_axes = "oi" if transposed else "io"
+    return _dense(x, w, jnp.dtype(x.dtype if out_dtype is None else out_dtype), w_axes)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _dense(x: jax.Array, w: jax.Array, out_dtype: jnp.dtype) -> jax.Array:
-    # x: (..., d_in), w: (d_in, d_out) -> (..., d_out)
-    return jnp.matmul(x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(out_dtype)
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _dense(x: jax.Array, w: jax.Array, out_dtype: jnp.dtype, w_axes: str) -> jax.Array:
+    w = w.astype(x.dtype)
+    out = jnp.einsum(f"...i,{w_axes}->...o", x, w, preferred_element_type=jnp.float32)
+    return out.astype(out_dtype)  # (..., d_out)
 
 
-def _dense_fwd(x: jax.Array, w: jax.Array, out_dtype: jnp.dtype):
-    return _dense(x, w, out_dtype), (x, w)
+def _dense_fwd(x: jax.Array, w: jax.Array, out_dtype: jnp.dtype, w_axes: str):
+    return _dense(x, w, out_dtype, w_axes), (x, w)
 
 
-def _dense_bwd(out_dtype: jnp.dtype, residuals, grad_out: jax.Array):
+def _dense_bwd(out_dtype: jnp.dtype, w_axes: str, residuals, grad_out: jax.Array):
     x, w = residuals
     grad_out = grad_out.astype(x.dtype)  # (..., d_out)
-    grad_x = jnp.matmul(grad_out, w.astype(x.dtype).T, preferred_element_type=jnp.float32)
-    grad_w = jnp.einsum("...i,...o->io", x, grad_out, preferred_element_type=jnp.float32)
-    return grad_x.astype(x.dtype), grad_w.astype(w.dtype)  # (..., d_in), (d_in, d_out)
+    w_compute = w.astype(x.dtype)
+    grad_x = jnp.einsum(
+        f"...o,{w_axes}->...i", grad_out, w_compute, preferred_element_type=jnp.float32
+    )  # (..., d_in)
+    grad_w = jnp.einsum(f"...i,...o->{w_axes}", x, grad_out, preferred_element_type=jnp.float32)
+    return grad_x.astype(x.dtype), grad_w.astype(w.dtype)
 
 
 _dense.defvjp(_dense_fwd, _dense_bwd)

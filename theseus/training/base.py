@@ -22,7 +22,7 @@ from flax import nnx, struct
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from theseus.base.axis import Axis, ShardingPlan, ShardingPolicy
+from theseus.base.axis import PHASES, Axis, ShardingPlan, ShardingPolicy
 from theseus.base.layout import (
     AbstractLeaf,
     Layouts,
@@ -184,7 +184,7 @@ class BaseTrainer:
         self.abstract_params = nnx.state(self._abstract_model, nnx.Param)
         check_layouts(self.abstract_params, self.plan, policy, self.mesh)
         annotated = resolve_layouts(self.abstract_params, self.plan, policy, self.mesh)
-        self.layouts = Layouts(*(annotated[p].to_pure_dict() for p in ("compute", "storage", "update")))
+        self.layouts = Layouts(*(nnx.to_pure_dict(annotated[p]) for p in PHASES))
         self.state_layout = self._state_layout()
 
     # --- what a subclass provides ------------------------------------------------------------
@@ -280,7 +280,7 @@ class BaseTrainer:
         init_key, rng = jax.random.split(jax.random.PRNGKey(seed))
         with nnx.use_eager_sharding(False):
             model = self.build_model(nnx.Rngs(params=init_key))
-        params = nnx.state(model, nnx.Param).to_pure_dict()
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         return TrainState(params, self.optimizer.init(params), jnp.zeros((), jnp.int32), rng)
 
     @cached_property
@@ -354,7 +354,7 @@ class BaseTrainer:
         params = constrain(optax.apply_updates(params, updates), layouts.storage)
         metrics = {
             "loss": losses.mean(),
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": optax.tree.norm(grads),
             "learning_rate": self.learning_rate()(state.step),
         }
         return TrainState(params, opt_state, state.step + 1, rng), metrics

@@ -1,0 +1,394 @@
+"""Checkpoints of a run directory: orbax, restored straight into the target layouts.
+
+A checkpoint is one step directory holding two items: ``state`` (the :class:`TrainState`, each
+array written by the devices that hold its shards) and ``meta`` (JSON: the caller's metadata —
+policy, mesh shape, config, data position, see :func:`checkpoint_meta` — plus a fingerprint of
+every array). Restoring takes a target pytree of ``jax.ShapeDtypeStruct`` with shardings
+(:func:`restore_target`), so each device reads only its own shard from disk: a run saved under one
+policy or device count resumes under another, and no array is ever whole on one device.
+
+Robustness: orbax writes a step into a temporary directory and renames it on commit, so an
+interrupted save leaves no step behind (temporary directories are ignored and removed when a
+:class:`Checkpointer` opens the directory). A committed step that was damaged afterwards (a file
+deleted or truncated, garbage metadata, flipped bits in the data) fails one of the checks of
+:meth:`Checkpointer.restore` — orbax's own reads, or the per-array fingerprints, which are exact
+integer hashes independent of the layout — and is reported as :class:`CheckpointError` naming the
+directory and step. ``restore(None, ...)`` then falls back to the newest good step and says which
+ones it skipped. A checkpoint of another model (different tree or shapes) is an
+:class:`IncompatibleCheckpointError` naming the first mismatching paths; it never falls back.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from theseus.base.layout import path_str
+from theseus.training.base import BaseTrainer, TrainState
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+_STATE = "state"
+_META = "meta"
+_MAX_LISTED = 5
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, damaged, or cannot be restored into the requested target."""
+
+
+class IncompatibleCheckpointError(CheckpointError):
+    """A readable checkpoint whose tree or shapes differ from the target (another model)."""
+
+
+@dataclass(frozen=True)
+class SkippedCheckpoint:
+    """A step that ``restore(None, ...)`` passed over, and why."""
+
+    step: int
+    reason: str
+
+
+def restore_target(trainer: BaseTrainer) -> TrainState:
+    """The trainer's abstract state with its state layout: where restored arrays must land."""
+    return jax.tree.map(
+        lambda value, sharding: jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding),
+        trainer.abstract_state,
+        trainer.state_layout,
+    )
+
+
+def checkpoint_meta(trainer: BaseTrainer, data_position: int, step: int | None = None) -> dict:
+    """What a checkpoint records besides the state: enough to resume and to audit the run.
+
+    ``data_position`` is the index of the next training example to draw (the loop's position
+    after the last completed step). ``step`` is filled in by :meth:`Checkpointer.save` when absent.
+    """
+    plan = trainer.batch_plan
+    meta = {
+        "policy": trainer.policy.model_dump(),
+        "mesh_shape": trainer.topology.mesh_shape,
+        "num_devices": trainer.topology.num_devices,
+        "num_processes": trainer.topology.num_processes,
+        "global_batch_size": plan.global_batch_size,
+        "seq_len": plan.seq_len,
+        "config": trainer.config.model_dump(mode="json"),
+        "data_position": int(data_position),
+    }
+    if step is not None:
+        meta["step"] = int(step)
+    return meta
+
+
+# --- fingerprints ----------------------------------------------------------------------------
+
+
+def _mix(h: jax.Array) -> jax.Array:
+    """A bijection of uint32 (murmur3's finaliser)."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _leaf_fingerprint(x: jax.Array) -> jax.Array:
+    """An exact uint32 hash of an array's bits and positions.
+
+    Element hashes are summed modulo 2**32, which is associative and commutative, so the value
+    does not depend on the layout (or device count) the array is held in. Changing any one element
+    always changes it.
+    """
+    if x.dtype == jnp.bool_:
+        bits = x.astype(jnp.uint32)
+    else:
+        itemsize = np.dtype(x.dtype).itemsize
+        unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[itemsize]
+        bits = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+    index = jnp.zeros(bits.shape, jnp.uint32)
+    stride = 1
+    for dim in reversed(range(bits.ndim)):
+        index = index + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, dim) * jnp.uint32(
+            stride % 2**32
+        )
+        stride *= bits.shape[dim]
+    hashed = _mix(bits ^ _mix(index * jnp.uint32(0x9E3779B9) + jnp.uint32(0x7F4A7C15)))
+    return jnp.sum(hashed, dtype=jnp.uint32)
+
+
+_fingerprints_jit = jax.jit(lambda tree: jax.tree.map(_leaf_fingerprint, tree))
+
+
+def fingerprints(state: Any) -> dict[str, int]:
+    """Per-leaf fingerprints of a pytree of arrays, keyed by state path (blocks on the arrays)."""
+    flat = jax.tree_util.tree_flatten_with_path(state)[0]
+    values = jax.device_get(_fingerprints_jit([leaf for _, leaf in flat]))
+    return {path_str(path): int(value) for (path, _), value in zip(flat, values, strict=True)}
+
+
+# --- structure checks ------------------------------------------------------------------------
+
+
+def _flat_shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    return {
+        path_str(path): (tuple(leaf.shape), np.dtype(leaf.dtype))
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+
+
+def _compatibility_problems(saved: Any, target: Any) -> list[str]:
+    saved_leaves = _flat_shapes(saved)
+    target_leaves = _flat_shapes(target)
+    problems = []
+    for path, (shape, dtype) in target_leaves.items():
+        if path not in saved_leaves:
+            problems.append(f"{path}: in the target {shape} {dtype}, not in the checkpoint")
+            continue
+        saved_shape, saved_dtype = saved_leaves[path]
+        if saved_shape != shape or saved_dtype != dtype:
+            problems.append(
+                f"{path}: checkpoint has {saved_shape} {saved_dtype}, target {shape} {dtype}"
+            )
+    problems += [
+        f"{path}: in the checkpoint {shape} {dtype}, not in the target"
+        for path, (shape, dtype) in saved_leaves.items()
+        if path not in target_leaves
+    ]
+    return problems
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split()) or type(error).__name__
+    text = text if len(text) <= 300 else text[:297] + "..."
+    return f"{type(error).__name__}: {text}"
+
+
+# --- the checkpointer ------------------------------------------------------------------------
+
+
+class Checkpointer:
+    """Saves and restores :class:`TrainState` checkpoints of one run directory.
+
+    Must be created and called by every process of a multi-process run (saving and restoring are
+    collective). Saves are asynchronous: :meth:`save` returns once the arrays are copied off the
+    devices, and the files are written in the background; :meth:`wait` blocks until they are
+    committed. The last ``keep`` steps are kept.
+    """
+
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        keep: int = 3,
+        async_save: bool = True,
+        log: Callable[[str], None] | None = None,
+    ):
+        if keep < 1:
+            raise ValueError(f"keep={keep}: a checkpointer keeps at least one step")
+        self.directory = Path(directory).absolute()
+        self.keep = keep
+        self._log = log if log is not None else logger.warning
+        self._bad_steps: set[int] = set()
+        self.skipped: tuple[SkippedCheckpoint, ...] = ()
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep,
+            enable_async_checkpointing=async_save,
+            create=True,
+            # Temporary directories are saves that never committed (e.g. a killed process).
+            cleanup_tmp_directories=True,
+            # Do not read every step's metadata on open: a damaged step must not stop the open.
+            lightweight_initialize=True,
+        )
+        try:
+            self._manager = ocp.CheckpointManager(
+                self.directory, options=options, item_names=(_STATE, _META)
+            )
+        except Exception as error:  # noqa: BLE001 - any failure to open is reported the same way
+            raise CheckpointError(
+                f"cannot open checkpoint directory {self.directory}: {_one_line(error)}"
+            ) from error
+
+    # --- queries -------------------------------------------------------------------------------
+
+    def all_steps(self) -> list[int]:
+        """Committed steps, oldest first (uncommitted temporary directories are not steps)."""
+        return sorted(self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        """The newest committed step (not checked for damage; :meth:`restore` checks)."""
+        return self._manager.latest_step()
+
+    def step_directory(self, step: int) -> Path:
+        return self.directory / str(step)
+
+    # --- saving ---------------------------------------------------------------------------------
+
+    def save(self, step: int, state: TrainState, meta: Mapping[str, Any]) -> None:
+        """Start saving ``state`` and the JSON-serialisable ``meta`` as ``step``.
+
+        Returns once the arrays are copied to host memory, so the caller may donate ``state`` to
+        the next train step at once. Older steps beyond ``keep`` are removed after the commit.
+        """
+        step = int(step)
+        meta = dict(meta)
+        if meta.setdefault("step", step) != step:
+            raise ValueError(f"meta['step']={meta['step']} but the checkpoint step is {step}")
+        self._clear_way_for(step)
+        payload = {
+            "format_version": FORMAT_VERSION,
+            "meta": meta,
+            "fingerprints": fingerprints(state),
+        }
+        self._manager.save(
+            step,
+            args=ocp.args.Composite(
+                **{_STATE: ocp.args.StandardSave(state), _META: ocp.args.JsonSave(payload)}
+            ),
+        )
+
+    def _clear_way_for(self, step: int) -> None:
+        """Remove damaged steps at or after ``step``; refuse to write under good later ones."""
+        later = [s for s in self.all_steps() if s >= step]
+        blocking = [s for s in later if s not in self._bad_steps]
+        if blocking:
+            raise CheckpointError(
+                f"{self.directory} already holds step(s) {blocking} at or after step {step}; "
+                "they belong to a later point of this run or to another run. Resume from the "
+                "latest step, or save into another directory."
+            )
+        for bad in later:
+            self._log(f"removing damaged checkpoint {self.step_directory(bad)} (step {bad})")
+            self._manager.delete(bad)
+            self._bad_steps.discard(bad)
+
+    def wait(self) -> None:
+        """Block until every pending save is committed (and raise its error, if any)."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Wait for pending saves and release the manager's threads."""
+        self._manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # --- restoring ------------------------------------------------------------------------------
+
+    def restore(self, step: int | None, target: TrainState) -> tuple[TrainState, dict]:
+        """Restore ``step`` (or, with ``None``, the newest good step) into ``target``'s layouts.
+
+        ``target`` is a pytree of ``jax.ShapeDtypeStruct`` with shardings, as
+        :func:`restore_target` builds; each device reads its own shards. Returns the state and the
+        metadata saved with it (``meta['step']`` is the restored step). Steps that ``None``
+        passed over are logged and kept in :attr:`skipped`.
+
+        Raises :class:`CheckpointError` when the step is missing or damaged (with ``None``: when
+        no step is good) and :class:`IncompatibleCheckpointError` when the checkpoint holds
+        another tree or other shapes than ``target``.
+        """
+        self.skipped = ()
+        self.wait()
+        if step is not None:
+            return self._restore_step(int(step), target)
+        steps = self.all_steps()
+        if not steps:
+            raise CheckpointError(f"no checkpoints in {self.directory}")
+        skipped = []
+        for candidate in reversed(steps):
+            try:
+                restored = self._restore_step(candidate, target)
+            except IncompatibleCheckpointError:
+                raise
+            except CheckpointError as error:
+                skipped.append(SkippedCheckpoint(candidate, str(error)))
+                continue
+            self.skipped = tuple(skipped)
+            if skipped:
+                self._log(
+                    f"restored step {candidate} from {self.directory}; skipped damaged "
+                    + "; ".join(f"step {s.step} ({s.reason})" for s in skipped)
+                )
+            return restored
+        self.skipped = tuple(skipped)
+        raise CheckpointError(
+            f"no good checkpoint in {self.directory}; every step is damaged:\n"
+            + "\n".join(f"  {s.reason}" for s in skipped)
+        )
+
+    def _restore_step(self, step: int, target: TrainState) -> tuple[TrainState, dict]:
+        where = f"checkpoint {self.step_directory(step)} (step {step})"
+        if step not in self._manager.all_steps():
+            raise CheckpointError(
+                f"{where} does not exist; committed steps in {self.directory}: "
+                f"{self.all_steps() or 'none'}"
+            )
+        try:
+            try:
+                payload = self._manager.restore(
+                    step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()})
+                )[_META]
+                meta, expected = _parse_payload(payload)
+                saved_tree = self._manager.item_metadata(step)[_STATE]
+                if saved_tree is None:
+                    raise ValueError("the state's metadata is missing")
+            except Exception as error:  # noqa: BLE001 - orbax and tensorstore raise many types
+                raise CheckpointError(f"{where} is damaged: {_one_line(error)}") from error
+            problems = _compatibility_problems(saved_tree, target)
+            if problems:
+                more = len(problems) - _MAX_LISTED
+                raise IncompatibleCheckpointError(
+                    f"{where} does not fit the target state ({len(problems)} mismatching "
+                    "path(s)); it was saved from another model or optimizer:\n"
+                    + "\n".join(f"  {p}" for p in problems[:_MAX_LISTED])
+                    + (f"\n  ... and {more} more" if more > 0 else "")
+                )
+            try:
+                state = self._manager.restore(
+                    step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(target)})
+                )[_STATE]
+                got = fingerprints(state)
+            except Exception as error:  # noqa: BLE001
+                raise CheckpointError(f"{where} is damaged: {_one_line(error)}") from error
+            wrong = [path for path, value in expected.items() if got.get(path) != value]
+            wrong += [path for path in got if path not in expected]
+            if wrong:
+                raise CheckpointError(
+                    f"{where} is damaged: the data of {len(wrong)} array(s) differ from what was "
+                    f"saved (fingerprint mismatch): {', '.join(wrong[:_MAX_LISTED])}"
+                    + (" ..." if len(wrong) > _MAX_LISTED else "")
+                )
+        except CheckpointError:
+            self._bad_steps.add(step)
+            raise
+        if meta.get("step", step) != step:
+            self._bad_steps.add(step)
+            raise CheckpointError(f"{where} is damaged: its metadata says step {meta['step']}")
+        self._bad_steps.discard(step)
+        return state, meta
+
+
+def _parse_payload(payload: Any) -> tuple[dict, dict[str, int]]:
+    if not isinstance(payload, dict):
+        raise ValueError(f"metadata is a {type(payload).__name__}, not a JSON object")
+    version = payload.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ValueError(f"metadata format_version is {version!r}, expected {FORMAT_VERSION}")
+    meta, expected = payload.get("meta"), payload.get("fingerprints")
+    if not isinstance(meta, dict) or not isinstance(expected, dict):
+        raise ValueError("metadata lacks 'meta' or 'fingerprints'")
+    if not all(isinstance(v, int) and 0 <= v < 2**32 for v in expected.values()):
+        raise ValueError("metadata fingerprints are not 32-bit unsigned integers")
+    return meta, expected
+
