@@ -48,16 +48,12 @@ def _loss(model: GPT, tokens: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
-# Unoptimized XLA:CPU code halves compile time, which dominates these tests on a small model.
-_jit = partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
-
-
-@partial(_jit, static_argnums=0)
+@partial(jax.jit, static_argnums=0)
 def _merged_forward(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array) -> jax.Array:
     return nnx.merge(graphdef, params)(tokens)
 
 
-@partial(_jit, static_argnums=0)
+@partial(jax.jit, static_argnums=0)
 def _merged_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array):
     return jax.value_and_grad(lambda p: _loss(nnx.merge(graphdef, p), tokens))(params)
 
@@ -248,7 +244,7 @@ def test_causality(model, tokens, logits):
 
 def test_scan_matches_python_loop_reference(model, tokens, logits):
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    expected = _jit(_reference_logits, static_argnums=2)(params, tokens, CONFIG.n_head)
+    expected = jax.jit(_reference_logits, static_argnums=2)(params, tokens, CONFIG.n_head)
     np.testing.assert_allclose(logits, expected, rtol=1e-5, atol=1e-5)
 
 

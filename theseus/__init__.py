@@ -1,6 +1,28 @@
-"""theseus: annotate a model once with logical axis names, train it under DP, TP, ZeRO or FSDP."""
+"""theseus: annotate a model once with logical axis names, train it under DP, TP, ZeRO or FSDP.
+
+``theseus.chain``, ``theseus.quick``, ``theseus.register`` and ``theseus.BaseTrainer`` load the
+training stack on first use, so ``import theseus`` (and the command line) stay light.
+"""
 
 from theseus.base.axis import Axis, ShardingPlan, ShardingPolicy, partition_spec
 from theseus.base.topology import Topology
 
-__all__ = ["Axis", "ShardingPlan", "ShardingPolicy", "Topology", "partition_spec"]
+_LAZY = {
+    "chain": "theseus.execution",
+    "quick": "theseus.execution",
+    "Chain": "theseus.execution",
+    "register": "theseus.jobs",
+    "register_job": "theseus.jobs",
+    "BaseTrainer": "theseus.training.base",
+    "TrainerConfig": "theseus.training.base",
+}
+
+__all__ = ["Axis", "ShardingPlan", "ShardingPolicy", "Topology", "partition_spec", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'theseus' has no attribute {name!r}")

@@ -20,6 +20,7 @@ ones it skipped. A checkpoint of another model (different tree or shapes) is an
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -108,6 +109,8 @@ def _leaf_fingerprint(x: jax.Array) -> jax.Array:
     does not depend on the layout (or device count) the array is held in. Changing any one element
     always changes it.
     """
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
     if x.dtype == jnp.bool_:
         bits = x.astype(jnp.uint32)
     else:
@@ -166,10 +169,22 @@ def _compatibility_problems(saved: Any, target: Any) -> list[str]:
     return problems
 
 
-def _one_line(error: BaseException) -> str:
-    text = " ".join(str(error).split()) or type(error).__name__
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().split("\n", 1)[0].split(" See full TensorStore details", 1)[0]
     text = text if len(text) <= 300 else text[:297] + "..."
     return f"{type(error).__name__}: {text}"
+
+
+def _one_line(error: BaseException) -> str:
+    """The gist of a library error: its first line and its root cause's, without TensorStore's
+    spec dump."""
+    root, seen = error, {id(error)}
+    while (cause := root.__cause__ or root.__context__) is not None and id(cause) not in seen:
+        root = cause
+        seen.add(id(root))
+    if root is error:
+        return _first_line(error)
+    return f"{_first_line(error)} (caused by {_first_line(root)})"
 
 
 # --- the checkpointer ------------------------------------------------------------------------
@@ -208,9 +223,16 @@ class Checkpointer:
             # Do not read every step's metadata on open: a damaged step must not stop the open.
             lightweight_initialize=True,
         )
+        registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+        state_handler = ocp.handlers.StandardCheckpointHandler()
+        meta_handler = ocp.handlers.JsonCheckpointHandler()
+        registry.add(_STATE, ocp.args.StandardSave, state_handler)
+        registry.add(_STATE, ocp.args.StandardRestore, state_handler)
+        registry.add(_META, ocp.args.JsonSave, meta_handler)
+        registry.add(_META, ocp.args.JsonRestore, meta_handler)
         try:
             self._manager = ocp.CheckpointManager(
-                self.directory, options=options, item_names=(_STATE, _META)
+                self.directory, options=options, handler_registry=registry
             )
         except Exception as error:  # noqa: BLE001 - any failure to open is reported the same way
             raise CheckpointError(
@@ -242,18 +264,27 @@ class Checkpointer:
         meta = dict(meta)
         if meta.setdefault("step", step) != step:
             raise ValueError(f"meta['step']={meta['step']} but the checkpoint step is {step}")
+        try:
+            json.dumps(meta, allow_nan=False)
+        except (TypeError, ValueError) as error:
+            raise TypeError(f"checkpoint metadata must be plain JSON: {error}") from None
         self._clear_way_for(step)
         payload = {
             "format_version": FORMAT_VERSION,
             "meta": meta,
             "fingerprints": fingerprints(state),
         }
-        self._manager.save(
+        started = self._manager.save(
             step,
             args=ocp.args.Composite(
                 **{_STATE: ocp.args.StandardSave(state), _META: ocp.args.JsonSave(payload)}
             ),
         )
+        if not started:
+            raise CheckpointError(
+                f"orbax declined to save step {step} in {self.directory} (steps there: "
+                f"{self.all_steps()})"
+            )
 
     def _clear_way_for(self, step: int) -> None:
         """Remove damaged steps at or after ``step``; refuse to write under good later ones."""
@@ -328,55 +359,75 @@ class Checkpointer:
         )
 
     def _restore_step(self, step: int, target: TrainState) -> tuple[TrainState, dict]:
+        """Read and check one step; every process reaches the same verdict."""
         where = f"checkpoint {self.step_directory(step)} (step {step})"
+        try:
+            restored, error = self._read_step(step, target, where), None
+        except CheckpointError as caught:
+            restored, error = None, caught
+        failing = _failing_processes(error is not None)
+        if error is None and failing:
+            error = CheckpointError(f"{where} is damaged: unreadable on process(es) {failing}")
+        if error is not None:
+            if not isinstance(error, IncompatibleCheckpointError):
+                self._bad_steps.add(step)  # a later save at or before this step replaces it
+            raise error
+        self._bad_steps.discard(step)
+        return restored
+
+    def _read_step(self, step: int, target: TrainState, where: str) -> tuple[TrainState, dict]:
         if step not in self._manager.all_steps():
             raise CheckpointError(
                 f"{where} does not exist; committed steps in {self.directory}: "
                 f"{self.all_steps() or 'none'}"
             )
         try:
-            try:
-                payload = self._manager.restore(
-                    step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()})
-                )[_META]
-                meta, expected = _parse_payload(payload)
-                saved_tree = self._manager.item_metadata(step)[_STATE]
-                if saved_tree is None:
-                    raise ValueError("the state's metadata is missing")
-            except Exception as error:  # noqa: BLE001 - orbax and tensorstore raise many types
-                raise CheckpointError(f"{where} is damaged: {_one_line(error)}") from error
-            problems = _compatibility_problems(saved_tree, target)
-            if problems:
-                more = len(problems) - _MAX_LISTED
-                raise IncompatibleCheckpointError(
-                    f"{where} does not fit the target state ({len(problems)} mismatching "
-                    "path(s)); it was saved from another model or optimizer:\n"
-                    + "\n".join(f"  {p}" for p in problems[:_MAX_LISTED])
-                    + (f"\n  ... and {more} more" if more > 0 else "")
-                )
-            try:
-                state = self._manager.restore(
-                    step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(target)})
-                )[_STATE]
-                got = fingerprints(state)
-            except Exception as error:  # noqa: BLE001
-                raise CheckpointError(f"{where} is damaged: {_one_line(error)}") from error
-            wrong = [path for path, value in expected.items() if got.get(path) != value]
-            wrong += [path for path in got if path not in expected]
-            if wrong:
-                raise CheckpointError(
-                    f"{where} is damaged: the data of {len(wrong)} array(s) differ from what was "
-                    f"saved (fingerprint mismatch): {', '.join(wrong[:_MAX_LISTED])}"
-                    + (" ..." if len(wrong) > _MAX_LISTED else "")
-                )
-        except CheckpointError:
-            self._bad_steps.add(step)
-            raise
+            payload = self._manager.restore(
+                step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()})
+            )[_META]
+            meta, expected = _parse_payload(payload)
+            saved_tree = self._manager.item_metadata(step)[_STATE]
+            if saved_tree is None:
+                raise ValueError("the state's metadata is missing")
+        except Exception as error:  # noqa: BLE001 - orbax and tensorstore raise many types
+            raise CheckpointError(f"{where} is damaged: {_one_line(error)}") from error
+        problems = _compatibility_problems(saved_tree, target)
+        if problems:
+            more = len(problems) - _MAX_LISTED
+            raise IncompatibleCheckpointError(
+                f"{where} does not fit the target state ({len(problems)} mismatching "
+                "path(s)); it was saved from another model or optimizer:\n"
+                + "\n".join(f"  {p}" for p in problems[:_MAX_LISTED])
+                + (f"\n  ... and {more} more" if more > 0 else "")
+            )
+        try:
+            state = self._manager.restore(
+                step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(target)})
+            )[_STATE]
+            got = fingerprints(state)
+        except Exception as error:  # noqa: BLE001
+            raise CheckpointError(f"{where} is damaged: {_one_line(error)}") from error
+        wrong = [path for path, value in expected.items() if got.get(path) != value]
+        wrong += [path for path in got if path not in expected]
+        if wrong:
+            raise CheckpointError(
+                f"{where} is damaged: the data of {len(wrong)} array(s) differ from what was "
+                f"saved (fingerprint mismatch): {', '.join(wrong[:_MAX_LISTED])}"
+                + (" ..." if len(wrong) > _MAX_LISTED else "")
+            )
         if meta.get("step", step) != step:
-            self._bad_steps.add(step)
             raise CheckpointError(f"{where} is damaged: its metadata says step {meta['step']}")
-        self._bad_steps.discard(step)
         return state, meta
+
+
+def _failing_processes(failed_here: bool) -> list[int]:
+    """Indices of the processes whose read of a step failed (all processes must call this)."""
+    if jax.process_count() == 1:
+        return [0] if failed_here else []
+    from jax.experimental import multihost_utils
+
+    flags = multihost_utils.process_allgather(np.array([failed_here], dtype=np.int32))
+    return [int(i) for i in np.flatnonzero(np.asarray(flags).reshape(-1))]
 
 
 def _parse_payload(payload: Any) -> tuple[dict, dict[str, int]]:

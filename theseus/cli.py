@@ -6,10 +6,12 @@ before ``--cpu-devices`` has been applied; heavy imports happen inside the comma
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -19,6 +21,41 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+Overrides = Annotated[
+    list[str] | None,
+    typer.Argument(
+        help="dotted config overrides, e.g. training.batch_size=16 model.n_layer=2",
+        show_default=False,
+    ),
+]
+TP = Annotated[int | None, typer.Option(help="tensor-parallel devices per replica [default: 1]")]
+Zero = Annotated[
+    bool | None,
+    typer.Option(help="partition optimizer state and the update over batch (ZeRO) [default: on]"),
+]
+FSDP = Annotated[
+    bool | None,
+    typer.Option(help="also partition stored parameters over batch; needs ZeRO [default: off]"),
+]
+ActivationCheckpointing = Annotated[
+    bool | None,
+    typer.Option(help="recompute each layer's activations in the backward pass [default: off]"),
+]
+CPUDevices = Annotated[
+    int | None,
+    typer.Option(help="simulate this many CPU devices (set before JAX starts)", min=1),
+]
+Resume = Annotated[
+    bool, typer.Option("--resume", help="continue from the newest good checkpoint in the run dir")
+]
+Overwrite = Annotated[
+    bool, typer.Option("--overwrite", help="replace a previous run in the output directory")
+]
+Imports = Annotated[
+    list[str] | None,
+    typer.Option("--import", help="Python module to import first (registers your own jobs)"),
+]
 
 
 def use_cpu_devices(count: int | None) -> None:
@@ -37,19 +74,180 @@ def fail(message: str) -> None:
     raise typer.Exit(code=2)
 
 
+@contextlib.contextmanager
+def user_errors() -> Iterator[None]:
+    """Turn errors caused by the user's input into :func:`fail`."""
+    import pydantic
+
+    from theseus.config import describe_validation_error
+
+    try:
+        yield
+    except pydantic.ValidationError as error:
+        fail(describe_validation_error(error))
+    except (ValueError, TypeError, FileNotFoundError, ModuleNotFoundError) as error:
+        fail(str(error))
+
+
+def sharding_changes(
+    tp: int | None, zero: bool | None, fsdp: bool | None, activation_checkpointing: bool | None
+) -> dict[str, Any]:
+    """The sharding flags a user actually gave (others keep the chain's or default policy)."""
+    given = {
+        "tp": tp,
+        "zero": zero,
+        "fsdp": fsdp,
+        "activation_checkpointing": activation_checkpointing,
+    }
+    return {key: value for key, value in given.items() if value is not None}
+
+
+def import_modules(modules: list[str] | None) -> None:
+    import importlib
+
+    for module in modules or ():
+        importlib.import_module(module)
+
+
 @app.callback()
 def main() -> None:
     """theseus: annotate a model once with logical axis names; train it under any layout."""
 
 
-@app.command(context_settings={"allow_extra_args": False})
+@app.command()
 def train(
-    overrides: Annotated[
+    overrides: Overrides = None,
+    job: Annotated[str, typer.Option(help="registered training job")] = "gpt/train/pretrain",
+    tp: TP = None,
+    zero: Zero = None,
+    fsdp: FSDP = None,
+    activation_checkpointing: ActivationCheckpointing = None,
+    cpu_devices: CPUDevices = None,
+    steps: Annotated[int | None, typer.Option(help="optimizer steps (training.steps)")] = None,
+    seed: Annotated[int | None, typer.Option(help="seed of init and data order")] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="run directory [default: runs/<time stamp>]")
+    ] = None,
+    resume: Resume = False,
+    overwrite: Overwrite = False,
+    imports: Imports = None,
+) -> None:
+    """Train a job (the default GPT on built-in data unless data.path is given)."""
+    use_cpu_devices(cpu_devices)
+    extra = list(overrides or [])
+    if steps is not None:
+        extra.append(f"training.steps={steps}")
+    if seed is not None:
+        extra.append(f"training.seed={seed}")
+    if resume and out is None:
+        fail("--resume needs --out: the run directory to continue")
+    out = out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    with user_errors():
+        import_modules(imports)
+        from theseus.execution import quick
+
+        session = quick(job, out, resume=resume, overwrite=overwrite).override(*extra)
+        session.shard(**sharding_changes(tp, zero, fsdp, activation_checkpointing))
+        summary = session()
+    typer.echo(summary.describe())
+
+
+@app.command()
+def run(
+    chain_file: Annotated[Path, typer.Argument(help="chain YAML (from `theseus configure`)")],
+    out: Annotated[Path, typer.Argument(help="output directory of the chain")],
+    tp: TP = None,
+    zero: Zero = None,
+    fsdp: FSDP = None,
+    activation_checkpointing: ActivationCheckpointing = None,
+    cpu_devices: CPUDevices = None,
+    resume: Resume = False,
+    overwrite: Overwrite = False,
+    imports: Imports = None,
+) -> None:
+    """Run an execution chain saved as YAML; sharding flags merge into its policy."""
+    use_cpu_devices(cpu_devices)
+    with user_errors():
+        import_modules(imports)
+        from theseus.execution import Chain
+
+        chain = Chain.load(chain_file).shard(
+            **sharding_changes(tp, zero, fsdp, activation_checkpointing)
+        )
+        results = chain.run(out, resume=resume, overwrite=overwrite)
+    for result in results:
+        typer.echo(result.describe())
+
+
+@app.command()
+def configure(
+    job: Annotated[str, typer.Argument(help="registered job name, see `theseus jobs`")],
+    out_file: Annotated[Path, typer.Argument(help="chain YAML to write")],
+    overrides: Overrides = None,
+    tp: TP = None,
+    zero: Zero = None,
+    fsdp: FSDP = None,
+    activation_checkpointing: ActivationCheckpointing = None,
+    then: Annotated[
+        list[str] | None, typer.Option(help="another job to run after this one (repeatable)")
+    ] = None,
+    imports: Imports = None,
+) -> None:
+    """Write a job's full, resolved configuration as a chain YAML to edit and `theseus run`."""
+    with user_errors():
+        import_modules(imports)
+        from theseus.execution import chain
+
+        built = chain(job, *(overrides or [])).shard(
+            **sharding_changes(tp, zero, fsdp, activation_checkpointing)
+        )
+        for name in then or ():
+            built = built.then(name)
+        if imports:
+            built = type(built)(built.steps, built.policy, tuple(imports))
+        if out_file.exists():
+            fail(f"{out_file} exists; choose another file name or remove it first")
+        built.save(out_file)
+    typer.echo(f"wrote {out_file}: {len(built.steps)} step(s), sharding {built.policy.describe()}")
+
+
+@app.command()
+def jobs(imports: Imports = None) -> None:
+    """List the registered jobs with a one-line description."""
+    with user_errors():
+        import_modules(imports)
+        from theseus.jobs import all_jobs
+
+        for job in all_jobs():
+            typer.echo(f"{job.name:24s} {job.action:9s} {job.description}")
+
+
+@app.command()
+def plot(
+    run_dir: Annotated[Path, typer.Argument(help="a run directory holding metrics.jsonl")],
+    out: Annotated[Path | None, typer.Option(help="image path [default: RUN_DIR/loss.png]")] = None,
+) -> None:
+    """Plot training and validation loss against step and tokens (loss.png)."""
+    with user_errors():
+        from theseus.plot import plot_losses
+
+        path = plot_losses(run_dir, out)
+    typer.echo(f"wrote {path}")
+
+
+@app.command(name="plan", context_settings={"allow_extra_args": False})
+def plan_command(
+    arguments: Annotated[
         list[str] | None,
         typer.Argument(
-            help="dotted config overrides, e.g. training.batch_size=16 model.n_layer=2",
+            help="optional JOB (gpt, the default) or CONFIG.yaml, then dotted config overrides, "
+            "e.g. model.n_layer=36 training.per_device_batch_size=1",
             show_default=False,
         ),
+    ] = None,
+    devices: Annotated[
+        int | None,
+        typer.Option(help="devices to plan for (any number; default: this machine's)", min=1),
     ] = None,
     tp: Annotated[int, typer.Option(help="tensor-parallel devices per replica")] = 1,
     zero: Annotated[
@@ -61,43 +259,103 @@ def train(
     activation_checkpointing: Annotated[
         bool, typer.Option(help="recompute each layer's activations in the backward pass")
     ] = False,
-    cpu_devices: Annotated[
+    devices_per_host: Annotated[
         int | None,
-        typer.Option(help="simulate this many CPU devices (set before JAX starts)", min=1),
+        typer.Option(help="devices of one host; TP stays within a host (default min(devices, 8))"),
     ] = None,
-    steps: Annotated[int | None, typer.Option(help="optimizer steps (training.steps)")] = None,
-    seed: Annotated[int | None, typer.Option(help="seed of init and data order")] = None,
-    out: Annotated[
-        Path | None, typer.Option(help="run directory; default runs/<time stamp>")
+    compile_step: Annotated[
+        bool,
+        typer.Option(
+            "--compile",
+            help="also compile the real train step on that many simulated CPU devices and show "
+            "its memory_analysis() (activations included)",
+        ),
+    ] = False,
+    budget: Annotated[
+        str | None,
+        typer.Option(
+            help="per-device memory, e.g. 80GiB: pick the valid policy with the least "
+            "communication that fits (replaces --tp/--fsdp/--no-zero)"
+        ),
     ] = None,
+    json_output: Annotated[
+        bool, typer.Option("--json", help="print the plan as JSON, for tools")
+    ] = False,
 ) -> None:
-    """Train the default GPT (built-in data unless data.path is given)."""
-    use_cpu_devices(cpu_devices)
-    from theseus.base.axis import ShardingPolicy
-    from theseus.config import apply_overrides
-    from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
-    from theseus.training.loop import train as run_training
+    """Plan before you train: every layout and the per-device memory, from shapes only.
 
-    extra = list(overrides or [])
-    if steps is not None:
-        extra.append(f"training.steps={steps}")
-    if seed is not None:
-        extra.append(f"training.seed={seed}")
-    out = out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    Exit status: 0 when the plan passes the pre-flight check, 1 when it does not (or no policy
+    fits the budget), 2 on bad input.
+    """
+    if compile_step:
+        try:
+            use_cpu_devices(devices)
+        except RuntimeError:
+            pass  # JAX already started (embedded use): its devices are checked when compiling
+    import json
+
+    from theseus.base.axis import ShardingPolicy
+    from theseus.config import apply_overrides, load_yaml
+    from theseus.planner import parse_bytes, plan, plan_for_budget
+    from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
+
+    rest = list(arguments or [])
+    source = "gpt"
+    if rest and "=" not in rest[0]:
+        source = rest.pop(0)
     try:
-        config = apply_overrides(GPTTrainerConfig(), extra)
-        policy = ShardingPolicy(
-            tp=tp, zero=zero, fsdp=fsdp, activation_checkpointing=activation_checkpointing
-        )
-        trainer = GPTTrainer(config, policy)
-        summary = run_training(trainer, out)
+        if source.endswith((".yaml", ".yml")) or Path(source).is_file():
+            config = load_yaml(GPTTrainerConfig, source)
+        elif source == "gpt":
+            config = GPTTrainerConfig()
+        else:
+            raise ValueError(
+                f"unknown job {source!r}; give gpt (the default) or the path of a .yaml config "
+                "(a missing file reads as a job name)."
+            )
+        config = apply_overrides(config, rest)
+        if devices is None:
+            import jax
+
+            devices = jax.device_count()
+        if budget is not None:
+            if tp != 1 or fsdp or not zero:
+                raise ValueError(
+                    "--budget chooses the policy itself; drop --tp, --fsdp and --no-zero (or drop "
+                    "--budget to plan one policy)."
+                )
+            result = plan_for_budget(
+                GPTTrainer,
+                config,
+                devices,
+                parse_bytes(budget),
+                devices_per_host=devices_per_host,
+                activation_checkpointing=activation_checkpointing,
+                compile=compile_step,
+            )
+        else:
+            policy = ShardingPolicy(
+                tp=tp, zero=zero, fsdp=fsdp, activation_checkpointing=activation_checkpointing
+            )
+            result = plan(
+                GPTTrainer,
+                config,
+                policy,
+                devices,
+                devices_per_host=devices_per_host,
+                compile=compile_step,
+            )
     except ValueError as error:
-        fail(str(error))
-    typer.echo(
-        f"done: {summary.steps} steps in {summary.seconds:.1f} s; loss {summary.first_loss:.4f} "
-        f"→ {summary.final_loss:.4f}; validation loss {summary.initial_val_loss:.4f} → "
-        f"{summary.final_val_loss:.4f}; records in {out}"
-    )
+        if budget is not None and str(error).startswith("no valid policy fits"):
+            typer.echo(f"error: {error}", err=True)
+            raise typer.Exit(code=1) from None
+        fail(" ".join(str(error).split("\n")))
+    if json_output:
+        typer.echo(json.dumps(result.to_json(), indent=2))
+    else:
+        typer.echo(result.render())
+    if not result.verdict.ok:
+        raise typer.Exit(code=1)
 
 
 if __name__ == "__main__":

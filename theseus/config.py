@@ -19,6 +19,16 @@ class Section(pydantic.BaseModel):
 
     model_config = pydantic.ConfigDict(extra="forbid", validate_assignment=True)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Pydantic keeps a value that fails a whole-section check; put the old one back.
+        previous = self.__dict__.get(name)
+        try:
+            super().__setattr__(name, value)
+        except pydantic.ValidationError:
+            if name in self.__dict__:
+                self.__dict__[name] = previous
+            raise
+
 
 class TrainingConfig(Section):
     """How many examples, steps and which numeric precision."""
@@ -41,7 +51,6 @@ class TrainingConfig(Section):
     validation_batches: int = pydantic.Field(
         4, gt=0, description="held-out batches (of batch_size examples) averaged per validation"
     )
-    log_interval: int = pydantic.Field(10, gt=0, description="print a progress line this often")
 
 
 class OptimizationConfig(Section):
@@ -69,6 +78,21 @@ class DataConfig(Section):
     token_dtype: Literal["uint16", "uint32"] = pydantic.Field(
         "uint16", description="element type of a .bin token file"
     )
+
+
+class LoggingConfig(Section):
+    """What the main process shows while training."""
+
+    log_interval: int = pydantic.Field(10, gt=0, description="print a metrics line this often")
+    progress_bar: bool = pydantic.Field(True, description="show a progress bar with ETA")
+
+
+class CheckpointingConfig(Section):
+    """Orbax checkpoints of the whole training state, saved asynchronously."""
+
+    interval: int = pydantic.Field(100, gt=0, description="save every this many steps")
+    keep: int = pydantic.Field(3, gt=0, description="keep the newest this many checkpoints")
+    async_save: bool = pydantic.Field(True, description="save in the background")
 
 
 ConfigT = TypeVar("ConfigT", bound=pydantic.BaseModel)
@@ -110,14 +134,21 @@ def validate(config_class: type[ConfigT], data: Any) -> ConfigT:
     try:
         return config_class.model_validate(data)
     except pydantic.ValidationError as error:
-        problems = []
-        for e in error.errors():
-            key = ".".join(str(p) for p in e["loc"])
-            if e["type"] == "extra_forbidden":
-                problems.append(f"unknown config key {key!r} (value {e['input']!r})")
-            else:
-                problems.append(f"{key}={e['input']!r}: {e['msg']}")
-        raise ConfigError("invalid configuration: " + "; ".join(problems)) from None
+        raise ConfigError(describe_validation_error(error)) from None
+
+
+def describe_validation_error(error: pydantic.ValidationError) -> str:
+    """One line per problem: the key, the value given and what was expected."""
+    problems = []
+    for e in error.errors():
+        key = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            problems.append(f"unknown config key {key!r} (value {e['input']!r})")
+        elif key:
+            problems.append(f"{key}={e['input']!r}: {e['msg']}")
+        else:
+            problems.append(e["msg"].removeprefix("Value error, "))
+    return f"invalid {error.title}: " + "; ".join(problems)
 
 
 def save_yaml(config: pydantic.BaseModel, path: str | Path) -> None:

@@ -9,7 +9,7 @@ built under ``nnx.eval_shape``. Unannotated leaves are replicated under every la
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -210,5 +210,27 @@ def shard_shape(leaf: AbstractLeaf, spec: PartitionSpec, mesh_shape: dict[str, i
     return tuple(shape)
 
 
-def tree_paths(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[str]:
-    return [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]]
+
+def layouts_table(abstract_state: Any, layouts: Layouts) -> str:
+    """A plain-text table: each leaf's path, shape, names and spec in each layout."""
+    leaves, _ = abstract_leaves(abstract_state)
+    specs = {
+        phase: [s.spec for s in jax.tree.leaves(layouts[phase], is_leaf=_is_sharding)]
+        for phase in PHASES
+    }
+    header = ("path", "shape", "names", "compute", "storage", "update")
+    rows = [header] + [
+        (
+            leaf.path,
+            str(leaf.shape),
+            str(leaf.names) if leaf.names else "-",
+            *(str(specs[phase][i]) for phase in PHASES),
+        )
+        for i, leaf in enumerate(leaves)
+    ]
+    widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows)
+
+
+def _is_sharding(x: object) -> bool:
+    return isinstance(x, NamedSharding)

@@ -7,7 +7,6 @@ by flax, so the model builds (concretely or under ``nnx.eval_shape``) without a 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from functools import partial
 
@@ -16,7 +15,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import DTypeLike
 
+import pydantic
+
 from theseus.base.axis import Axis, ShardingPlan
+from theseus.config import Section
 from theseus.model.layers import causal_attention, dense, layer_norm, linear
 
 # TP splits the attention width and the MLP width over `shard`; everything else is whole on each
@@ -44,8 +46,7 @@ GPT_PLAN = ShardingPlan(
 Names = tuple[str | None, ...]
 
 
-@dataclasses.dataclass(frozen=True)
-class GPTConfig:
+class GPTConfig(Section):
     """GPT-2 hyperparameters.
 
     Attributes:
@@ -59,22 +60,20 @@ class GPTConfig:
         mlp_ratio: MLP hidden width as a multiple of ``n_embd``.
     """
 
-    vocab_size: int = 256
-    block_size: int = 128
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    mlp_ratio: int = 4
+    vocab_size: pydantic.StrictInt = pydantic.Field(256, gt=0, description="token ids")
+    block_size: pydantic.StrictInt = pydantic.Field(128, gt=0, description="max sequence length")
+    n_layer: pydantic.StrictInt = pydantic.Field(4, gt=0, description="transformer blocks")
+    n_head: pydantic.StrictInt = pydantic.Field(4, gt=0, description="attention heads")
+    n_embd: pydantic.StrictInt = pydantic.Field(128, gt=0, description="residual width")
+    mlp_ratio: pydantic.StrictInt = pydantic.Field(4, gt=0, description="MLP width / n_embd")
 
-    def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"GPTConfig.{field.name} must be a positive int; got {value!r}.")
+    @pydantic.model_validator(mode="after")
+    def _heads_divide_width(self) -> GPTConfig:
         if self.n_embd % self.n_head:
             raise ValueError(
                 f"GPTConfig.n_embd={self.n_embd} must be divisible by n_head={self.n_head}."
             )
+        return self
 
     @property
     def n_attn(self) -> int:
@@ -199,7 +198,9 @@ class GPT(nnx.Module):
         compute_dtype: DTypeLike = jnp.float32,
         remat: bool = False,
     ):
-        self.config = config
+        # Plain ints, not the (mutable, unhashable) config: they become part of the graphdef.
+        self.block_size = config.block_size
+        self.n_head = config.n_head
         self.compute_dtype = jnp.dtype(compute_dtype)
         self.remat = remat
         embedding = nnx.initializers.normal(0.02)
@@ -213,13 +214,13 @@ class GPT(nnx.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Float32 logits ``(batch, seq, vocab)`` of int ``tokens`` ``(batch, seq)``."""
         _, seq = tokens.shape
-        if seq > self.config.block_size:
+        if seq > self.block_size:
             raise ValueError(
-                f"sequence length {seq} exceeds GPTConfig.block_size={self.config.block_size}."
+                f"sequence length {seq} exceeds GPTConfig.block_size={self.block_size}."
             )
         wte = self.wte[...]  # (vocab, n_embd)
         x = wte[tokens] + self.wpe[...][:seq]  # (batch, seq, n_embd) float32 residual stream
-        layer_step = partial(block, n_head=self.config.n_head, compute_dtype=self.compute_dtype)
+        layer_step = partial(block, n_head=self.n_head, compute_dtype=self.compute_dtype)
         if self.remat:
             layer_step = jax.checkpoint(layer_step)
         layers = nnx.to_pure_dict(nnx.state(self.blocks))  # arrays of shape (n_layer, ...)

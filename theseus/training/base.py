@@ -28,12 +28,20 @@ from theseus.base.layout import (
     Layouts,
     abstract_leaves,
     check_layouts,
+    layouts_table,
     optimizer_layout,
     resolve_layouts,
 )
 from theseus.base.topology import Topology
 from theseus.data import Corpus
-from theseus.config import DataConfig, OptimizationConfig, Section, TrainingConfig
+from theseus.config import (
+    CheckpointingConfig,
+    DataConfig,
+    LoggingConfig,
+    OptimizationConfig,
+    Section,
+    TrainingConfig,
+)
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -44,6 +52,8 @@ class TrainerConfig(Section):
     training: TrainingConfig = pydantic.Field(default_factory=TrainingConfig)
     optimization: OptimizationConfig = pydantic.Field(default_factory=OptimizationConfig)
     data: DataConfig = pydantic.Field(default_factory=DataConfig)
+    logging: LoggingConfig = pydantic.Field(default_factory=LoggingConfig)
+    checkpointing: CheckpointingConfig = pydantic.Field(default_factory=CheckpointingConfig)
 
 
 @struct.dataclass
@@ -183,8 +193,8 @@ class BaseTrainer:
         self._abstract_model, self.graphdef = self._build_abstract_model()
         self.abstract_params = nnx.state(self._abstract_model, nnx.Param)
         check_layouts(self.abstract_params, self.plan, policy, self.mesh)
-        annotated = resolve_layouts(self.abstract_params, self.plan, policy, self.mesh)
-        self.layouts = Layouts(*(nnx.to_pure_dict(annotated[p]) for p in PHASES))
+        self._annotated_layouts = resolve_layouts(self.abstract_params, self.plan, policy, self.mesh)
+        self.layouts = Layouts(*(nnx.to_pure_dict(self._annotated_layouts[p]) for p in PHASES))
         self.state_layout = self._state_layout()
 
     # --- what a subclass provides ------------------------------------------------------------
@@ -273,6 +283,11 @@ class BaseTrainer:
                 mask=self._decay_mask,
             ),
         )
+
+    def layouts_summary(self) -> str:
+        mesh = ", ".join(f"{axis}={size}" for axis, size in self.topology.mesh_shape.items())
+        header = f"policy {self.policy.describe()}; mesh ({mesh})"
+        return header + "\n" + layouts_table(self.abstract_params, self._annotated_layouts)
 
     # --- state -------------------------------------------------------------------------------
 

@@ -1,8 +1,10 @@
-"""The training loop: data in, steps dispatched, metrics read one step late, records written."""
+"""The training loop: data in, steps dispatched, metrics read one step late, records and
+checkpoints written; and evaluation of a run's newest checkpoint."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -10,20 +12,53 @@ from pathlib import Path
 
 import jax
 
+from theseus.checkpoint import Checkpointer, checkpoint_meta, restore_target
+from theseus.config import save_yaml
 from theseus.data import Corpus, Sampler, load_corpus, validation_batches
 from theseus.training.base import BaseTrainer, TrainState
+from theseus.training.progress import Reporter
+
+# Files a run writes: an output directory holding any of them holds a run.
+RUN_FILES = ("run.json", "metrics.jsonl", "config.yaml", "layouts.txt", "checkpoints", "eval.json")
+CHECKPOINTS = "checkpoints"
 
 
 @dataclass(frozen=True)
 class RunSummary:
-    """What a finished run reports."""
+    """What a finished training run reports."""
 
+    out_dir: str
+    first_step: int
     steps: int
     first_loss: float
     final_loss: float
     initial_val_loss: float
     final_val_loss: float | None
     seconds: float
+
+    def describe(self) -> str:
+        val = f"{self.final_val_loss:.4f}" if self.final_val_loss is not None else "n/a"
+        return (
+            f"done: steps {self.first_step}-{self.steps} in {self.seconds:.1f} s; loss "
+            f"{self.first_loss:.4f} → {self.final_loss:.4f}; validation loss "
+            f"{self.initial_val_loss:.4f} → {val}; records in {self.out_dir}"
+        )
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """Validation loss of a checkpoint."""
+
+    out_dir: str
+    source: str
+    step: int
+    val_loss: float
+
+    def describe(self) -> str:
+        return (
+            f"evaluated {self.source} at step {self.step}: validation loss {self.val_loss:.4f}; "
+            f"written to {self.out_dir}/eval.json"
+        )
 
 
 def load_data(trainer: BaseTrainer) -> Corpus:
@@ -60,6 +95,29 @@ def train_batch(trainer: BaseTrainer, sampler: Sampler, position: int) -> jax.Ar
     )
 
 
+def prepare_run_dir(out_dir: Path, *, resume: bool, overwrite: bool) -> None:
+    """Refuse to mix two runs in one directory unless the user said how."""
+    if resume and overwrite:
+        raise ValueError("--resume and --overwrite contradict each other; choose one")
+    present = [name for name in RUN_FILES if (out_dir / name).exists()]
+    if resume:
+        if not (out_dir / CHECKPOINTS).is_dir():
+            raise ValueError(
+                f"nothing to resume in {out_dir}: it holds no {CHECKPOINTS}/ folder; start a new "
+                "run without --resume"
+            )
+        return
+    if present and not overwrite:
+        raise ValueError(
+            f"{out_dir} already holds a run ({', '.join(present)}); pass --resume to continue it, "
+            "--overwrite to replace it, or choose another output directory"
+        )
+    for name in present:
+        path = out_dir / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+
 def write_run_record(trainer: BaseTrainer, out_dir: Path, corpus: Corpus, state: TrainState):
     plan = trainer.batch_plan
     record = {
@@ -75,41 +133,102 @@ def write_run_record(trainer: BaseTrainer, out_dir: Path, corpus: Corpus, state:
         "num_params": trainer.num_params,
         "memory_per_device": asdict(trainer.memory_facts(state)),
         "data": corpus.source,
-        "config": trainer.config.model_dump(mode="json"),
     }
     (out_dir / "run.json").write_text(json.dumps(record, indent=2) + "\n")
+    save_yaml(trainer.config, out_dir / "config.yaml")
+    (out_dir / "layouts.txt").write_text(trainer.layouts_summary() + "\n")
+
+
+def _kept_metrics(path: Path, last_step: int) -> list[str]:
+    """Rows of an earlier run segment up to ``last_step``: the ones a resumed run keeps."""
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= last_step:
+                rows.append(line)
+        except (json.JSONDecodeError, KeyError, TypeError):
+            break  # a row cut by a crash ends what can be trusted
+    return rows
 
 
 def train(
-    trainer: BaseTrainer, out_dir: str | Path, *, log: Callable[[str], None] = print
+    trainer: BaseTrainer,
+    out_dir: str | Path,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    log: Callable[[str], None] = print,
 ) -> RunSummary:
-    """Train for ``training.steps`` steps, writing ``run.json`` and ``metrics.jsonl`` to out_dir."""
+    """Train to ``training.steps``, writing run records, metrics and checkpoints to ``out_dir``.
+
+    With ``resume``, continue from the newest good checkpoint there: same data position, RNG and
+    optimizer state, so the losses equal those of an uninterrupted run.
+    """
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     training = trainer.config.training
     plan = trainer.batch_plan
     corpus = load_data(trainer)
     sampler = Sampler(corpus.train, plan.seq_len, training.seed)
     validation = validation_array(trainer, corpus)
-    log(plan.describe())
-    log(
-        f"model: {trainer.num_params:,} parameters; policy {trainer.policy.describe()}; "
-        f"mesh {trainer.topology.mesh_shape}; data {corpus.source}"
+    prepare_run_dir(out_dir, resume=resume, overwrite=overwrite)
+
+    ckpt = trainer.config.checkpointing
+    checkpointer = Checkpointer(
+        out_dir / CHECKPOINTS, keep=ckpt.keep, async_save=ckpt.async_save, log=log
+    )
+    with checkpointer:
+        if resume:
+            state, meta = checkpointer.restore(None, restore_target(trainer))
+            first_step, position = meta["step"] + 1, meta["data_position"]
+            log(
+                f"resumed from step {meta['step']} (saved under {meta['policy']} on mesh "
+                f"{meta['mesh_shape']}), data position {position}"
+            )
+        else:
+            state, first_step, position = trainer.init_state(), 1, 0
+        log(plan.describe())
+        log(
+            f"model: {trainer.num_params:,} parameters; policy {trainer.policy.describe()}; "
+            f"mesh {trainer.topology.mesh_shape}; data {corpus.source}"
+        )
+        write_run_record(trainer, out_dir, corpus, state)
+        initial_val_loss = trainer.validation_step(state.params, validation)
+        metrics_path = out_dir / "metrics.jsonl"
+        kept = _kept_metrics(metrics_path, first_step - 1) if resume else []
+        metrics_path.write_text("".join(row + "\n" for row in kept))
+        result = _steps(trainer, state, sampler, validation, checkpointer, metrics_path,
+                        first_step, position, log)
+        checkpointer.wait()
+    losses, val_losses, seconds = result
+    return RunSummary(
+        out_dir=str(out_dir),
+        first_step=first_step,
+        steps=training.steps,
+        first_loss=losses[0] if losses else float("nan"),
+        final_loss=losses[-1] if losses else float("nan"),
+        initial_val_loss=float(initial_val_loss),
+        final_val_loss=val_losses[-1] if val_losses else None,
+        seconds=seconds,
     )
 
-    state = trainer.init_state()
-    write_run_record(trainer, out_dir, corpus, state)
-    initial_val_loss = trainer.validation_step(state.params, validation)
+
+def _steps(trainer, state, sampler, validation, checkpointer, metrics_path, first_step,
+           position, log):
+    """The hot loop: dispatch step n, then read step n-1's metrics (already computed)."""
+    training = trainer.config.training
+    plan = trainer.batch_plan
     tokens_per_step = plan.global_batch_size * plan.seq_len
     losses: list[float] = []
     val_losses: list[float] = []
     start = time.perf_counter()
-    pending: tuple[int, dict, jax.Array | None] | None = None
+    pending = None
+    with open(metrics_path, "a") as metrics_file, Reporter(
+        first_step - 1, training.steps, trainer.config.logging, log
+    ) as reporter:
 
-    with open(out_dir / "metrics.jsonl", "w") as metrics_file:
-
-        def record(step: int, metrics: dict, val_loss: jax.Array | None) -> None:
-            # Reading these blocks only on the step already dispatched before this one.
+        def record(step: int, metrics: dict, val_loss) -> None:
             row = {"step": step, **{k: float(v) for k, v in jax.device_get(metrics).items()}}
             row["tokens"] = step * tokens_per_step
             if val_loss is not None:
@@ -118,31 +237,50 @@ def train(
             losses.append(row["loss"])
             metrics_file.write(json.dumps(row) + "\n")
             metrics_file.flush()
-            if step % training.log_interval == 0 or val_loss is not None or step == 1:
-                elapsed = time.perf_counter() - start
-                val = f" val_loss {row['val_loss']:.4f}" if val_loss is not None else ""
-                log(
-                    f"step {step}/{training.steps} loss {row['loss']:.4f}{val} "
-                    f"lr {row['learning_rate']:.2e} {row['tokens'] / elapsed:,.0f} tokens/s"
-                )
+            reporter.update(row, tokens_per_step)
 
-        for step in range(1, training.steps + 1):
-            position = (step - 1) * plan.global_batch_size
+        for step in range(first_step, training.steps + 1):
             state, metrics = trainer.train_step(state, train_batch(trainer, sampler, position))
+            position += plan.global_batch_size
+            last = step == training.steps
             val_loss = None
-            if step % training.validation_interval == 0 or step == training.steps:
+            if step % training.validation_interval == 0 or last:
                 val_loss = trainer.validation_step(state.params, validation)
+            if step % trainer.config.checkpointing.interval == 0 or last:
+                checkpointer.save(step, state, checkpoint_meta(trainer, position, step))
             if pending is not None:
                 record(*pending)
             pending = (step, metrics, val_loss)
-        record(*pending)
+        if pending is not None:
+            record(*pending)
+    return losses, val_losses, time.perf_counter() - start
 
-    return RunSummary(
-        steps=training.steps,
-        first_loss=losses[0],
-        final_loss=losses[-1],
-        initial_val_loss=float(initial_val_loss),
-        final_val_loss=val_losses[-1] if val_losses else None,
-        seconds=time.perf_counter() - start,
+
+def evaluate(
+    trainer: BaseTrainer,
+    out_dir: str | Path,
+    *,
+    source_dir: str | Path | None = None,
+    log: Callable[[str], None] = print,
+) -> EvalResult:
+    """Validation loss of the newest good checkpoint in ``source_dir`` (default: ``out_dir``),
+    restored into this trainer's layouts; written to ``out_dir/eval.json``."""
+    out_dir = Path(out_dir)
+    source = Path(source_dir) if source_dir is not None else out_dir
+    if not (source / CHECKPOINTS).is_dir():
+        raise ValueError(
+            f"nothing to evaluate: {source} holds no {CHECKPOINTS}/ folder; train first or give "
+            "the run directory of a training job"
+        )
+    corpus = load_data(trainer)
+    validation = validation_array(trainer, corpus)
+    with Checkpointer(source / CHECKPOINTS, log=log) as checkpointer:
+        state, meta = checkpointer.restore(None, restore_target(trainer))
+    val_loss = float(trainer.validation_step(state.params, validation))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = EvalResult(str(out_dir), str(source), int(meta["step"]), val_loss)
+    (out_dir / "eval.json").write_text(
+        json.dumps({**asdict(result), "policy": trainer.policy.model_dump()}, indent=2) + "\n"
     )
-
+    log(result.describe())
+    return result

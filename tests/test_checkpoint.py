@@ -1,0 +1,334 @@
+"""Checkpoints: reshard on restore, keep-last-K, metadata, and damaged or foreign checkpoints."""
+
+import functools
+import glob
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from theseus.base.axis import ShardingPolicy
+from theseus.base.topology import Topology
+from theseus.checkpoint import (
+    CheckpointError,
+    Checkpointer,
+    IncompatibleCheckpointError,
+    checkpoint_meta,
+    fingerprints,
+    restore_target,
+)
+from theseus.config import apply_overrides
+from theseus.data import Sampler, load_corpus
+from theseus.model import GPTConfig
+from theseus.training.base import TrainState
+from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
+
+MODEL = GPTConfig(vocab_size=256, block_size=24, n_layer=3, n_head=4, n_embd=40, mlp_ratio=4)
+GLOBAL_BATCH = 32
+SAVED_POLICY = ShardingPolicy(tp=2, fsdp=True)
+
+
+def make_trainer(policy, per_device_batch_size, devices=None, model=MODEL) -> GPTTrainer:
+    overrides = {
+        "training.batch_size": GLOBAL_BATCH,
+        "training.per_device_batch_size": per_device_batch_size,
+        "training.steps": 100,
+        "optimization.learning_rate": 1e-3,
+        "optimization.warmup_steps": 1,
+    }
+    config = apply_overrides(
+        GPTTrainerConfig(model=model), [f"{k}={v}" for k, v in overrides.items()]
+    )
+    topology = Topology.new(policy, devices=devices) if devices is not None else None
+    return GPTTrainer(config, policy, topology)
+
+
+@functools.cache
+def corpus():
+    return load_corpus(None)
+
+
+def batch(trainer: GPTTrainer, index: int) -> jax.Array:
+    """Global batch ``index``: the same examples under every mesh and accumulation split."""
+    plan = trainer.batch_plan
+    rows = Sampler(corpus().train, plan.seq_len, seed=0).global_batch(
+        index * plan.global_batch_size, plan.accumulation_steps, plan.examples_per_microbatch
+    )
+    return trainer.put_batch(lambda r: rows[:, r], rows.shape)
+
+
+def host(tree):
+    return jax.tree.leaves(jax.device_get(tree))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Two steps under tp=2 + FSDP on 8 devices, saved after each (async); then a third step.
+
+    The third step donates the state right after the save returns, so the checkpoint must hold
+    the values as they were at ``save``.
+    """
+    directory = tmp_path_factory.mktemp("run") / "checkpoints"
+    trainer = make_trainer(SAVED_POLICY, per_device_batch_size=2)  # 4 replicas, accumulation 4
+    assert trainer.batch_plan.accumulation_steps == 4
+    state = trainer.init_state()
+    checkpointer = Checkpointer(directory, keep=3, async_save=True)
+    for index in range(2):
+        state, _ = trainer.train_step(state, batch(trainer, index))
+        checkpointer.save(index + 1, state, checkpoint_meta(trainer, (index + 1) * GLOBAL_BATCH))
+    saved_state, saved_arrays = host(state), jax.tree.leaves(state)
+    state, metrics = trainer.train_step(state, batch(trainer, 2))
+    assert all(array.is_deleted() for array in saved_arrays)  # donated while the save runs
+    checkpointer.wait()
+    checkpointer.close()
+    return {
+        "directory": directory,
+        "trainer": trainer,
+        "state": saved_state,
+        "next_loss": float(metrics["loss"]),
+    }
+
+
+def damaged_copy(saved, tmp_path):
+    directory = tmp_path / "checkpoints"
+    shutil.copytree(saved["directory"], directory)
+    return directory
+
+
+def data_files(directory, step):
+    """Array data files of one step, largest first."""
+    files = glob.glob(str(directory / str(step) / "state" / "**" / "d" / "*"), recursive=True)
+    assert files, f"no data files under {directory / str(step)}"
+    return sorted(files, key=os.path.getsize, reverse=True)
+
+
+def assert_follows(state, target):
+    """Every restored array has the target's layout: same devices, same shard shapes."""
+    for (path, array), want in zip(
+        jax.tree_util.tree_flatten_with_path(state)[0], jax.tree.leaves(target), strict=True
+    ):
+        assert array.shape == want.shape, path
+        assert array.sharding.is_equivalent_to(want.sharding, array.ndim), path
+        shard_shapes = {tuple(s.data.shape) for s in array.addressable_shards}
+        assert shard_shapes == {want.sharding.shard_shape(want.shape)}, path
+        assert array.sharding.device_set == want.sharding.device_set, path
+
+
+# --- reshard on restore --------------------------------------------------------------------------
+
+TARGETS = {
+    "tp1-nozero-4devices": (ShardingPolicy(tp=1, zero=False), 8, 4),  # 4 replicas, accumulation 1
+    "tp4-8devices": (ShardingPolicy(tp=4), 4, 8),  # 2 replicas, accumulation 4
+}
+
+
+@pytest.mark.parametrize("name", TARGETS)
+def test_restore_reshards_and_training_continues(saved, name):
+    policy, per_device, num_devices = TARGETS[name]
+    trainer = make_trainer(policy, per_device, devices=jax.devices()[:num_devices])
+    target = restore_target(trainer)
+    with Checkpointer(saved["directory"]) as checkpointer:
+        assert checkpointer.latest_step() == 2
+        state, meta = checkpointer.restore(None, target)
+        assert checkpointer.skipped == ()
+
+    for got, want in zip(host(state), saved["state"], strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert_follows(state, target)
+    assert int(state.step) == 2
+
+    # What was saved is what the saving run described.
+    assert meta["step"] == 2
+    assert meta["data_position"] == 2 * GLOBAL_BATCH
+    assert meta["policy"] == SAVED_POLICY.model_dump()
+    assert meta["mesh_shape"] == {"batch": 4, "shard": 2}
+    assert meta["num_devices"] == 8
+    assert meta["config"] == saved["trainer"].config.model_dump(mode="json")
+
+    # The math does not depend on the layout: the third step agrees with the saving run's.
+    _, metrics = trainer.train_step(state, batch(trainer, 2))
+    np.testing.assert_allclose(float(metrics["loss"]), saved["next_loss"], rtol=1e-5)
+
+
+# --- keep-last-K, latest step, metadata ----------------------------------------------------------
+
+
+def tiny_state(seed: int) -> TrainState:
+    key = jax.random.PRNGKey(seed)
+    params = {"w": jax.random.normal(key, (8, 4)), "b": jnp.arange(4, dtype=jnp.float32) + seed}
+    return TrainState(params, (jnp.zeros((8, 4)),), jnp.asarray(seed, jnp.int32), key)
+
+
+def test_keep_last_k_latest_step_and_metadata(tmp_path):
+    directory = tmp_path / "checkpoints"
+    with Checkpointer(directory, keep=2) as checkpointer:
+        assert checkpointer.latest_step() is None
+        with pytest.raises(CheckpointError, match="no checkpoints in"):
+            checkpointer.restore(None, tiny_state(0))
+        for step in (10, 20, 30, 40):
+            checkpointer.save(step, tiny_state(step), {"data_position": step * 3, "note": [1, "x"]})
+        checkpointer.wait()
+        assert checkpointer.all_steps() == [30, 40]
+        assert checkpointer.latest_step() == 40
+    assert sorted(os.listdir(directory)) == ["30", "40"]
+
+    with Checkpointer(directory, keep=2) as reopened:
+        assert reopened.all_steps() == [30, 40]
+        one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        target = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one_device),
+            jax.eval_shape(lambda: tiny_state(0)),
+        )
+        state, meta = reopened.restore(30, target)
+        assert meta == {"data_position": 90, "note": [1, "x"], "step": 30}
+        for got, want in zip(host(state), host(tiny_state(30)), strict=True):
+            np.testing.assert_array_equal(got, want)
+        with pytest.raises(CheckpointError, match=r"step 20\) does not exist"):
+            reopened.restore(20, tiny_state(0))
+        # Steps behind the newest would mix two timelines: refused, naming the directory.
+        with pytest.raises(CheckpointError, match="already holds step"):
+            reopened.save(35, tiny_state(35), {})
+
+
+def test_checkpoint_meta_describes_the_run(saved):
+    trainer = saved["trainer"]
+    meta = checkpoint_meta(trainer, data_position=96, step=3)
+    assert ShardingPolicy(**meta["policy"]) == SAVED_POLICY
+    assert meta["mesh_shape"] == {"batch": 4, "shard": 2}
+    assert meta["num_devices"] == 8
+    assert meta["data_position"] == 96
+    assert meta["step"] == 3
+    assert meta["config"]["model"]["n_embd"] == MODEL.n_embd
+
+
+def test_fingerprints_ignore_layout_and_see_one_bit():
+    x = jax.random.normal(jax.random.PRNGKey(0), (16, 8))
+    mesh = Topology.new(ShardingPolicy(tp=2)).mesh
+    spec = jax.sharding.PartitionSpec("batch", "shard")
+    sharded = jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
+    assert fingerprints({"x": x}) == fingerprints({"x": sharded})
+    flipped = jax.lax.bitcast_convert_type(x, jnp.uint32).at[3, 5].add(1)
+    flipped = jax.lax.bitcast_convert_type(flipped, jnp.float32)
+    assert fingerprints({"x": flipped}) != fingerprints({"x": x})
+    assert fingerprints({"x": x.T}) != fingerprints({"x": x})
+
+
+# --- damaged checkpoints -------------------------------------------------------------------------
+
+
+def _garble(path, num_bytes=1):
+    data = bytearray(open(path, "rb").read())
+    middle = len(data) // 2
+    for i in range(middle, min(middle + num_bytes, len(data))):
+        data[i] ^= 0x5A
+    open(path, "wb").write(bytes(data))
+
+
+def _truncate(path):
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) // 2])
+
+
+DAMAGE = {
+    "data-file-deleted": lambda d: os.remove(data_files(d, 2)[0]),
+    "data-file-truncated": lambda d: _truncate(data_files(d, 2)[0]),
+    # Orbax reads garbled data silently; the fingerprints catch it.
+    "one-data-byte-flipped": lambda d: _garble(data_files(d, 2)[0]),
+    "metadata-garbage": lambda d: (d / "2" / "meta" / "metadata").write_text("{not json"),
+    "state-dir-deleted": lambda d: shutil.rmtree(d / "2" / "state"),
+}
+
+
+# When one read of a damaged step fails, orbax abandons its sibling reads; their coroutines are
+# reported as unraisable exceptions at garbage collection. Orbax's noise, not ours.
+orbax_abandoned_reads = pytest.mark.filterwarnings(
+    "ignore::pytest.PytestUnraisableExceptionWarning"
+)
+
+
+@orbax_abandoned_reads
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_damaged_latest_falls_back_to_previous(saved, tmp_path, damage):
+    directory = damaged_copy(saved, tmp_path)
+    DAMAGE[damage](directory)
+    trainer = saved["trainer"]
+    target = restore_target(trainer)
+    messages = []
+    with Checkpointer(directory, log=messages.append) as checkpointer:
+        assert checkpointer.latest_step() == 2
+        with pytest.raises(CheckpointError) as error:
+            checkpointer.restore(2, target)
+        assert not isinstance(error.value, IncompatibleCheckpointError)
+        assert f"{directory / '2'} (step 2) is damaged" in str(error.value)
+
+        state, meta = checkpointer.restore(None, target)
+        assert meta["step"] == 1 and int(state.step) == 1
+        assert [s.step for s in checkpointer.skipped] == [2]
+        assert any("restored step 1" in m and "step 2" in m for m in messages), messages
+        assert_follows(state, target)
+
+        # Resuming from step 1 and saving step 2 again replaces the damaged step.
+        state, _ = trainer.train_step(state, batch(trainer, 1))
+        checkpointer.save(2, state, checkpoint_meta(trainer, 2 * GLOBAL_BATCH))
+        resaved = host(state)
+        checkpointer.wait()
+        state, meta = checkpointer.restore(None, target)
+        assert checkpointer.skipped == () and meta["step"] == 2
+    for got, want in zip(host(state), resaved, strict=True):
+        np.testing.assert_array_equal(got, want)
+    # Same data, same examples, same layout: the resumed run reproduces the original step 2.
+    for got, want in zip(resaved, saved["state"], strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+@orbax_abandoned_reads
+def test_every_step_damaged_is_an_error(saved, tmp_path):
+    directory = damaged_copy(saved, tmp_path)
+    for step in (1, 2):
+        _garble(data_files(directory, step)[0], num_bytes=8)
+    with Checkpointer(directory, log=lambda _: None) as checkpointer:
+        with pytest.raises(CheckpointError, match="no good checkpoint") as error:
+            checkpointer.restore(None, restore_target(saved["trainer"]))
+    assert "(step 1)" in str(error.value) and "(step 2)" in str(error.value)
+
+
+def test_interrupted_save_is_ignored_and_cleaned_up(saved, tmp_path):
+    directory = damaged_copy(saved, tmp_path)
+    # What a save killed before its commit leaves: a partial step under a temporary name.
+    partial = directory / "3.orbax-checkpoint-tmp-1700000000000000"
+    shutil.copytree(directory / "2", partial)
+    shutil.rmtree(partial / "meta")
+    with Checkpointer(directory) as checkpointer:
+        assert checkpointer.all_steps() == [1, 2]
+        state, meta = checkpointer.restore(None, restore_target(saved["trainer"]))
+        assert meta["step"] == 2 and checkpointer.skipped == ()
+    assert not partial.exists()
+
+
+# --- checkpoints of another model ----------------------------------------------------------------
+
+
+def test_incompatible_shapes_name_the_path(saved):
+    wider = make_trainer(SAVED_POLICY, 2, model=MODEL.model_copy(update={"n_embd": 48}))
+    with Checkpointer(saved["directory"]) as checkpointer:
+        for step in (2, None):  # no fallback: every step of this run is the other model
+            with pytest.raises(IncompatibleCheckpointError) as error:
+                checkpointer.restore(step, restore_target(wider))
+            message = str(error.value)
+            assert f"{saved['directory'] / '2'} (step 2)" in message
+            assert (
+                "params/blocks/attn_k/bias: checkpoint has (3, 40) float32, target (3, 48) float32"
+                in message
+            )
+
+        # A tree that lacks a leaf of the checkpoint (and vice versa) is named too.
+        target = restore_target(saved["trainer"])
+        params = dict(target.params)
+        params["extra"] = params.pop("wpe")
+        with pytest.raises(IncompatibleCheckpointError) as error:
+            checkpointer.restore(2, target.replace(params=params))
+    assert "params/extra: in the target" in str(error.value)
+    assert "params/wpe: in the checkpoint" in str(error.value)

@@ -1,0 +1,237 @@
+"""Configs, jobs, the execution chain, the quick session, data options, resume and plots."""
+
+import json
+
+import numpy as np
+import pytest
+import yaml
+
+import theseus
+from theseus.base.axis import ShardingPolicy
+from theseus.config import ConfigError, apply_overrides, load_yaml, save_yaml
+from theseus.data import write_tokens
+from theseus.execution import Chain, chain, quick
+from theseus.jobs import all_jobs, get_job
+from theseus.plot import plot_losses
+from theseus.training.gpt import GPTTrainerConfig
+
+TINY = (
+    "model.n_layer=2",
+    "model.n_embd=32",
+    "model.n_head=4",
+    "model.block_size=16",
+    "training.batch_size=16",
+    "training.per_device_batch_size=2",
+    "training.steps=6",
+    "training.validation_interval=2",
+    "training.validation_batches=1",
+    "checkpointing.interval=2",
+    "checkpointing.keep=5",
+    "logging.progress_bar=false",
+)
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+# --- configs -------------------------------------------------------------------------------
+
+
+def test_config_yaml_round_trip_and_overrides(tmp_path):
+    config = apply_overrides(GPTTrainerConfig(), ["model.n_layer=3", "optimization.b2=0.99"])
+    assert config.model.n_layer == 3 and config.optimization.b2 == 0.99
+    save_yaml(config, tmp_path / "c.yaml")
+    assert load_yaml(GPTTrainerConfig, tmp_path / "c.yaml") == config
+    assert "!!python" not in (tmp_path / "c.yaml").read_text()
+
+
+def test_config_errors_name_key_value_and_choices(tmp_path):
+    with pytest.raises(ConfigError, match=r"'training.bogus'.*accepted keys there: batch_size"):
+        apply_overrides(GPTTrainerConfig(), ["training.bogus=1"])
+    with pytest.raises(ConfigError, match=r"training.batch_size='many'"):
+        apply_overrides(GPTTrainerConfig(), ["training.batch_size=many"])
+    with pytest.raises(ConfigError, match=r"model.n_layer=2.5"):
+        apply_overrides(GPTTrainerConfig(), ["model.n_layer=2.5"])
+    with pytest.raises(ConfigError, match="not of the form"):
+        apply_overrides(GPTTrainerConfig(), ["training.batch_size"])
+    (tmp_path / "bad.yaml").write_text("training: {batch_size: 4, colour: red}\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'training.colour'"):
+        load_yaml(GPTTrainerConfig, tmp_path / "bad.yaml")
+    (tmp_path / "evil.yaml").write_text("training: !!python/object/apply:os.system ['true']\n")
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_yaml(GPTTrainerConfig, tmp_path / "evil.yaml")
+
+
+def test_config_assignment_is_validated():
+    config = GPTTrainerConfig()
+    config.training.batch_size = 64
+    with pytest.raises(ValueError):
+        config.training.batch_size = "lots"
+    with pytest.raises(ValueError):
+        config.model.n_layer = 0
+
+
+# --- jobs ----------------------------------------------------------------------------------
+
+
+def test_builtin_jobs_are_registered():
+    names = {job.name: job for job in all_jobs()}
+    assert names["gpt/train/pretrain"].action == "train"
+    assert names["gpt/evaluate"].action == "evaluate"
+    with pytest.raises(ValueError, match=r"unknown job 'gpt/nope'.*gpt/train/pretrain"):
+        get_job("gpt/nope")
+
+
+# --- chain ---------------------------------------------------------------------------------
+
+
+def test_chain_shard_merges_and_is_immutable():
+    base = chain("gpt/train/pretrain")
+    sharded = base.shard(tp=2).shard(fsdp=True)
+    assert (sharded.policy.tp, sharded.policy.zero, sharded.policy.fsdp) == (2, True, True)
+    assert base.policy == ShardingPolicy()
+    with pytest.raises(ValueError, match="FSDP requires ZeRO"):
+        sharded.shard(zero=False)
+    with pytest.raises(AttributeError):
+        sharded.policy = ShardingPolicy()
+
+
+def test_chain_yaml_round_trip(tmp_path):
+    built = (
+        theseus.chain("gpt/train/pretrain", *TINY)
+        .shard(tp=2, fsdp=True)
+        .then("gpt/evaluate")
+        .configure("training.validation_batches=2")
+    )
+    built.save(tmp_path / "chain.yaml")
+    loaded = Chain.load(tmp_path / "chain.yaml")
+    assert loaded == built
+    data = yaml.safe_load((tmp_path / "chain.yaml").read_text())
+    assert data["sharding"] == {"tp": 2, "zero": True, "fsdp": True,
+                                "activation_checkpointing": False}
+    assert [s["job"] for s in data["steps"]] == ["gpt/train/pretrain", "gpt/evaluate"]
+    # The evaluate step starts from the training step's config.
+    assert loaded.steps[1].config.model == loaded.steps[0].config.model
+    assert loaded.steps[1].config.training.validation_batches == 2
+
+
+def test_chain_runs_train_then_evaluate(tmp_path):
+    built = chain("gpt/train/pretrain", *TINY).shard(tp=2, fsdp=True).then("gpt/evaluate")
+    train_result, eval_result = built.run(tmp_path / "chain", log=lambda _: None)
+    train_dir = tmp_path / "chain" / "00-gpt-train-pretrain"
+    eval_dir = tmp_path / "chain" / "01-gpt-evaluate"
+    assert (tmp_path / "chain" / "chain.yaml").is_file()
+    assert json.loads((train_dir / "run.json").read_text())["mesh_shape"] == {"batch": 4,
+                                                                             "shard": 2}
+    saved = json.loads((eval_dir / "eval.json").read_text())
+    assert saved["step"] == 6
+    # Same parameters, same held-out batches, same layouts: the same validation loss.
+    assert eval_result.val_loss == pytest.approx(train_result.final_val_loss, rel=1e-6)
+
+
+# --- quick session -------------------------------------------------------------------------
+
+
+def test_quick_session_shard_before_creation(tmp_path):
+    with quick("gpt/train/pretrain", tmp_path / "q") as q:
+        q.shard(tp=2).shard(fsdp=True)
+        q.override(*TINY)
+        q.config.training.batch_size = 32
+        trainer = q.create()
+        assert trainer.policy == ShardingPolicy(tp=2, fsdp=True)
+        assert trainer.batch_plan.global_batch_size == 32
+        with pytest.raises(ValueError, match="sharding must be configured before job creation"):
+            q.shard(tp=4)
+
+
+def test_quick_session_config_assignment_is_checked_at_once(tmp_path):
+    with quick("gpt/train/pretrain", tmp_path / "q") as q:
+        q.override(*TINY)
+        with pytest.raises(ValueError, match="divisible by n_head=5"):
+            q.config.model.n_head = 5  # 32 % 5 != 0
+        assert q.create().config.model.n_head == 4
+
+
+# --- data ----------------------------------------------------------------------------------
+
+
+def test_trains_on_own_text_and_token_files(tmp_path):
+    text = tmp_path / "corpus.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    tokens = tmp_path / "tokens.bin"
+    write_tokens(tokens, np.arange(20_011) % 499, dtype="uint32")
+    for name, data in (("text", [f"data.path={text}"]),
+                       ("bin", [f"data.path={tokens}", "data.token_dtype=uint32",
+                                "model.vocab_size=512"])):
+        with quick("gpt/train/pretrain", tmp_path / name) as q:
+            q.override(*TINY, *data, "training.steps=2")
+            summary = q()
+        run = json.loads((tmp_path / name / "run.json").read_text())
+        assert str(tmp_path) in run["data"]
+        assert np.isfinite(summary.final_loss)
+    with quick("gpt/train/pretrain", tmp_path / "small-vocab") as q:
+        q.override(*TINY, f"data.path={tokens}", "data.token_dtype=uint32")
+        with pytest.raises(ValueError, match="model.vocab_size=499"):
+            q()
+
+
+# --- resume --------------------------------------------------------------------------------
+
+
+def test_resume_reproduces_uninterrupted_losses(tmp_path):
+    run_dir = tmp_path / "run"
+    with quick("gpt/train/pretrain", run_dir) as q:
+        q.override(*TINY)
+        q()
+    full = metrics(run_dir)
+    assert [row["step"] for row in full] == [1, 2, 3, 4, 5, 6]
+    # Stop at step 4: drop what steps 5 and 6 left behind, then resume.
+    import shutil
+
+    shutil.rmtree(run_dir / "checkpoints" / "6")
+    with quick("gpt/train/pretrain", run_dir, resume=True) as q:
+        q.override(*TINY)
+        summary = q()
+    assert summary.first_step == 5
+    resumed = metrics(run_dir)
+    assert [row["step"] for row in resumed] == [1, 2, 3, 4, 5, 6]
+    for before, after in zip(full, resumed, strict=True):
+        assert before["loss"] == after["loss"]
+        assert before.get("val_loss") == after.get("val_loss")
+
+
+def test_resume_onto_other_policy_continues_with_matching_numbers(tmp_path):
+    run_dir = tmp_path / "run"
+    with quick("gpt/train/pretrain", run_dir) as q:
+        q.shard(tp=2, fsdp=True)
+        q.override(*TINY)
+        q()
+    full = metrics(run_dir)
+    import shutil
+
+    shutil.rmtree(run_dir / "checkpoints" / "6")
+    with quick("gpt/train/pretrain", run_dir, resume=True) as q:
+        q.shard(tp=4)
+        q.override(*TINY)
+        q()
+    resumed = metrics(run_dir)
+    np.testing.assert_allclose(
+        [r["loss"] for r in resumed[4:]], [r["loss"] for r in full[4:]], rtol=1e-5
+    )
+    assert json.loads((run_dir / "run.json").read_text())["mesh_shape"] == {"batch": 2,
+                                                                           "shard": 4}
+
+
+# --- plots ---------------------------------------------------------------------------------
+
+
+def test_plot_writes_png(tmp_path):
+    rows = [{"step": s, "tokens": 100 * s, "loss": 5.0 / s} for s in range(1, 11)]
+    rows[4]["val_loss"] = 1.2
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path = plot_losses(tmp_path)
+    assert path == tmp_path / "loss.png"
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="no metrics.jsonl"):
+        plot_losses(tmp_path / "missing")

@@ -1,0 +1,398 @@
+"""The planner: layouts and per-device memory from shapes only, checked against measured arrays,
+the closed-form ZeRO model, the trainer's own pre-flight errors and the compiled step."""
+
+import functools
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from theseus import planner
+from theseus.base.axis import Axis, ShardingPlan, ShardingPolicy
+from theseus.base.layout import LayoutError
+from theseus.base.topology import Topology
+from theseus.cli import app
+from theseus.config import apply_overrides, save_yaml
+from theseus.training.base import device_bytes
+from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
+
+DP, ZERO, FSDP = ShardingPolicy(zero=False), ShardingPolicy(), ShardingPolicy(fsdp=True)
+REPO = Path(__file__).resolve().parents[1]
+
+
+def gpt(*overrides: str) -> GPTTrainerConfig:
+    return apply_overrides(GPTTrainerConfig(), list(overrides))
+
+
+# Distinct dims, all dividing 8: n_embd 48, n_mlp 192, vocab 264, block_size 40.
+SMALL = (
+    "model.vocab_size=264", "model.block_size=40", "model.n_layer=3", "model.n_head=4",
+    "model.n_embd=48", "training.batch_size=16", "training.per_device_batch_size=2",
+    "training.seq_len=16",
+)
+# About 7.5B parameters; the vocabulary is padded to a multiple of 256 (50304 is not one).
+BIG = (
+    "model.vocab_size=50432", "model.block_size=2048", "model.n_layer=36", "model.n_head=32",
+    "model.n_embd=4096", "training.batch_size=256", "training.per_device_batch_size=1",
+)
+
+
+@functools.cache
+def big_plan(num_devices: int) -> planner.Plan:
+    return planner.plan(GPTTrainer, gpt(*BIG), ZERO, num_devices)
+
+
+# --- layouts ----------------------------------------------------------------------------------
+
+
+def test_rows_give_every_layout_and_match_the_trainers_shardings():
+    policy = ShardingPolicy(tp=2, fsdp=True)
+    plan = planner.plan(GPTTrainer, gpt(*SMALL), policy, 8)
+    assert plan.mesh_shape == {"batch": 4, "shard": 2}
+    by_path = {path: row for row in plan.rows for path in row.paths}
+    qkv = by_path["blocks/attn_q/kernel"]
+    assert set(qkv.paths) == {f"blocks/attn_{x}/kernel" for x in "qkv"}
+    assert qkv.path == "blocks/{attn_k,attn_q,attn_v}/kernel"
+    assert qkv.shape == (3, 48, 48) and qkv.names == ("n_layer", "n_embd", "n_attn")
+    assert str(qkv.compute_spec) == "P(None, None, 'shard')"
+    assert str(qkv.storage_spec) == str(qkv.update_spec) == "P(None, None, ('shard', 'batch'))"
+    assert (qkv.compute_shard, qkv.storage_shard, qkv.update_shard) == (
+        (3, 48, 24), (3, 48, 6), (3, 48, 6)
+    )
+    assert by_path["wte"].storage_shard == (66, 48) and by_path["wte"].compute_shard == (264, 48)
+    assert by_path["ln_f/scale"].replicated_over_batch and not qkv.replicated_over_batch
+    assert sum(len(r.paths) for r in plan.rows) == len(by_path) == 20 > len(plan.rows)
+
+    # The same shards as the NamedShardings of a trainer on 8 real (simulated) devices.
+    trainer = GPTTrainer(gpt(*SMALL), policy)
+    for phase in ("compute", "storage", "update"):
+        shardings = jax.tree.leaves(trainer.layouts[phase])
+        for leaf, sharding in zip(trainer.abstract_leaves, shardings, strict=True):
+            row = by_path[leaf.path]
+            assert row.shard(phase) == sharding.shard_shape(leaf.shape), (leaf.path, phase)
+            assert row.spec(phase) == sharding.spec, (leaf.path, phase)
+
+
+# --- model-state totals -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", [DP, ZERO, FSDP], ids=planner.policy_name)
+def test_totals_equal_measured_arrays_and_the_zero_model_at_8_devices(policy):
+    config = gpt(*SMALL)
+    plan = planner.plan(GPTTrainer, config, policy, 8, alternatives=False)
+    assert [option.policy for option in plan.options] == [policy]
+    trainer = GPTTrainer(config, policy)
+    state = trainer.init_state()
+    device = trainer.mesh.devices.flat[0]
+    measured_params = device_bytes(state.params, device)
+    assert plan.totals.params == measured_params
+    assert plan.totals.optimizer == device_bytes(state.opt_state, device)
+    # The accumulator is float32 and parameter-shaped in the storage layout, as the params are.
+    assert plan.totals.grad_accumulator == measured_params
+    assert trainer.memory_facts().predicted_bytes == plan.totals.params + plan.totals.optimizer
+
+    psi, n = trainer.num_params, 8
+    closed = {"DP": 16 * psi, "ZeRO": 8 * psi + 8 * psi / n, "FSDP": 16 * psi / n}
+    cf = plan.closed_form
+    assert cf.kind == planner.policy_name(policy) and cf.psi == psi and cf.replicas == n
+    assert cf.predicted_bytes == pytest.approx(closed[cf.kind], abs=1e-6)
+    # Exactly the replicated leaves' bytes (and 8 bytes of Adam and schedule counters) apart.
+    replicated = sum(
+        math.prod(leaf.shape) for leaf in trainer.abstract_leaves
+        if leaf.names is None or leaf.names[-1] is None  # LayerNorms and n_embd-wide biases
+    )
+    assert cf.replicated_params == replicated == plan.replicated.num_params > 0
+    per_param = {"DP": 0, "ZeRO": 8, "FSDP": 16}[cf.kind]
+    assert cf.non_param_optimizer_bytes == 8
+    assert cf.gap == pytest.approx(per_param * replicated * (n - 1) / n + 8, abs=1e-6)
+    assert cf.gap == pytest.approx(cf.explained_gap, abs=1e-6)
+
+
+def test_totals_of_7_5b_parameters_on_64_and_256_devices_follow_the_zero_model():
+    before = len(jax.live_arrays())
+    for n in (64, 256):
+        plan = big_plan(n)
+        assert plan.verdict.ok, plan.verdict.error
+        psi = plan.num_params
+        assert psi == pytest.approx(7.46e9, rel=0.005)
+        for name, formula in (
+            ("DP", 16 * psi), ("ZeRO", 8 * psi + 8 * psi / n), ("FSDP", 16 * psi / n)
+        ):
+            option = plan.option(name)
+            cf = option.closed_form
+            assert option.verdict.ok and cf.predicted_bytes == pytest.approx(formula)
+            assert option.totals.total == cf.planner_bytes
+            assert cf.gap == pytest.approx(cf.explained_gap, abs=1e-3)
+            # The replicated leaves (LayerNorms, n_embd biases) are a tiny, stated remainder.
+            assert 0 <= cf.gap < 16 * cf.replicated_params + 8
+            assert cf.replicated_params / psi < 2e-4
+        assert plan.option("ZeRO").totals.params == 4 * psi  # stored whole on every replica
+        assert plan.option("DP").totals.total == 16 * psi + 8
+    # The ZeRO paper: 7.5B parameters at 16 bytes each over 64 devices is about 1.9 GB.
+    fsdp_64 = big_plan(64).option("FSDP").totals.total
+    assert fsdp_64 == pytest.approx(16 * 7.5e9 / 64, rel=0.01)
+    assert 1.8e9 < fsdp_64 < 1.9e9
+    assert len(jax.live_arrays()) == before  # shapes only: nothing was allocated
+
+
+def test_tp_options_shrink_what_tp_splits_and_leave_the_vocabulary_whole():
+    plan = big_plan(64)
+    zero, zero_tp8 = plan.option("ZeRO"), plan.option("ZeRO tp=8")
+    assert zero_tp8.mesh_shape == {"batch": 8, "shard": 8} and zero_tp8.closed_form is None
+    by_path = {path: row for row in plan.rows for path in row.paths}
+    unsplit = sum(by_path[p].num_params for p in ("wte", "wpe", "ln_f/scale", "ln_f/bias"))
+    unsplit += sum(r.num_params for r in plan.rows if r.names == ("n_layer", None))
+    split = plan.num_params - unsplit
+    assert zero_tp8.totals.params == 4 * (unsplit + split // 8)
+    assert zero_tp8.totals.params < zero.totals.params / 6
+
+
+# --- verdict ----------------------------------------------------------------------------------
+
+
+def test_verdict_is_the_error_a_training_run_gives():
+    config = gpt(*SMALL, "model.vocab_size=257")
+    with pytest.raises(LayoutError) as failure:
+        GPTTrainer(config, FSDP)  # 8 real (simulated) devices
+    plan = planner.plan(GPTTrainer, config, FSDP, 8)
+    assert not plan.verdict.ok and plan.verdict.error == str(failure.value)
+    wte = next(r for r in plan.rows if r.paths == ("wte",))
+    assert wte.problems and wte.storage_shard == (33, 48)  # 257 / 8, rounded up and flagged
+    assert plan.totals is None and plan.option("DP").verdict.ok
+    assert "! wte" in plan.render() and "verdict: FAILED" in plan.render()
+
+
+def test_verdict_at_256_devices_names_the_unpadded_vocabulary():
+    plan = planner.plan(GPTTrainer, gpt(*BIG, "model.vocab_size=50304"), ZERO, 256)
+    assert not plan.verdict.ok
+    assert "wte: shape (50304, 4096)" in plan.verdict.error
+    assert "batch=256, shard=1" in plan.verdict.error and "pad the vocabulary" in plan.verdict.error
+    assert plan.option("DP").verdict.ok and not plan.option("FSDP").verdict.ok
+    assert big_plan(256).verdict.ok  # 50432 = 197 × 256
+
+
+def test_batch_error_comes_first_and_the_layout_error_is_also_given():
+    config = gpt(*SMALL, "model.vocab_size=257", "training.batch_size=12")
+    plan = planner.plan(GPTTrainer, config, FSDP, 8)
+    assert plan.verdict.error.startswith("training.batch_size=12 cannot be split")
+    assert "wte: shape (257, 48)" in plan.verdict.also
+
+
+def test_bad_input_raises_actionable_value_errors():
+    with pytest.raises(ValueError, match="tp=3 does not divide 8 devices"):
+        planner.plan(GPTTrainer, gpt(*SMALL), ShardingPolicy(tp=3), 8)
+    with pytest.raises(ValueError, match="devices per host 3 must"):
+        planner.plan(GPTTrainer, gpt(*SMALL), ZERO, 8, devices_per_host=3)
+    plan = planner.plan(GPTTrainer, gpt(*BIG), ShardingPolicy(tp=16), 256)
+    assert not plan.verdict.ok and "tp=16 does not divide the 8 devices of one host" in (
+        plan.verdict.error
+    )
+    with pytest.raises(ValueError, match="compiling for 16 devices needs 16 devices"):
+        planner.plan(GPTTrainer, gpt(*SMALL, "training.batch_size=32"), DP, 16, compile=True)
+
+
+# --- replicated share -------------------------------------------------------------------------
+
+
+class NoMlpZeroTrainer(GPTTrainer):
+    """A plan whose ZeRO rules forget the MLP: ZeRO and FSDP leave it whole on every replica."""
+
+    plan = ShardingPlan(
+        tp=[("n_attn", Axis.SHARD), ("n_mlp", Axis.SHARD)],
+        zero=[("n_attn", Axis.BATCH), ("vocab", Axis.BATCH), ("block_size", Axis.BATCH)],
+    )
+
+
+def test_replicated_share_names_the_largest_tensors_above_two_percent():
+    assert big_plan(64).replicated.largest == ()
+    plan = planner.plan(NoMlpZeroTrainer, gpt(*SMALL), FSDP, 8)
+    share = plan.replicated
+    assert share.fraction > 0.5
+    assert [path for path, _, _ in share.largest[:2]] == ["blocks/mlp_fc/kernel", "blocks/mlp_proj/kernel"]
+    assert share.largest[0][1:] == ((3, 48, 192), 3 * 48 * 192)
+    text = plan.render()
+    assert "largest: blocks/mlp_fc/kernel (3, 48, 192)" in text
+    # FSDP then saves little: the closed form misses by exactly those tensors.
+    cf = plan.closed_form
+    assert cf.gap == pytest.approx(cf.explained_gap, abs=1e-6) and cf.gap > cf.predicted_bytes
+
+
+# --- budget -----------------------------------------------------------------------------------
+
+
+def test_budget_picks_the_least_communication_that_fits():
+    config = gpt(*BIG)
+    chosen = planner.plan_for_budget(GPTTrainer, config, 64, planner.parse_bytes("80GiB"))
+    assert chosen.name == "ZeRO" and chosen.verdict.ok
+    reasons = dict(chosen.budget.reasons)
+    assert reasons["DP"].startswith("model state needs 111 GiB > budget")
+    assert reasons["FSDP"].startswith("fits (1.75 GiB) but communicates more than ZeRO")
+    assert list(reasons)[0] == "DP" and len(reasons) == 12
+
+    small = planner.plan_for_budget(GPTTrainer, config, 64, planner.parse_bytes("10GiB"))
+    assert small.name == "FSDP" and small.totals.total < 10 * 2**30
+    assert "ZeRO: model state needs 56.5 GiB > budget" in small.render()
+
+    with pytest.raises(ValueError, match="no valid policy fits 64 devices in 1 GiB") as failure:
+        planner.plan_for_budget(GPTTrainer, config, 64, 2**30)
+    assert "FSDP: model state needs 1.75 GiB > budget" in str(failure.value)
+
+    odd = planner.plan_for_budget(GPTTrainer, gpt(*BIG, "model.vocab_size=50304"), 256, 2**30)
+    assert odd.name == "FSDP tp=2"  # 50304 = 128 × 393 divides over batch=128, not 256
+    assert dict(odd.budget.reasons)["FSDP"].startswith("invalid: Layout check failed")
+
+
+def test_parse_and_format_bytes():
+    assert planner.parse_bytes("80GiB") == 80 * 2**30
+    assert planner.parse_bytes("80GB") == planner.parse_bytes("80g") == 80 * 10**9
+    assert planner.parse_bytes("1.5 TiB") == int(1.5 * 2**40)
+    assert planner.parse_bytes("123") == 123
+    for bad in ("", "12XB", "-1GiB", "0"):
+        with pytest.raises(ValueError, match="byte count"):
+            planner.parse_bytes(bad)
+    assert planner.format_bytes(1_880_223_752) == "1.75 GiB"
+    assert planner.format_bytes(512) == "512 B"
+
+
+# --- compiled step ----------------------------------------------------------------------------
+
+# Parameters dominate activations: wide layers, two examples of 8 tokens per replica.
+WIDE = (
+    "model.vocab_size=256", "model.block_size=8", "model.n_layer=4", "model.n_head=4",
+    "model.n_embd=192", "training.batch_size=16", "training.per_device_batch_size=1",
+)
+
+
+@functools.cache
+def compiled_plan(policy: ShardingPolicy) -> planner.Plan:
+    return planner.plan(GPTTrainer, gpt(*WIDE), policy, 8, compile=True, alternatives=False)
+
+
+def test_compiled_peak_fsdp_below_zero_below_dp():
+    peaks = {}
+    for policy in (DP, ZERO, FSDP):
+        plan = compiled_plan(policy)
+        c = plan.compiled
+        assert c.peak == c.arguments + c.temporaries + c.outputs
+        # Arguments: the persistent state (and a small batch shard) as the planner laid it out.
+        persistent = plan.totals.params + plan.totals.optimizer
+        assert c.arguments == pytest.approx(persistent, rel=0.01)
+        peaks[plan.name] = c.peak
+        assert "compiled train step, per device" in plan.render()
+    assert peaks["FSDP"] < peaks["ZeRO"] < peaks["DP"], peaks
+
+
+def test_compiled_arguments_equal_the_persistent_bytes_of_a_real_run():
+    plan = compiled_plan(ZERO)
+    trainer = GPTTrainer(gpt(*WIDE), ZERO)
+    state = trainer.init_state()
+    batch_plan = trainer.batch_plan
+    shape = (batch_plan.accumulation_steps, batch_plan.examples_per_microbatch, batch_plan.seq_len + 1)
+    tokens = np.random.default_rng(0).integers(0, 256, shape)
+    batch = trainer.put_batch(lambda examples: tokens[:, examples], shape)
+    state, metrics = trainer.train_step(state, batch)
+    assert np.isfinite(float(metrics["loss"]))
+    device = trainer.mesh.devices.flat[0]
+    measured = device_bytes(state, device)  # params, optimizer state, step and RNG key
+    assert plan.compiled.arguments == pytest.approx(measured, rel=0.01)
+    assert plan.compiled.arguments >= measured
+
+
+# --- one line at the start of a run ---------------------------------------------------------
+
+
+def test_one_line_plan_of_a_trainer():
+    trainer = GPTTrainer(gpt(*SMALL), ZERO)
+    line = planner.one_line_plan(trainer)
+    plan = planner.plan(GPTTrainer, gpt(*SMALL), ZERO, 8)
+    assert "\n" not in line
+    assert line.startswith("plan: ZeRO on mesh batch=8 × shard=1; per device ")
+    assert f"= {planner.format_bytes(plan.totals.total)} " in line
+    assert f"DP {planner.format_bytes(plan.option('DP').totals.total)}" in line
+    assert f"FSDP {planner.format_bytes(plan.option('FSDP').totals.total)}" in line
+    assert "of parameters replicated across batch" in line
+    odd = planner.one_line_plan(GPTTrainer(gpt(*SMALL, "model.vocab_size=257"), DP))
+    assert "ZeRO invalid" in odd and "FSDP invalid" in odd
+
+
+# --- command line -----------------------------------------------------------------------------
+
+runner = CliRunner()
+
+
+def test_cli_text_and_json_agree_with_the_planner():
+    args = ["plan", "--devices", "8", "--tp", "2", "--fsdp", *SMALL]
+    text = runner.invoke(app, args)
+    assert text.exit_code == 0, text.output
+    plan = planner.plan(GPTTrainer, gpt(*SMALL), ShardingPolicy(tp=2, fsdp=True), 8)
+    assert text.output.strip() == plan.render()
+    assert "blocks/{attn_k,attn_q,attn_v}/kernel" in text.output
+    assert f"{plan.totals.total:,}" in text.output and "verdict: ok" in text.output
+    as_json = runner.invoke(app, [*args, "--json"])
+    assert as_json.exit_code == 0
+    data = json.loads(as_json.output)
+    assert data == json.loads(json.dumps(plan.to_json()))
+    assert data["totals"]["total_bytes"] == plan.totals.total
+    assert data["rows"][1]["specs"]["storage"] == [None, None, ["shard", "batch"]]
+    assert data["policy"]["name"] == "FSDP tp=2" and data["mesh"] == {"batch": 4, "shard": 2}
+
+
+def test_cli_reads_a_yaml_config_with_overrides(tmp_path):
+    path = tmp_path / "job.yaml"
+    save_yaml(gpt(*SMALL, "model.n_layer=5"), path)
+    result = runner.invoke(app, ["plan", str(path), "--devices", "8", "--json", "model.n_head=6"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["num_params"] == planner.plan(
+        GPTTrainer, gpt(*SMALL, "model.n_layer=5", "model.n_head=6"), ZERO, 8
+    ).num_params
+    assert data["rows"][0]["shape"][0] == 5
+
+
+def test_cli_budget_and_failures():
+    ok = runner.invoke(app, ["plan", "--devices", "64", "--budget", "10GiB", *BIG])
+    assert ok.exit_code == 0 and "chose FSDP, the least communication that fits" in ok.output
+    none = runner.invoke(app, ["plan", "--devices", "64", "--budget", "1GiB", *BIG])
+    assert none.exit_code == 1 and "no valid policy fits" in none.output
+    failing = runner.invoke(app, ["plan", "--devices", "8", "--fsdp", *SMALL, "model.vocab_size=257"])
+    assert failing.exit_code == 1 and "Layout check failed" in failing.output
+    for bad, message in (
+        (["--tp", "3"], "tp=3 does not divide 8 devices"),
+        (["model.bogus=1"], "unknown config key 'model.bogus'"),
+        (["--budget", "12XB"], "not a byte count"),
+        (["--budget", "80GiB", "--fsdp"], "--budget chooses the policy itself"),
+        (["--no-zero", "--fsdp"], "fsdp=True requires zero=True"),
+        (["nosuchjob"], "unknown job 'nosuchjob'"),
+    ):
+        result = runner.invoke(app, ["plan", "--devices", "8", *bad])
+        assert result.exit_code == 2, (bad, result.output)
+        assert message in result.output and "Traceback" not in result.output
+        assert result.output.startswith("error: ") and result.output.count("\n") == 1
+
+
+def test_cli_compile_in_a_fresh_process_simulates_the_devices():
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+    env["PYTHONPATH"] = str(REPO)
+    small = [*WIDE, "model.n_layer=1", "model.n_embd=64", "training.batch_size=4"]
+    result = subprocess.run(
+        [sys.executable, "-m", "theseus.cli", "plan", "--compile", "--devices", "4", "--fsdp",
+         "--json", *small],
+        capture_output=True, text=True, env=env, timeout=120, cwd=REPO,
+    )
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    compiled, totals = data["compiled"], data["totals"]
+    assert data["mesh"] == {"batch": 4, "shard": 1}
+    persistent = totals["params_bytes"] + totals["optimizer_bytes"]
+    assert compiled["argument_bytes"] == pytest.approx(persistent, rel=0.01)
+    assert compiled["peak_bytes"] == (
+        compiled["argument_bytes"] + compiled["temp_bytes"] + compiled["output_bytes"]
+    )

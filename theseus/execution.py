@@ -1,0 +1,216 @@
+"""Running jobs: the execution chain (an immutable builder) and the quick session.
+
+Both hold one :class:`ShardingPolicy` for everything they run; ``.shard(...)`` merges into it
+and must be called before a job is created, since the policy fixes the mesh and every layout.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from theseus.base.axis import ShardingPolicy
+from theseus.config import ConfigError, apply_overrides, validate
+from theseus.jobs import Job, get_job
+from theseus.training.base import BaseTrainer, TrainerConfig
+
+
+@dataclass(frozen=True)
+class ChainStep:
+    """One job of a chain with its own validated config."""
+
+    job: str
+    config: TrainerConfig
+
+    @classmethod
+    def new(cls, job_name: str, overrides: Sequence[str] = ()) -> ChainStep:
+        job = get_job(job_name)
+        return cls(job_name, apply_overrides(job.trainer_class.config_class(), overrides))
+
+
+def step_dir(out_dir: Path, index: int, job_name: str) -> Path:
+    return out_dir / f"{index:02d}-{job_name.replace('/', '-')}"
+
+
+def run_trainer(
+    job: Job,
+    trainer: BaseTrainer,
+    out_dir: str | Path,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    source_dir: str | Path | None = None,
+    log=print,
+) -> Any:
+    """Train or evaluate with an already created trainer, as the job says."""
+    from theseus.training.loop import evaluate, train
+
+    if job.action == "train":
+        return train(trainer, out_dir, resume=resume, overwrite=overwrite, log=log)
+    return evaluate(trainer, out_dir, source_dir=source_dir, log=log)
+
+
+def run_job(
+    job: Job, config: TrainerConfig, policy: ShardingPolicy, out_dir: str | Path, **options: Any
+) -> Any:
+    """Create the job's trainer (pre-flight checks included), then run it."""
+    return run_trainer(job, job.trainer_class(config, policy), out_dir, **options)
+
+
+@dataclass(frozen=True)
+class Chain:
+    """An immutable sequence of job steps sharing one sharding policy.
+
+    ``theseus.chain("gpt/train/pretrain").shard(tp=2, fsdp=True).then("gpt/evaluate")``.
+    Each step runs in its own folder of the chain's output directory; an ``evaluate`` step reads
+    the checkpoints of the nearest training step before it.
+    """
+
+    steps: tuple[ChainStep, ...]
+    policy: ShardingPolicy = field(default_factory=ShardingPolicy)
+    imports: tuple[str, ...] = ()
+
+    def then(self, job_name: str, *overrides: str) -> Chain:
+        """Append a job. A job with the same config class as the last step starts from that
+        step's config (evaluate the model just trained), then applies ``overrides``."""
+        job = get_job(job_name)
+        last = self.steps[-1].config
+        base = last if type(last) is job.trainer_class.config_class else None
+        step = ChainStep(job_name, apply_overrides(base or job.trainer_class.config_class(),
+                                                   overrides))
+        return replace(self, steps=(*self.steps, step))
+
+    def shard(self, **changes: Any) -> Chain:
+        """Merge ``changes`` into the chain's policy (validated now)."""
+        return replace(self, policy=self.policy.merge(**changes))
+
+    def configure(self, *overrides: str) -> Chain:
+        """Apply dotted overrides to the last step's config."""
+        last = self.steps[-1]
+        changed = ChainStep(last.job, apply_overrides(last.config, overrides))
+        return replace(self, steps=(*self.steps[:-1], changed))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "imports": list(self.imports),
+            "sharding": self.policy.model_dump(),
+            "steps": [
+                {"job": s.job, "config": s.config.model_dump(mode="json")} for s in self.steps
+            ],
+        }
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "chain") -> Chain:
+        if not isinstance(data, dict) or not isinstance(data.get("steps"), list):
+            raise ConfigError(f"{where}: expected a mapping with a 'steps' list")
+        unknown = set(data) - {"imports", "sharding", "steps"}
+        if unknown:
+            raise ConfigError(
+                f"{where}: unknown keys {sorted(unknown)}; accepted: imports, sharding, steps"
+            )
+        imports = tuple(data.get("imports") or ())
+        for module in imports:
+            importlib.import_module(module)  # registers the user's jobs
+        policy = validate(ShardingPolicy, data.get("sharding") or {})
+        steps = []
+        for index, item in enumerate(data["steps"]):
+            if not isinstance(item, dict) or "job" not in item:
+                raise ConfigError(f"{where}: step {index} needs a 'job' name")
+            job = get_job(item["job"])
+            steps.append(ChainStep(item["job"], validate(job.trainer_class.config_class,
+                                                         item.get("config") or {})))
+        if not steps:
+            raise ConfigError(f"{where}: a chain needs at least one step")
+        return cls(tuple(steps), policy, imports)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Chain:
+        try:
+            data = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError) as error:
+            raise ConfigError(f"cannot read chain {path}: {error}") from None
+        return cls.from_dict(data, where=str(path))
+
+    def run(self, out_dir: str | Path, *, resume: bool = False, overwrite: bool = False,
+            log=print) -> list[Any]:
+        """Run every step in order; returns each step's result."""
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.save(out_dir / "chain.yaml")
+        results, last_train_dir = [], None
+        for index, step in enumerate(self.steps):
+            job = get_job(step.job)
+            directory = step_dir(out_dir, index, step.job)
+            log(f"chain step {index}: {step.job} in {directory}")
+            results.append(
+                run_job(job, step.config, self.policy, directory, resume=resume,
+                        overwrite=overwrite, source_dir=last_train_dir, log=log)
+            )
+            if job.action == "train":
+                last_train_dir = directory
+        return results
+
+
+def chain(job_name: str, *overrides: str) -> Chain:
+    """Start an execution chain with one job (optionally with dotted config overrides)."""
+    return Chain((ChainStep.new(job_name, overrides),))
+
+
+class QuickSession:
+    """One job, configured in Python and run in place.
+
+    ``with theseus.quick("gpt/train/pretrain", out) as q: q.shard(tp=2); q.config...; q()``.
+    """
+
+    def __init__(self, job_name: str, out_dir: str | Path, *, resume: bool = False,
+                 overwrite: bool = False, log=print):
+        self.job = get_job(job_name)
+        self.out_dir = Path(out_dir)
+        self.config = self.job.trainer_class.config_class()
+        self.policy = ShardingPolicy()
+        self.resume = resume
+        self.overwrite = overwrite
+        self.log = log
+        self.trainer: BaseTrainer | None = None
+
+    def __enter__(self) -> QuickSession:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        return None
+
+    def shard(self, **changes: Any) -> QuickSession:
+        if self.trainer is not None:
+            raise ValueError(
+                f"sharding must be configured before job creation: the {self.job.name!r} job "
+                f"already built its mesh and layouts under {self.policy.describe()}. Call "
+                "q.shard(...) before q() or q.create()."
+            )
+        self.policy = self.policy.merge(**changes)
+        return self
+
+    def override(self, *items: str) -> QuickSession:
+        self.config = apply_overrides(self.config, items)
+        return self
+
+    def create(self) -> BaseTrainer:
+        """Create the job: mesh, layouts and pre-flight checks (nothing allocated)."""
+        if self.trainer is None:
+            self.trainer = self.job.trainer_class(self.config, self.policy)
+        return self.trainer
+
+    def __call__(self) -> Any:
+        return run_trainer(self.job, self.create(), self.out_dir, resume=self.resume,
+                           overwrite=self.overwrite, log=self.log)
+
+
+def quick(job_name: str, out_dir: str | Path, **options: Any) -> QuickSession:
+    return QuickSession(job_name, out_dir, **options)

@@ -1,0 +1,74 @@
+"""Progress of a run on the main process: a rich progress bar (step, loss, tokens/s, ETA) and a
+metrics line every ``logging.log_interval`` steps. Other processes stay silent."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import jax
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from theseus.config import LoggingConfig
+
+
+class Reporter:
+    """Shows steps ``first_done + 1 .. total`` as they are recorded."""
+
+    def __init__(
+        self, first_done: int, total: int, config: LoggingConfig, log: Callable[[str], None]
+    ):
+        self.total = total
+        self.config = config
+        self.main = jax.process_index() == 0
+        self.log = log if self.main else (lambda _: None)
+        self.start = time.perf_counter()
+        self.first_done = first_done
+        self.progress: Progress | None = None
+        if self.main and config.progress_bar:
+            self.progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[status]}"),
+                TimeElapsedColumn(),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
+                console=Console(stderr=True),
+                transient=False,
+            )
+            self.task = self.progress.add_task(
+                "train", total=total, completed=first_done, status=""
+            )
+
+    def __enter__(self) -> Reporter:
+        if self.progress is not None:
+            self.progress.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+    def update(self, row: dict, tokens_per_step: int) -> None:
+        step = row["step"]
+        elapsed = time.perf_counter() - self.start
+        tokens_per_second = (step - self.first_done) * tokens_per_step / max(elapsed, 1e-9)
+        status = f"loss {row['loss']:.4f} {tokens_per_second:,.0f} tok/s"
+        if self.progress is not None:
+            self.progress.update(self.task, completed=step, status=status)
+        interval = self.config.log_interval
+        if step % interval == 0 or "val_loss" in row or step == self.first_done + 1:
+            val = f" val_loss {row['val_loss']:.4f}" if "val_loss" in row else ""
+            self.log(
+                f"step {step}/{self.total} loss {row['loss']:.4f}{val} "
+                f"lr {row['learning_rate']:.2e} {tokens_per_second:,.0f} tokens/s"
+            )
