@@ -79,10 +79,13 @@ def saved(tmp_path_factory):
     for index in range(2):
         state, _ = trainer.train_step(state, batch(trainer, index))
         checkpointer.save(index + 1, state, checkpoint_meta(trainer, (index + 1) * GLOBAL_BATCH))
-    saved_state, saved_arrays = host(state), jax.tree.leaves(state)
+    # A device-side copy: reading the state to the host here would give numpy views of the CPU
+    # buffers, and XLA does not donate buffers that have outside references.
+    saved_copy, saved_arrays = jax.tree.map(jnp.copy, state), jax.tree.leaves(state)
     state, metrics = trainer.train_step(state, batch(trainer, 2))
     assert all(array.is_deleted() for array in saved_arrays)  # donated while the save runs
     checkpointer.wait()
+    saved_state = host(saved_copy)
     checkpointer.close()
     return {
         "directory": directory,
@@ -301,9 +304,17 @@ def test_interrupted_save_is_ignored_and_cleaned_up(saved, tmp_path):
     partial = directory / "3.orbax-checkpoint-tmp-1700000000000000"
     shutil.copytree(directory / "2", partial)
     shutil.rmtree(partial / "meta")
+    target = restore_target(saved["trainer"])
+    # A reader (say, evaluating a running job) ignores it and leaves it alone.
+    with Checkpointer(directory, read_only=True) as reader:
+        assert reader.all_steps() == [1, 2]
+        assert reader.restore(None, target)[1]["step"] == 2
+        with pytest.raises(CheckpointError, match="read-only"):
+            reader.save(3, tiny_state(3), {})
+    assert partial.exists()
     with Checkpointer(directory) as checkpointer:
         assert checkpointer.all_steps() == [1, 2]
-        state, meta = checkpointer.restore(None, restore_target(saved["trainer"]))
+        state, meta = checkpointer.restore(None, target)
         assert meta["step"] == 2 and checkpointer.skipped == ()
     assert not partial.exists()
 

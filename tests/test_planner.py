@@ -83,38 +83,6 @@ def test_rows_give_every_layout_and_match_the_trainers_shardings():
 # --- model-state totals -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy", [DP, ZERO, FSDP], ids=planner.policy_name)
-def test_totals_equal_measured_arrays_and_the_zero_model_at_8_devices(policy):
-    config = gpt(*SMALL)
-    plan = planner.plan(GPTTrainer, config, policy, 8, alternatives=False)
-    assert [option.policy for option in plan.options] == [policy]
-    trainer = GPTTrainer(config, policy)
-    state = trainer.init_state()
-    device = trainer.mesh.devices.flat[0]
-    measured_params = device_bytes(state.params, device)
-    assert plan.totals.params == measured_params
-    assert plan.totals.optimizer == device_bytes(state.opt_state, device)
-    # The accumulator is float32 and parameter-shaped in the storage layout, as the params are.
-    assert plan.totals.grad_accumulator == measured_params
-    assert trainer.memory_facts().predicted_bytes == plan.totals.params + plan.totals.optimizer
-
-    psi, n = trainer.num_params, 8
-    closed = {"DP": 16 * psi, "ZeRO": 8 * psi + 8 * psi / n, "FSDP": 16 * psi / n}
-    cf = plan.closed_form
-    assert cf.kind == planner.policy_name(policy) and cf.psi == psi and cf.replicas == n
-    assert cf.predicted_bytes == pytest.approx(closed[cf.kind], abs=1e-6)
-    # Exactly the replicated leaves' bytes (and 8 bytes of Adam and schedule counters) apart.
-    replicated = sum(
-        math.prod(leaf.shape) for leaf in trainer.abstract_leaves
-        if leaf.names is None or leaf.names[-1] is None  # LayerNorms and n_embd-wide biases
-    )
-    assert cf.replicated_params == replicated == plan.replicated.num_params > 0
-    per_param = {"DP": 0, "ZeRO": 8, "FSDP": 16}[cf.kind]
-    assert cf.non_param_optimizer_bytes == 8
-    assert cf.gap == pytest.approx(per_param * replicated * (n - 1) / n + 8, abs=1e-6)
-    assert cf.gap == pytest.approx(cf.explained_gap, abs=1e-6)
-
-
 def test_totals_of_7_5b_parameters_on_64_and_256_devices_follow_the_zero_model():
     before = len(jax.live_arrays())
     for n in (64, 256):
@@ -147,7 +115,7 @@ def test_tp_options_shrink_what_tp_splits_and_leave_the_vocabulary_whole():
     zero, zero_tp8 = plan.option("ZeRO"), plan.option("ZeRO tp=8")
     assert zero_tp8.mesh_shape == {"batch": 8, "shard": 8} and zero_tp8.closed_form is None
     by_path = {path: row for row in plan.rows for path in row.paths}
-    unsplit = sum(by_path[p].num_params for p in ("wte", "wpe", "ln_f/scale", "ln_f/bias"))
+    unsplit = sum(by_path[p].params_per_tensor for p in ("wte", "wpe", "ln_f/scale", "ln_f/bias"))
     unsplit += sum(r.num_params for r in plan.rows if r.names == ("n_layer", None))
     split = plan.num_params - unsplit
     assert zero_tp8.totals.params == 4 * (unsplit + split // 8)
@@ -236,10 +204,6 @@ def test_budget_picks_the_least_communication_that_fits():
     assert reasons["FSDP"].startswith("fits (1.75 GiB) but communicates more than ZeRO")
     assert list(reasons)[0] == "DP" and len(reasons) == 12
 
-    small = planner.plan_for_budget(GPTTrainer, config, 64, planner.parse_bytes("10GiB"))
-    assert small.name == "FSDP" and small.totals.total < 10 * 2**30
-    assert "ZeRO: model state needs 56.5 GiB > budget" in small.render()
-
     with pytest.raises(ValueError, match="no valid policy fits 64 devices in 1 GiB") as failure:
         planner.plan_for_budget(GPTTrainer, config, 64, 2**30)
     assert "FSDP: model state needs 1.75 GiB > budget" in str(failure.value)
@@ -261,9 +225,10 @@ def test_parse_and_format_bytes():
     assert planner.format_bytes(512) == "512 B"
 
 
-# --- compiled step ----------------------------------------------------------------------------
+# --- measured at 8 devices: arrays, the compiled step and a real run ------------------------
 
-# Parameters dominate activations: wide layers, two examples of 8 tokens per replica.
+# Parameters dominate activations: wide layers, one example of 8 tokens per replica. All dims
+# divide by 8: n_embd 192, n_mlp 768, vocab 256, block_size 8.
 WIDE = (
     "model.vocab_size=256", "model.block_size=8", "model.n_layer=4", "model.n_head=4",
     "model.n_embd=192", "training.batch_size=16", "training.per_device_batch_size=1",
@@ -275,34 +240,55 @@ def compiled_plan(policy: ShardingPolicy) -> planner.Plan:
     return planner.plan(GPTTrainer, gpt(*WIDE), policy, 8, compile=True, alternatives=False)
 
 
-def test_compiled_peak_fsdp_below_zero_below_dp():
-    peaks = {}
-    for policy in (DP, ZERO, FSDP):
-        plan = compiled_plan(policy)
-        c = plan.compiled
-        assert c.peak == c.arguments + c.temporaries + c.outputs
-        # Arguments: the persistent state (and a small batch shard) as the planner laid it out.
-        persistent = plan.totals.params + plan.totals.optimizer
-        assert c.arguments == pytest.approx(persistent, rel=0.01)
-        peaks[plan.name] = c.peak
-        assert "compiled train step, per device" in plan.render()
-    assert peaks["FSDP"] < peaks["ZeRO"] < peaks["DP"], peaks
-
-
-def test_compiled_arguments_equal_the_persistent_bytes_of_a_real_run():
-    plan = compiled_plan(ZERO)
-    trainer = GPTTrainer(gpt(*WIDE), ZERO)
+@pytest.mark.parametrize("policy", [DP, ZERO, FSDP], ids=planner.policy_name)
+def test_totals_and_compiled_arguments_equal_a_real_run_at_8_devices(policy):
+    plan = compiled_plan(policy)
+    assert [option.policy for option in plan.options] == [policy]
+    trainer = GPTTrainer(gpt(*WIDE), policy)
     state = trainer.init_state()
+    device = trainer.mesh.devices.flat[0]
+    measured_params = device_bytes(state.params, device)
+    assert plan.totals.params == measured_params
+    assert plan.totals.optimizer == device_bytes(state.opt_state, device)
+    # The accumulator is float32 and parameter-shaped in the storage layout, as the params are.
+    assert plan.totals.grad_accumulator == measured_params
+    assert trainer.memory_facts().predicted_bytes == plan.totals.params + plan.totals.optimizer
+
+    # The closed-form ZeRO model, exactly the replicated leaves' bytes (and 8 bytes of Adam and
+    # schedule counters) apart.
+    psi, n = trainer.num_params, 8
+    closed = {"DP": 16 * psi, "ZeRO": 8 * psi + 8 * psi / n, "FSDP": 16 * psi / n}
+    cf = plan.closed_form
+    assert cf.kind == planner.policy_name(policy) and cf.psi == psi and cf.replicas == n
+    assert cf.predicted_bytes == pytest.approx(closed[cf.kind], abs=1e-6)
+    replicated = sum(
+        math.prod(leaf.shape) for leaf in trainer.abstract_leaves
+        if leaf.names is None or leaf.names[-1] is None  # LayerNorms and n_embd-wide biases
+    )
+    assert cf.replicated_params == replicated == plan.replicated.num_params > 0
+    per_param = {"DP": 0, "ZeRO": 8, "FSDP": 16}[cf.kind]
+    assert cf.non_param_optimizer_bytes == 8
+    assert cf.gap == pytest.approx(per_param * replicated * (n - 1) / n + 8, abs=1e-6)
+    assert cf.gap == pytest.approx(cf.explained_gap, abs=1e-6)
+
+    # A real step with the compiled executable; its persistent state is the argument bytes.
     batch_plan = trainer.batch_plan
     shape = (batch_plan.accumulation_steps, batch_plan.examples_per_microbatch, batch_plan.seq_len + 1)
     tokens = np.random.default_rng(0).integers(0, 256, shape)
     batch = trainer.put_batch(lambda examples: tokens[:, examples], shape)
-    state, metrics = trainer.train_step(state, batch)
-    assert np.isfinite(float(metrics["loss"]))
-    device = trainer.mesh.devices.flat[0]
+    state, metrics = plan.compiled.executable(state, batch)
+    assert np.isfinite(float(metrics["loss"])) and int(state.step) == 1
     measured = device_bytes(state, device)  # params, optimizer state, step and RNG key
     assert plan.compiled.arguments == pytest.approx(measured, rel=0.01)
     assert plan.compiled.arguments >= measured
+    c = plan.compiled
+    assert c.peak == c.arguments + c.temporaries + c.outputs
+    assert "compiled train step, per device" in plan.render()
+
+
+def test_compiled_peak_fsdp_below_zero_below_dp():
+    peaks = {planner.policy_name(p): compiled_plan(p).compiled.peak for p in (DP, ZERO, FSDP)}
+    assert peaks["FSDP"] < peaks["ZeRO"] < peaks["DP"], peaks
 
 
 # --- one line at the start of a run ---------------------------------------------------------
@@ -359,6 +345,7 @@ def test_cli_reads_a_yaml_config_with_overrides(tmp_path):
 def test_cli_budget_and_failures():
     ok = runner.invoke(app, ["plan", "--devices", "64", "--budget", "10GiB", *BIG])
     assert ok.exit_code == 0 and "chose FSDP, the least communication that fits" in ok.output
+    assert "ZeRO: model state needs 56.5 GiB > budget" in ok.output
     none = runner.invoke(app, ["plan", "--devices", "64", "--budget", "1GiB", *BIG])
     assert none.exit_code == 1 and "no valid policy fits" in none.output
     failing = runner.invoke(app, ["plan", "--devices", "8", "--fsdp", *SMALL, "model.vocab_size=257"])

@@ -197,6 +197,11 @@ class Checkpointer:
     collective). Saves are asynchronous: :meth:`save` returns once the arrays are copied off the
     devices, and the files are written in the background; :meth:`wait` blocks until they are
     committed. The last ``keep`` steps are kept.
+
+    ``read_only`` opens a directory another job may be writing (e.g. to evaluate a running
+    training job): nothing is created, removed or saved, and its temporary directories are left
+    alone. ``log`` receives the warnings (fallbacks, removals); the default is this module's
+    logger.
     """
 
     def __init__(
@@ -205,21 +210,27 @@ class Checkpointer:
         *,
         keep: int = 3,
         async_save: bool = True,
+        read_only: bool = False,
         log: Callable[[str], None] | None = None,
     ):
         if keep < 1:
             raise ValueError(f"keep={keep}: a checkpointer keeps at least one step")
         self.directory = Path(directory).absolute()
         self.keep = keep
+        self.read_only = read_only
         self._log = log if log is not None else logger.warning
         self._bad_steps: set[int] = set()
         self.skipped: tuple[SkippedCheckpoint, ...] = ()
+        if read_only and not self.directory.is_dir():
+            raise CheckpointError(f"no checkpoints in {self.directory}: it is not a directory")
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep,
+            max_to_keep=None if read_only else keep,
             enable_async_checkpointing=async_save,
-            create=True,
-            # Temporary directories are saves that never committed (e.g. a killed process).
-            cleanup_tmp_directories=True,
+            create=not read_only,
+            # Temporary directories are saves that never committed (e.g. a killed process). A
+            # reader leaves them alone: they may be a running job's saves in progress.
+            cleanup_tmp_directories=not read_only,
+            read_only=read_only,
             # Do not read every step's metadata on open: a damaged step must not stop the open.
             lightweight_initialize=True,
         )
@@ -260,6 +271,8 @@ class Checkpointer:
         Returns once the arrays are copied to host memory, so the caller may donate ``state`` to
         the next train step at once. Older steps beyond ``keep`` are removed after the commit.
         """
+        if self.read_only:
+            raise CheckpointError(f"{self.directory} was opened read-only; cannot save step {step}")
         step = int(step)
         meta = dict(meta)
         if meta.setdefault("step", step) != step:

@@ -261,13 +261,16 @@ class CompiledMemory:
     """Per-device bytes of the compiled train step (``memory_analysis()``), activations included.
 
     ``peak`` is the sum of arguments, temporaries and outputs; ``aliased`` of the output bytes
-    reuse donated argument buffers, so the sum is an upper bound by that much.
+    reuse donated argument buffers, so the sum is an upper bound by that much. ``executable`` is
+    the compiled step itself (callable on a state in the trainer's layouts; its HLO is
+    ``executable.as_text()``); it is not part of the JSON.
     """
 
     arguments: int
     temporaries: int
     outputs: int
     aliased: int
+    executable: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def peak(self) -> int:
@@ -821,6 +824,7 @@ def compiled_memory(trainer_or_compiled: BaseTrainer | jax.stages.Compiled) -> C
         temporaries=int(stats.temp_size_in_bytes),
         outputs=int(stats.output_size_in_bytes),
         aliased=int(stats.alias_size_in_bytes),
+        executable=compiled,
     )
 
 

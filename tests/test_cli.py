@@ -1,0 +1,218 @@
+"""The command line: bad input gets one paragraph, exit status 2, and loses no file; a run killed
+with SIGKILL resumes and matches an uninterrupted run."""
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from theseus.cli import app
+
+TINY = [
+    "model.n_layer=2",
+    "model.n_embd=32",
+    "model.n_head=4",
+    "model.block_size=16",
+    "training.batch_size=16",
+    "training.per_device_batch_size=2",
+    "training.steps=4",
+    "training.validation_interval=2",
+    "training.validation_batches=1",
+    "checkpointing.interval=2",
+    "logging.progress_bar=false",
+]
+
+
+def invoke(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def snapshot(directory: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
+
+
+def assert_user_error(result, *fragments):
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    assert result.output.startswith("error: ")
+    for fragment in fragments:
+        assert fragment in result.output, result.output
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("cli") / "run"
+    result = invoke("train", "--out", run_dir, *TINY)
+    assert result.exit_code == 0, result.output
+    assert "batch: 2 per replica × 8 replicas × 1 accumulation steps = 16 examples" in result.output
+    return run_dir
+
+
+@pytest.fixture
+def run_copy(finished_run, tmp_path):
+    target = tmp_path / "run"
+    shutil.copytree(finished_run, target)
+    return target
+
+
+def test_help_explains_flags():
+    result = invoke("train", "--help")
+    assert result.exit_code == 0
+    for flag in ("--tp", "--fsdp", "--zero", "--cpu-devices", "--steps", "--seed", "--out",
+                 "--resume", "--overwrite"):
+        assert flag in result.output
+    for command in ("run", "configure", "jobs", "plot"):
+        assert invoke(command, "--help").exit_code == 0
+
+
+def test_jobs_lists_registered_jobs():
+    result = invoke("jobs")
+    assert result.exit_code == 0
+    assert "gpt/train/pretrain" in result.output and "gpt/evaluate" in result.output
+
+
+def test_missing_and_empty_data_path(tmp_path):
+    out = tmp_path / "out"
+    assert_user_error(invoke("train", "--out", out, *TINY, f"data.path={tmp_path}/nope.txt"),
+                      "nope.txt")
+    (tmp_path / "empty.txt").write_text("")
+    assert_user_error(invoke("train", "--out", out, *TINY, f"data.path={tmp_path}/empty.txt"),
+                      "empty.txt")
+    assert not out.exists()
+
+
+def test_bad_sharding_and_config(tmp_path):
+    out = tmp_path / "out"
+    cases = [
+        (["--tp", "3"], ["tp=3 does not divide the 8 local devices"]),
+        (["--fsdp", "--no-zero"], ["FSDP requires ZeRO"]),
+        (["--fsdp", "model.n_embd=100"], ["blocks/attn_q/kernel: shape (2, 100, 100)", "batch=8"]),
+        (["training.batch_size=30"], ["batch_size=30", "per_device_batch_size=2", "8 replicas"]),
+        (["training.bogus=1"], ["unknown config key 'training.bogus'", "accepted keys"]),
+        (["--job", "nope/train"], ["unknown job 'nope/train'"]),
+    ]
+    for extra, fragments in cases:
+        assert_user_error(invoke("train", "--out", out, *TINY, *extra), *fragments)
+    assert not out.exists()
+
+
+def test_refuses_to_mix_runs(run_copy):
+    before = snapshot(run_copy)
+    assert_user_error(invoke("train", "--out", run_copy, *TINY), "already holds a run",
+                      "--resume", "--overwrite")
+    assert snapshot(run_copy) == before
+
+
+def test_incompatible_checkpoint_keeps_files(run_copy):
+    before = snapshot(run_copy)
+    extra = [*TINY, "model.n_embd=40", "--resume"]
+    assert_user_error(invoke("train", "--out", run_copy, *extra), "checkpoint")
+    assert snapshot(run_copy) == before
+
+
+def test_damaged_checkpoints(run_copy):
+    # Damage the newest step: resume falls back to the previous good one.
+    newest = run_copy / "checkpoints" / "4"
+    for path in newest.rglob("*"):
+        if path.is_file() and path.stat().st_size > 0 and "meta" not in str(path):
+            path.write_bytes(b"\0" * path.stat().st_size)
+    result = invoke("train", "--out", run_copy, *TINY, "--resume")
+    assert result.exit_code == 0, result.output
+    assert "resumed from step 2" in result.output
+    # Damage every step: resume fails and leaves the files alone.
+    for step in (run_copy / "checkpoints").iterdir():
+        for path in step.rglob("*"):
+            if path.is_file() and path.stat().st_size > 0:
+                path.write_bytes(b"garbage")
+    before = snapshot(run_copy)
+    assert_user_error(invoke("train", "--out", run_copy, *TINY, "--resume"), "checkpoint")
+    assert snapshot(run_copy) == before
+
+
+def test_resume_without_checkpoints(tmp_path):
+    assert_user_error(invoke("train", "--out", tmp_path, *TINY, "--resume"), "nothing to resume")
+
+
+def test_overwrite_replaces_previous_run(run_copy):
+    (run_copy / "notes.txt").write_text("mine")
+    result = invoke("train", "--out", run_copy, *TINY, "--overwrite", "training.steps=2")
+    assert result.exit_code == 0, result.output
+    rows = (run_copy / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["step"] for r in rows] == [1, 2]
+    assert (run_copy / "notes.txt").read_text() == "mine"  # not a theseus file: kept
+
+
+def test_configure_run_and_plot(tmp_path):
+    chain_file = tmp_path / "chain.yaml"
+    result = invoke("configure", "gpt/train/pretrain", chain_file, *TINY, "--tp", "2",
+                    "--then", "gpt/evaluate")
+    assert result.exit_code == 0, result.output
+    assert_user_error(invoke("configure", "gpt/train/pretrain", chain_file), "exists")
+    result = invoke("run", chain_file, tmp_path / "out", "--fsdp")
+    assert result.exit_code == 0, result.output
+    run = json.loads((tmp_path / "out" / "00-gpt-train-pretrain" / "run.json").read_text())
+    assert run["policy"]["tp"] == 2 and run["policy"]["fsdp"] is True
+    assert (tmp_path / "out" / "01-gpt-evaluate" / "eval.json").is_file()
+    result = invoke("plot", tmp_path / "out" / "00-gpt-train-pretrain")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "out" / "00-gpt-train-pretrain" / "loss.png").stat().st_size > 1000
+
+
+def cli_env():
+    env = dict(os.environ)
+    # The subprocess picks its own device count with --cpu-devices.
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(
+        "--xla_force_host_platform_device_count=8", ""
+    )
+    return env
+
+
+def cli(*args):
+    return [sys.executable, "-m", "theseus.cli", *[str(a) for a in args]]
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
+    args = ["--cpu-devices", "4", "--tp", "2", "--fsdp", *TINY, "training.steps=40",
+            "checkpointing.interval=5", "checkpointing.async_save=true"]
+    full = tmp_path / "full"
+    subprocess.run(cli("train", "--out", full, *args), env=cli_env(), check=True,
+                   capture_output=True, timeout=600)
+    killed = tmp_path / "killed"
+    process = subprocess.Popen(cli("train", "--out", killed, *args), env=cli_env(),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    try:
+        while time.time() < deadline:
+            steps = [int(p.name) for p in (killed / "checkpoints").glob("*") if p.name.isdigit()]
+            if steps and max(steps) >= 10:
+                break
+            assert process.poll() is None, "the run ended before it could be killed"
+            time.sleep(0.05)
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == -signal.SIGKILL
+    subprocess.run(cli("train", "--out", killed, *args, "--resume"), env=cli_env(), check=True,
+                   capture_output=True, timeout=600)
+
+    def losses(run_dir):
+        rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: (r["loss"], r.get("val_loss")) for r in rows}
+
+    full_losses, resumed_losses = losses(full), losses(killed)
+    assert sorted(resumed_losses) == list(range(1, 41))
+    assert resumed_losses == full_losses
