@@ -105,6 +105,9 @@ def test_totals_of_7_5b_parameters_on_64_and_256_devices_follow_the_zero_model()
         assert plan.option("DP").totals.total == 16 * psi + 8
     # The ZeRO paper: 7.5B parameters at 16 bytes each over 64 devices is about 1.9 GB.
     fsdp_64 = big_plan(64).option("FSDP").totals.total
+    # The side-by-side figures equal the plan of that policy itself (its trainer built).
+    alone = planner.plan(GPTTrainer, gpt(*BIG), FSDP, 64, alternatives=False)
+    assert alone.totals == big_plan(64).option("FSDP").totals and alone.verdict.ok
     assert fsdp_64 == pytest.approx(16 * 7.5e9 / 64, rel=0.01)
     assert 1.8e9 < fsdp_64 < 1.9e9
     assert len(jax.live_arrays()) == before  # shapes only: nothing was allocated
@@ -151,6 +154,25 @@ def test_batch_error_comes_first_and_the_layout_error_is_also_given():
     plan = planner.plan(GPTTrainer, config, FSDP, 8)
     assert plan.verdict.error.startswith("training.batch_size=12 cannot be split")
     assert "wte: shape (257, 48)" in plan.verdict.also
+
+
+def test_every_policys_verdict_is_what_its_trainer_raises_on_real_devices():
+    config = gpt(*SMALL, "model.vocab_size=258", "training.batch_size=8")
+    plan = planner.plan(GPTTrainer, config, ZERO, 8)
+    verdicts = {}
+    for option in plan.options:
+        try:
+            GPTTrainer(config, option.policy, Topology.new(option.policy))
+            error = None
+        except ValueError as failure:
+            error = str(failure)
+        assert option.verdict.error == error, option.name
+        verdicts[option.name] = option.verdict.summary
+    # 8 examples do not split into 8 replicas of 2; vocab 258 divides by 2, not by batch=4.
+    assert verdicts["DP"].startswith("training.batch_size=8 cannot be split")
+    assert verdicts["ZeRO tp=2"].startswith("Layout check failed")
+    assert verdicts["DP tp=2"] == verdicts["ZeRO tp=4"] == "ok"
+    assert "wte: shape (258, 48)" in plan.verdict.also
 
 
 def test_bad_input_raises_actionable_value_errors():

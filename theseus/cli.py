@@ -103,8 +103,11 @@ def sharding_changes(
 
 
 def import_modules(modules: list[str] | None) -> None:
+    """Import the user's modules (which register jobs); the working directory is searched too."""
     import importlib
 
+    if modules and "" not in sys.path and str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
     for module in modules or ():
         importlib.import_module(module)
 

@@ -56,7 +56,7 @@ from theseus.base.axis import MESH_AXES, PHASES, Axis, Phase, ShardingPolicy, pa
 from theseus.base.layout import LayoutError, check_layouts, optimizer_layout, resolve_layouts
 from theseus.base.topology import Topology
 from theseus.config import apply_overrides
-from theseus.training.base import BaseTrainer, TrainerConfig, shard_bytes
+from theseus.training.base import BaseTrainer, TrainerConfig, plan_batch, shard_bytes
 
 #: Above this share of parameters replicated across ``batch``, the largest such tensors are named.
 REPLICATED_WARNING_SHARE = 0.02
@@ -621,28 +621,44 @@ def _option(
     num_devices: int,
     devices_per_host: int,
     rank: int,
+    *,
+    build: bool,
 ) -> tuple[PolicyOption, BaseTrainer | None]:
-    """Build the real trainer on an abstract mesh for the verdict; totals from its layouts, or
-    (when it fails for a reason other than layouts, e.g. the batch) from the shape trainer."""
+    """One policy's mesh, totals and verdict.
+
+    With ``build``, the verdict is whatever constructing the trainer on the abstract mesh raises
+    (exactly what a training run raises). Without it (the side-by-side policies), the same checks
+    the constructor runs, in its order — the mesh, the batch plan, the layout check — run on the
+    shape trainer's abstract state, which is much faster. When a non-layout error comes first,
+    the layout check's error (if any) is kept as ``also``.
+    """
     mesh_shape = {Axis.BATCH: num_devices // policy.tp, Axis.SHARD: policy.tp}
-    trainer = None
     try:
-        trainer = trainer_class(config, policy, abstract_topology(policy, num_devices, devices_per_host))
-        verdict = Verdict(True)
+        topology = abstract_topology(policy, num_devices, devices_per_host)
     except ValueError as error:
-        verdict = Verdict(False, str(error))
-    if trainer is not None:
-        totals = model_state_totals(trainer)
-    elif num_devices % policy.tp or devices_per_host % policy.tp:
-        totals = None
-    else:
-        mesh = abstract_topology(policy, num_devices, devices_per_host).mesh
+        return PolicyOption(policy, mesh_shape, None, Verdict(False, str(error)), rank), None
+    totals, layout_error, trainer, verdict = None, None, None, Verdict(True)
+    try:
+        totals = model_state_totals(shapes, policy, topology.mesh)
+    except LayoutError as error:
+        layout_error = str(error)
+    if build:
         try:
-            totals = model_state_totals(shapes, policy, mesh)
-        except LayoutError as error:
-            totals = None
-            if not verdict.error.startswith("Layout check failed"):
-                verdict = Verdict(False, verdict.error, str(error))
+            trainer = trainer_class(config, policy, topology)
+        except ValueError as error:
+            verdict = Verdict(False, str(error))
+        else:
+            totals = model_state_totals(trainer)
+    else:
+        try:
+            plan_batch(config.training, topology, shapes.seq_len)
+        except ValueError as error:
+            verdict = Verdict(False, str(error))
+        else:
+            if layout_error is not None:
+                verdict = Verdict(False, layout_error)
+    if not verdict.ok and layout_error is not None and layout_error != verdict.error:
+        verdict = Verdict(False, verdict.error, layout_error)
     zero_model = closed_form(shapes, policy, mesh_shape[Axis.BATCH], totals)
     return PolicyOption(policy, mesh_shape, totals, verdict, rank, zero_model), trainer
 
@@ -688,7 +704,14 @@ def plan(
     options, chosen, trainer = [], None, None
     for rank, candidate in enumerate(candidates):
         option, built = _option(
-            trainer_class, config, shapes, candidate, num_devices, per_host, rank
+            trainer_class,
+            config,
+            shapes,
+            candidate,
+            num_devices,
+            per_host,
+            rank,
+            build=candidate == policy,
         )
         options.append(option)
         if candidate == policy:
@@ -764,8 +787,10 @@ def plan_for_budget(
                 num_devices,
                 devices_per_host=devices_per_host,
                 compile=compile,
-                alternatives=False,
             )
+        if not candidate.verdict.ok:
+            reasons.append((option.name, f"invalid: {candidate.verdict.summary}"))
+            continue
         if compile and candidate.compiled.peak > budget:
             reasons.append(
                 (option.name, f"compiled peak needs {_bytes(candidate.compiled.peak)} > budget")

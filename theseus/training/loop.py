@@ -274,7 +274,8 @@ def evaluate(
         )
     corpus = load_data(trainer)
     validation = validation_array(trainer, corpus)
-    with Checkpointer(source / CHECKPOINTS, log=log) as checkpointer:
+    # Read-only: a training job may still be saving there.
+    with Checkpointer(source / CHECKPOINTS, read_only=True, log=log) as checkpointer:
         state, meta = checkpointer.restore(None, restore_target(trainer))
     val_loss = float(trainer.validation_step(state.params, validation))
     out_dir.mkdir(parents=True, exist_ok=True)
