@@ -20,6 +20,7 @@ from theseus.base.layout import LayoutError
 from theseus.base.topology import Topology
 from theseus.cli import app
 from theseus.config import apply_overrides, save_yaml
+from theseus.jobs import register_job
 from theseus.training.base import device_bytes
 from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
 
@@ -33,14 +34,24 @@ def gpt(*overrides: str) -> GPTTrainerConfig:
 
 # Distinct dims, all dividing 8: n_embd 48, n_mlp 192, vocab 264, block_size 40.
 SMALL = (
-    "model.vocab_size=264", "model.block_size=40", "model.n_layer=3", "model.n_head=4",
-    "model.n_embd=48", "training.batch_size=16", "training.per_device_batch_size=2",
+    "model.vocab_size=264",
+    "model.block_size=40",
+    "model.n_layer=3",
+    "model.n_head=4",
+    "model.n_embd=48",
+    "training.batch_size=16",
+    "training.per_device_batch_size=2",
     "training.seq_len=16",
 )
 # About 7.5B parameters; the vocabulary is padded to a multiple of 256 (50304 is not one).
 BIG = (
-    "model.vocab_size=50432", "model.block_size=2048", "model.n_layer=36", "model.n_head=32",
-    "model.n_embd=4096", "training.batch_size=256", "training.per_device_batch_size=1",
+    "model.vocab_size=50432",
+    "model.block_size=2048",
+    "model.n_layer=36",
+    "model.n_head=32",
+    "model.n_embd=4096",
+    "training.batch_size=256",
+    "training.per_device_batch_size=1",
 )
 
 
@@ -64,7 +75,9 @@ def test_rows_give_every_layout_and_match_the_trainers_shardings():
     assert str(qkv.compute_spec) == "P(None, None, 'shard')"
     assert str(qkv.storage_spec) == str(qkv.update_spec) == "P(None, None, ('shard', 'batch'))"
     assert (qkv.compute_shard, qkv.storage_shard, qkv.update_shard) == (
-        (3, 48, 24), (3, 48, 6), (3, 48, 6)
+        (3, 48, 24),
+        (3, 48, 6),
+        (3, 48, 6),
     )
     assert by_path["wte"].storage_shard == (66, 48) and by_path["wte"].compute_shard == (264, 48)
     assert by_path["ln_f/scale"].replicated_over_batch and not qkv.replicated_over_batch
@@ -91,7 +104,9 @@ def test_totals_of_7_5b_parameters_on_64_and_256_devices_follow_the_zero_model()
         psi = plan.num_params
         assert psi == pytest.approx(7.46e9, rel=0.005)
         for name, formula in (
-            ("DP", 16 * psi), ("ZeRO", 8 * psi + 8 * psi / n), ("FSDP", 16 * psi / n)
+            ("DP", 16 * psi),
+            ("ZeRO", 8 * psi + 8 * psi / n),
+            ("FSDP", 16 * psi / n),
         ):
             option = plan.option(name)
             cf = option.closed_form
@@ -205,7 +220,8 @@ def test_replicated_share_names_the_largest_tensors_above_two_percent():
     plan = planner.plan(NoMlpZeroTrainer, gpt(*SMALL), FSDP, 8)
     share = plan.replicated
     assert share.fraction > 0.5
-    assert [path for path, _, _ in share.largest[:2]] == ["blocks/mlp_fc/kernel", "blocks/mlp_proj/kernel"]
+    largest = [path for path, _, _ in share.largest[:2]]
+    assert largest == ["blocks/mlp_fc/kernel", "blocks/mlp_proj/kernel"]
     assert share.largest[0][1:] == ((3, 48, 192), 3 * 48 * 192)
     text = plan.render()
     assert "largest: blocks/mlp_fc/kernel (3, 48, 192)" in text
@@ -224,7 +240,7 @@ def test_budget_picks_the_least_communication_that_fits():
     reasons = dict(chosen.budget.reasons)
     assert reasons["DP"].startswith("model state needs 111 GiB > budget")
     assert reasons["FSDP"].startswith("fits (1.75 GiB) but communicates more than ZeRO")
-    assert list(reasons)[0] == "DP" and len(reasons) == 12
+    assert next(iter(reasons)) == "DP" and len(reasons) == 12
 
     with pytest.raises(ValueError, match="no valid policy fits 64 devices in 1 GiB") as failure:
         planner.plan_for_budget(GPTTrainer, config, 64, 2**30)
@@ -252,8 +268,13 @@ def test_parse_and_format_bytes():
 # Parameters dominate activations: wide layers, one example of 8 tokens per replica. All dims
 # divide by 8: n_embd 192, n_mlp 768, vocab 256, block_size 8.
 WIDE = (
-    "model.vocab_size=256", "model.block_size=8", "model.n_layer=4", "model.n_head=4",
-    "model.n_embd=192", "training.batch_size=16", "training.per_device_batch_size=1",
+    "model.vocab_size=256",
+    "model.block_size=8",
+    "model.n_layer=4",
+    "model.n_head=4",
+    "model.n_embd=192",
+    "training.batch_size=16",
+    "training.per_device_batch_size=1",
 )
 
 
@@ -284,7 +305,8 @@ def test_totals_and_compiled_arguments_equal_a_real_run_at_8_devices(policy):
     assert cf.kind == planner.policy_name(policy) and cf.psi == psi and cf.replicas == n
     assert cf.predicted_bytes == pytest.approx(closed[cf.kind], abs=1e-6)
     replicated = sum(
-        math.prod(leaf.shape) for leaf in trainer.abstract_leaves
+        math.prod(leaf.shape)
+        for leaf in trainer.abstract_leaves
         if leaf.names is None or leaf.names[-1] is None  # LayerNorms and n_embd-wide biases
     )
     assert cf.replicated_params == replicated == plan.replicated.num_params > 0
@@ -294,8 +316,8 @@ def test_totals_and_compiled_arguments_equal_a_real_run_at_8_devices(policy):
     assert cf.gap == pytest.approx(cf.explained_gap, abs=1e-6)
 
     # A real step with the compiled executable; its persistent state is the argument bytes.
-    batch_plan = trainer.batch_plan
-    shape = (batch_plan.accumulation_steps, batch_plan.examples_per_microbatch, batch_plan.seq_len + 1)
+    bp = trainer.batch_plan
+    shape = (bp.accumulation_steps, bp.examples_per_microbatch, bp.seq_len + 1)
     tokens = np.random.default_rng(0).integers(0, 256, shape)
     batch = trainer.put_batch(lambda examples: tokens[:, examples], shape)
     state, metrics = plan.compiled.executable(state, batch)
@@ -352,16 +374,31 @@ def test_cli_text_and_json_agree_with_the_planner():
     assert data["policy"]["name"] == "FSDP tp=2" and data["mesh"] == {"batch": 4, "shard": 2}
 
 
-def test_cli_reads_a_yaml_config_with_overrides(tmp_path):
-    path = tmp_path / "job.yaml"
+def test_cli_reads_a_config_yaml_a_chain_yaml_and_registered_jobs(tmp_path):
+    path = tmp_path / "config.yaml"
     save_yaml(gpt(*SMALL, "model.n_layer=5"), path)
     result = runner.invoke(app, ["plan", str(path), "--devices", "8", "--json", "model.n_head=6"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
-    assert data["num_params"] == planner.plan(
-        GPTTrainer, gpt(*SMALL, "model.n_layer=5", "model.n_head=6"), ZERO, 8
-    ).num_params
-    assert data["rows"][0]["shape"][0] == 5
+    expected = planner.plan(GPTTrainer, gpt(*SMALL, "model.n_layer=5", "model.n_head=6"), ZERO, 8)
+    assert data["num_params"] == expected.num_params and data["rows"][0]["shape"][0] == 5
+
+    # A chain from `theseus configure` brings its job, config and policy; flags merge into it.
+    chain_file = tmp_path / "chain.yaml"
+    configured = runner.invoke(
+        app, ["configure", "gpt/train/pretrain", str(chain_file), "--tp", "2", *SMALL]
+    )
+    assert configured.exit_code == 0, configured.output
+    result = runner.invoke(app, ["plan", str(chain_file), "--devices", "8", "--json", "--fsdp"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["policy"]["name"] == "FSDP tp=2" and data["trainer"] == "GPTTrainer"
+
+    # Any registered job plans with its own trainer and plan.
+    register_job("test/planner-no-mlp-zero", NoMlpZeroTrainer, "GPT without MLP ZeRO rules")
+    result = runner.invoke(app, ["plan", "test/planner-no-mlp-zero", "--devices", "8", *SMALL])
+    assert result.exit_code == 0, result.output
+    assert "plan: NoMlpZeroTrainer" in result.output and "largest: blocks/mlp_fc" in result.output
 
 
 def test_cli_budget_and_failures():
@@ -370,7 +407,9 @@ def test_cli_budget_and_failures():
     assert "ZeRO: model state needs 56.5 GiB > budget" in ok.output
     none = runner.invoke(app, ["plan", "--devices", "64", "--budget", "1GiB", *BIG])
     assert none.exit_code == 1 and "no valid policy fits" in none.output
-    failing = runner.invoke(app, ["plan", "--devices", "8", "--fsdp", *SMALL, "model.vocab_size=257"])
+    failing = runner.invoke(
+        app, ["plan", "--devices", "8", "--fsdp", *SMALL, "model.vocab_size=257"]
+    )
     assert failing.exit_code == 1 and "Layout check failed" in failing.output
     for bad, message in (
         (["--tp", "3"], "tp=3 does not divide 8 devices"),
@@ -378,7 +417,8 @@ def test_cli_budget_and_failures():
         (["--budget", "12XB"], "not a byte count"),
         (["--budget", "80GiB", "--fsdp"], "--budget chooses the policy itself"),
         (["--no-zero", "--fsdp"], "fsdp=True requires zero=True"),
-        (["nosuchjob"], "unknown job 'nosuchjob'"),
+        (["nosuchjob"], "unknown job 'nosuchjob'; registered jobs:"),
+        (["--zero", "--budget", "1GiB"], "--budget chooses the policy itself"),
     ):
         result = runner.invoke(app, ["plan", "--devices", "8", *bad])
         assert result.exit_code == 2, (bad, result.output)
@@ -392,9 +432,24 @@ def test_cli_compile_in_a_fresh_process_simulates_the_devices():
     env["PYTHONPATH"] = str(REPO)
     small = [*WIDE, "model.n_layer=1", "model.n_embd=64", "training.batch_size=4"]
     result = subprocess.run(
-        [sys.executable, "-m", "theseus.cli", "plan", "--compile", "--devices", "4", "--fsdp",
-         "--json", *small],
-        capture_output=True, text=True, env=env, timeout=120, cwd=REPO,
+        [
+            sys.executable,
+            "-m",
+            "theseus.cli",
+            "plan",
+            "--compile",
+            "--devices",
+            "4",
+            "--fsdp",
+            "--json",
+            *small,
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=REPO,
     )
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)

@@ -52,6 +52,16 @@ Resume = Annotated[
 Overwrite = Annotated[
     bool, typer.Option("--overwrite", help="replace a previous run in the output directory")
 ]
+Coordinator = Annotated[
+    str | None,
+    typer.Option(help="HOST:PORT of process 0: run as one process of a multi-process job"),
+]
+NumProcesses = Annotated[
+    int | None, typer.Option(help="processes in the multi-process job (with --coordinator)", min=1)
+]
+ProcessId = Annotated[
+    int | None, typer.Option(help="this process's index, 0 .. num-processes - 1", min=0)
+]
 Imports = Annotated[
     list[str] | None,
     typer.Option("--import", help="Python module to import first (registers your own jobs)"),
@@ -66,6 +76,31 @@ def use_cpu_devices(count: int | None) -> None:
 
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", count)
+
+
+def start_distributed(
+    coordinator: str | None, num_processes: int | None, process_id: int | None
+) -> None:
+    """Join a multi-process job through JAX's distributed runtime (before any JAX operation)."""
+    if coordinator is None:
+        if num_processes is not None or process_id is not None:
+            fail("--num-processes and --process-id need --coordinator HOST:PORT")
+        return
+    if num_processes is None or process_id is None:
+        fail("--coordinator needs --num-processes and --process-id")
+    if process_id >= num_processes:
+        fail(f"--process-id {process_id} is not below --num-processes {num_processes}")
+    import jax
+
+    host = coordinator.rsplit(":", 1)[0]
+    loopback = host in ("127.0.0.1", "localhost", "[::1]")
+    jax.distributed.initialize(
+        coordinator_address=coordinator,
+        num_processes=num_processes,
+        process_id=process_id,
+        # On one machine the coordinator listens on loopback only.
+        coordinator_bind_address=coordinator if loopback else None,
+    )
 
 
 def fail(message: str) -> None:
@@ -87,6 +122,14 @@ def user_errors() -> Iterator[None]:
         fail(describe_validation_error(error))
     except (ValueError, TypeError, FileNotFoundError, ModuleNotFoundError) as error:
         fail(str(error))
+
+
+def echo_on_main(text: str) -> None:
+    """Print on the first process only (every process of a multi-process job runs the CLI)."""
+    import jax
+
+    if jax.process_index() == 0:
+        typer.echo(text)
 
 
 def sharding_changes(
@@ -134,9 +177,13 @@ def train(
     resume: Resume = False,
     overwrite: Overwrite = False,
     imports: Imports = None,
+    coordinator: Coordinator = None,
+    num_processes: NumProcesses = None,
+    process_id: ProcessId = None,
 ) -> None:
     """Train a job (the default GPT on built-in data unless data.path is given)."""
     use_cpu_devices(cpu_devices)
+    start_distributed(coordinator, num_processes, process_id)
     extra = list(overrides or [])
     if steps is not None:
         extra.append(f"training.steps={steps}")
@@ -152,7 +199,7 @@ def train(
         session = quick(job, out, resume=resume, overwrite=overwrite).override(*extra)
         session.shard(**sharding_changes(tp, zero, fsdp, activation_checkpointing))
         summary = session()
-    typer.echo(summary.describe())
+    echo_on_main(summary.describe())
 
 
 @app.command()
@@ -167,9 +214,13 @@ def run(
     resume: Resume = False,
     overwrite: Overwrite = False,
     imports: Imports = None,
+    coordinator: Coordinator = None,
+    num_processes: NumProcesses = None,
+    process_id: ProcessId = None,
 ) -> None:
     """Run an execution chain saved as YAML; sharding flags merge into its policy."""
     use_cpu_devices(cpu_devices)
+    start_distributed(coordinator, num_processes, process_id)
     with user_errors():
         import_modules(imports)
         from theseus.execution import Chain
@@ -179,7 +230,7 @@ def run(
         )
         results = chain.run(out, resume=resume, overwrite=overwrite)
     for result in results:
-        typer.echo(result.describe())
+        echo_on_main(result.describe())
 
 
 @app.command()
@@ -243,28 +294,22 @@ def plan_command(
     arguments: Annotated[
         list[str] | None,
         typer.Argument(
-            help="optional JOB (gpt, the default) or CONFIG.yaml, then dotted config overrides, "
-            "e.g. model.n_layer=36 training.per_device_batch_size=1",
+            help="optional JOB (a registered job, default gpt/train/pretrain) or CONFIG.yaml (a "
+            "chain from `theseus configure`, or a GPT config), then dotted config overrides",
             show_default=False,
         ),
     ] = None,
     devices: Annotated[
         int | None,
-        typer.Option(help="devices to plan for (any number; default: this machine's)", min=1),
+        typer.Option(help="devices to plan for, any number [default: this machine's]", min=1),
     ] = None,
-    tp: Annotated[int, typer.Option(help="tensor-parallel devices per replica")] = 1,
-    zero: Annotated[
-        bool, typer.Option(help="partition optimizer state and the update over batch (ZeRO)")
-    ] = True,
-    fsdp: Annotated[
-        bool, typer.Option(help="also partition stored parameters over batch (needs ZeRO)")
-    ] = False,
-    activation_checkpointing: Annotated[
-        bool, typer.Option(help="recompute each layer's activations in the backward pass")
-    ] = False,
+    tp: TP = None,
+    zero: Zero = None,
+    fsdp: FSDP = None,
+    activation_checkpointing: ActivationCheckpointing = None,
     devices_per_host: Annotated[
         int | None,
-        typer.Option(help="devices of one host; TP stays within a host (default min(devices, 8))"),
+        typer.Option(help="devices of one host; TP stays within a host [default: min(devices, 8)]"),
     ] = None,
     compile_step: Annotated[
         bool,
@@ -278,85 +323,91 @@ def plan_command(
         str | None,
         typer.Option(
             help="per-device memory, e.g. 80GiB: pick the valid policy with the least "
-            "communication that fits (replaces --tp/--fsdp/--no-zero)"
+            "communication that fits (instead of --tp/--zero/--fsdp)"
         ),
     ] = None,
     json_output: Annotated[
         bool, typer.Option("--json", help="print the plan as JSON, for tools")
     ] = False,
+    imports: Imports = None,
 ) -> None:
     """Plan before you train: every layout and the per-device memory, from shapes only.
 
-    Exit status: 0 when the plan passes the pre-flight check, 1 when it does not (or no policy
-    fits the budget), 2 on bad input.
+    Exits 1 when the pre-flight check fails or no policy fits the budget, 2 on bad input.
     """
     if compile_step:
-        try:
-            use_cpu_devices(devices)
-        except RuntimeError:
-            pass  # JAX already started (embedded use): its devices are checked when compiling
+        with contextlib.suppress(RuntimeError):  # JAX already started (embedded use): its
+            use_cpu_devices(devices)  # devices are checked when compiling
     import json
 
-    from theseus.base.axis import ShardingPolicy
-    from theseus.config import apply_overrides, load_yaml
-    from theseus.planner import parse_bytes, plan, plan_for_budget
-    from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
-
+    changes = sharding_changes(tp, zero, fsdp, activation_checkpointing)
     rest = list(arguments or [])
-    source = "gpt"
-    if rest and "=" not in rest[0]:
-        source = rest.pop(0)
-    try:
+    source = rest.pop(0) if rest and "=" not in rest[0] else "gpt/train/pretrain"
+    no_fit = None
+    with user_errors():
+        import_modules(imports)
+        from theseus.base.axis import ShardingPolicy
+        from theseus.config import apply_overrides, load_yaml
+        from theseus.execution import Chain
+        from theseus.jobs import get_job
+        from theseus.planner import parse_bytes, plan, plan_for_budget
+        from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
+
+        policy = ShardingPolicy()
         if source.endswith((".yaml", ".yml")) or Path(source).is_file():
-            config = load_yaml(GPTTrainerConfig, source)
-        elif source == "gpt":
-            config = GPTTrainerConfig()
+            import yaml
+
+            try:
+                data = yaml.safe_load(Path(source).read_text())
+            except (OSError, yaml.YAMLError) as error:
+                raise ValueError(f"cannot read {source}: {error}") from None
+            if isinstance(data, dict) and "steps" in data:
+                chain = Chain.from_dict(data, where=source)
+                trainer_class = get_job(chain.steps[0].job).trainer_class
+                config, policy = chain.steps[0].config, chain.policy
+            else:
+                trainer_class, config = GPTTrainer, load_yaml(GPTTrainerConfig, source)
         else:
-            raise ValueError(
-                f"unknown job {source!r}; give gpt (the default) or the path of a .yaml config "
-                "(a missing file reads as a job name)."
-            )
+            trainer_class = get_job(source).trainer_class
+            config = trainer_class.config_class()
         config = apply_overrides(config, rest)
         if devices is None:
             import jax
 
             devices = jax.device_count()
         if budget is not None:
-            if tp != 1 or fsdp or not zero:
+            if {"tp", "zero", "fsdp"} & set(changes):
                 raise ValueError(
-                    "--budget chooses the policy itself; drop --tp, --fsdp and --no-zero (or drop "
-                    "--budget to plan one policy)."
+                    "--budget chooses the policy itself; drop --tp, --zero/--no-zero and "
+                    "--fsdp/--no-fsdp (or drop --budget to plan one policy)."
                 )
-            result = plan_for_budget(
-                GPTTrainer,
-                config,
-                devices,
-                parse_bytes(budget),
-                devices_per_host=devices_per_host,
-                activation_checkpointing=activation_checkpointing,
-                compile=compile_step,
-            )
+            try:
+                result = plan_for_budget(
+                    trainer_class,
+                    config,
+                    devices,
+                    parse_bytes(budget),
+                    devices_per_host=devices_per_host,
+                    activation_checkpointing=policy.merge(**changes).activation_checkpointing,
+                    compile=compile_step,
+                )
+            except ValueError as error:
+                if not str(error).startswith("no valid policy fits"):
+                    raise
+                no_fit = str(error)
         else:
-            policy = ShardingPolicy(
-                tp=tp, zero=zero, fsdp=fsdp, activation_checkpointing=activation_checkpointing
-            )
             result = plan(
-                GPTTrainer,
+                trainer_class,
                 config,
-                policy,
+                policy.merge(**changes),
                 devices,
                 devices_per_host=devices_per_host,
                 compile=compile_step,
             )
-    except ValueError as error:
-        if budget is not None and str(error).startswith("no valid policy fits"):
-            typer.echo(f"error: {error}", err=True)
-            raise typer.Exit(code=1) from None
-        fail(" ".join(str(error).split("\n")))
-    if json_output:
-        typer.echo(json.dumps(result.to_json(), indent=2))
-    else:
-        typer.echo(result.render())
+    if no_fit is not None:
+        typer.echo(f"error: {no_fit}", err=True)
+        raise typer.Exit(code=1)
+    typer.echo(json.dumps(result.to_json(), indent=2) if json_output else result.render())
     if not result.verdict.ok:
         raise typer.Exit(code=1)
 

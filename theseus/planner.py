@@ -15,7 +15,9 @@ billions of parameters plans for hundreds of devices in seconds on a laptop. It 
   the plan leaves replicated across ``batch``;
 - the share of parameters the plan's ZeRO rules leave replicated across ``batch``, naming the
   largest such tensors when it exceeds 2%;
-- the pre-flight verdict: the error the trainer itself raises (the same as a training run);
+- the pre-flight verdict: for the chosen policy, the error constructing the trainer raises (the
+  same as a training run); for the policies side by side, the same checks in the same order
+  (mesh, batch plan, layout check) run on the shared abstract state, which is much faster;
 - optionally (``compile=True``) the compiled train step's ``memory_analysis()`` on real
   (simulated) devices, activations included.
 
@@ -434,10 +436,6 @@ def abstract_topology(
 # --- model-state arithmetic -------------------------------------------------------------------
 
 
-def _is_sharding(x: object) -> bool:
-    return isinstance(x, jax.sharding.Sharding)
-
-
 def _float32_like(tree: Any) -> Any:
     return jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32), tree)
 
@@ -504,7 +502,9 @@ def _shard(
         pieces = math.prod(mesh_shape[a] for a in axes)
         if shape[dim] % pieces:
             split = " × ".join(f"{a}={mesh_shape[a]}" for a in axes)
-            problems.append(f"dim {dim} of size {shape[dim]} does not divide into {pieces} ({split})")
+            problems.append(
+                f"dim {dim} of size {shape[dim]} does not divide into {pieces} ({split})"
+            )
         shard[dim] = -(-shape[dim] // pieces)
     return tuple(shard), problems
 
@@ -683,7 +683,7 @@ def plan(
     pre-flight check is not an error here but the plan's ``verdict``.
     """
     if not isinstance(config, trainer_class.config_class):
-        raise ValueError(
+        raise TypeError(
             f"{trainer_class.__name__} plans a {trainer_class.config_class.__name__}, got "
             f"{type(config).__name__}"
         )
@@ -761,7 +761,9 @@ def plan_for_budget(
     policies = candidate_policies(
         num_devices, devices_per_host, activation_checkpointing=activation_checkpointing
     )
-    survey = plan(trainer_class, config, policies[0], num_devices, devices_per_host=devices_per_host)
+    survey = plan(
+        trainer_class, config, policies[0], num_devices, devices_per_host=devices_per_host
+    )
     measure = "compiled peak" if compile else "model state"
     reasons: list[tuple[str, str]] = []
     chosen: Plan | None = None
@@ -824,16 +826,16 @@ def _device_trainer(
         raise ValueError(
             f"compiling for {n} devices needs {n} devices in this process, but JAX has "
             f"{available}. Run `theseus plan --compile --devices {n}` in a fresh process (it "
-            f"simulates {n} CPU devices) or set XLA_FLAGS=--xla_force_host_platform_device_count={n} "
-            "before JAX starts."
+            f"simulates {n} CPU devices) or set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before JAX starts."
         )
     return trainer_class(config, policy, Topology.new(policy, devices=jax.devices()[:n]))
 
 
 def compile_train_step(trainer: BaseTrainer) -> jax.stages.Compiled:
     """The trainer's real train step compiled ahead of time for its mesh (nothing allocated)."""
-    batch_plan = trainer.batch_plan
-    shape = (batch_plan.accumulation_steps, batch_plan.examples_per_microbatch, batch_plan.seq_len + 1)
+    bp = trainer.batch_plan
+    shape = (bp.accumulation_steps, bp.examples_per_microbatch, bp.seq_len + 1)
     batch = jax.ShapeDtypeStruct(shape, np.int32, sharding=trainer.batch_sharding)
     return trainer.train_step.lower(trainer.abstract_state, batch).compile()
 
@@ -947,7 +949,8 @@ def group_path(paths: Sequence[str], width: int | None = None) -> str:
     tail = "/".join(split[0][len(split[0]) - trail :]) if trail else ""
 
     def assemble(items: list[str]) -> str:
-        return (head + "/" if head else "") + "{" + ",".join(items) + "}" + ("/" + tail if tail else "")
+        middle = "{" + ",".join(items) + "}"
+        return (head + "/" if head else "") + middle + ("/" + tail if tail else "")
 
     text = assemble(middles)
     if width is None or len(text) <= width:
@@ -979,15 +982,17 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "
     return out
 
 
-def _num(n: int | float) -> str:
+def _num(n: float) -> str:
     return f"{n:,.0f}"
 
 
 def _render(p: Plan) -> str:
     mesh = " × ".join(f"{axis}={size}" for axis, size in p.mesh_shape.items())
     lines = [
-        f"plan: {p.trainer}, {_num(p.num_params)} parameters on {p.num_devices} devices "
-        f"({p.devices_per_host} per host), mesh {mesh}",
+        (
+            f"plan: {p.trainer}, {_num(p.num_params)} parameters on {p.num_devices} devices "
+            f"({p.devices_per_host} per host), mesh {mesh}"
+        ),
         f"policy: {p.name} ({p.policy.describe()})",
     ]
     if p.batch:
@@ -1011,8 +1016,10 @@ def _render(p: Plan) -> str:
 
     lines += [
         "",
-        "per-device model state in bytes (parameters as stored, float32 gradient accumulator, "
-        "optimizer state; activations not included)",
+        (
+            "per-device model state in bytes (parameters as stored, float32 gradient "
+            "accumulator, optimizer state; activations not included)"
+        ),
     ]
     header = ["", "policy", "mesh", "params", "gradient sum", "optimizer", "total", "", "verdict"]
     table = []
@@ -1024,7 +1031,10 @@ def _render(p: Plan) -> str:
         else:
             t = option.totals
             cells = [
-                _num(t.params), _num(t.grad_accumulator), _num(t.optimizer), _num(t.total),
+                _num(t.params),
+                _num(t.grad_accumulator),
+                _num(t.optimizer),
+                _num(t.total),
                 format_bytes(t.total),
             ]
         summary = option.verdict.summary
@@ -1040,13 +1050,16 @@ def _render(p: Plan) -> str:
     if cf is not None:
         lines += [
             "",
-            f"ZeRO model (fp32 AdamW, Ψ={_num(cf.psi)}, N={cf.replicas} replicas): {cf.kind} "
-            f"{cf.formula} = {_num(cf.predicted_bytes)} bytes; planner {_num(cf.planner_bytes)} "
-            f"(+{_num(cf.gap)}): {_num(cf.replicated_params)} parameters in tensors left whole "
-            f"across batch keep {cf.bytes_per_replicated_param} bytes each on every device "
-            f"({cf.bytes_per_replicated_param} × {_num(cf.replicated_params)} × (1 − 1/N) = "
-            f"{_num(cf.explained_gap - cf.non_param_optimizer_bytes)}) plus "
-            f"{cf.non_param_optimizer_bytes} bytes of optimizer counters",
+            (
+                f"ZeRO model (fp32 AdamW, Ψ={_num(cf.psi)}, N={cf.replicas} replicas): "
+                f"{cf.kind} {cf.formula} = {_num(cf.predicted_bytes)} bytes; planner "
+                f"{_num(cf.planner_bytes)} (+{_num(cf.gap)}): {_num(cf.replicated_params)} "
+                f"parameters in tensors left whole across batch keep "
+                f"{cf.bytes_per_replicated_param} bytes each on every device "
+                f"({cf.bytes_per_replicated_param} × {_num(cf.replicated_params)} × (1 − 1/N) = "
+                f"{_num(cf.explained_gap - cf.non_param_optimizer_bytes)}) plus "
+                f"{cf.non_param_optimizer_bytes} bytes of optimizer counters"
+            ),
         ]
 
     r = p.replicated
@@ -1067,15 +1080,20 @@ def _render(p: Plan) -> str:
         c = p.compiled
         lines += [
             "",
-            f"compiled train step, per device: arguments {_num(c.arguments)}, temporaries "
-            f"{_num(c.temporaries)}, outputs {_num(c.outputs)} ({_num(c.aliased)} reuse donated "
-            f"arguments); peak (sum) {_num(c.peak)} bytes = {format_bytes(c.peak)}",
+            (
+                f"compiled train step, per device: arguments {_num(c.arguments)}, temporaries "
+                f"{_num(c.temporaries)}, outputs {_num(c.outputs)} ({_num(c.aliased)} reuse "
+                f"donated arguments); peak (sum) {_num(c.peak)} bytes = {format_bytes(c.peak)}"
+            ),
         ]
 
     if p.budget is not None:
         b = p.budget
-        lines += ["", f"budget {format_bytes(b.budget)} ({_num(b.budget)} bytes) per device, by "
-                  f"{b.measure}: chose {b.chosen}, the least communication that fits"]
+        lines += [
+            "",
+            f"budget {format_bytes(b.budget)} ({_num(b.budget)} bytes) per device, by "
+            + f"{b.measure}: chose {b.chosen}, the least communication that fits",
+        ]
         lines += [f"  {name}: {why}" for name, why in b.reasons]
 
     lines.append("")

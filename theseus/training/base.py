@@ -318,7 +318,7 @@ class BaseTrainer:
 
     def memory_facts(self, state: TrainState | None = None) -> MemoryFacts:
         """Per-device persistent bytes of params and optimizer state: predicted and (given a
-        state) measured on the first local device."""
+        state) measured on this process's first device of the mesh."""
         abstract = self.abstract_state
         facts = MemoryFacts(
             shard_bytes(abstract.params, self.state_layout.params),
@@ -326,7 +326,8 @@ class BaseTrainer:
         )
         if state is None:
             return facts
-        device = self.mesh.devices.flat[0]
+        here = jax.process_index()
+        device = next(d for d in self.mesh.devices.flat if d.process_index == here)
         return MemoryFacts(
             facts.predicted_params_bytes,
             facts.predicted_opt_state_bytes,

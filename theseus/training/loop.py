@@ -3,6 +3,7 @@ checkpoints written; and evaluation of a run's newest checkpoint."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import time
@@ -61,6 +62,10 @@ class EvalResult:
         )
 
 
+def _silent(_: str) -> None:
+    pass
+
+
 def load_data(trainer: BaseTrainer) -> Corpus:
     data = trainer.config.data
     corpus = load_corpus(
@@ -95,6 +100,11 @@ def train_batch(trainer: BaseTrainer, sampler: Sampler, position: int) -> jax.Ar
     )
 
 
+def is_main_process() -> bool:
+    """Only the first process writes run records and prints; all of them checkpoint."""
+    return jax.process_index() == 0
+
+
 def prepare_run_dir(out_dir: Path, *, resume: bool, overwrite: bool) -> None:
     """Refuse to mix two runs in one directory unless the user said how."""
     if resume and overwrite:
@@ -112,13 +122,16 @@ def prepare_run_dir(out_dir: Path, *, resume: bool, overwrite: bool) -> None:
             f"{out_dir} already holds a run ({', '.join(present)}); pass --resume to continue it, "
             "--overwrite to replace it, or choose another output directory"
         )
-    for name in present:
-        path = out_dir / name
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if is_main_process():
+        for name in present:
+            path = out_dir / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        out_dir.mkdir(parents=True, exist_ok=True)
 
 
 def write_run_record(trainer: BaseTrainer, out_dir: Path, corpus: Corpus, state: TrainState):
+    if not is_main_process():
+        return
     plan = trainer.batch_plan
     record = {
         "policy": trainer.policy.model_dump(),
@@ -169,6 +182,7 @@ def train(
     out_dir = Path(out_dir)
     training = trainer.config.training
     plan = trainer.batch_plan
+    log = log if is_main_process() else _silent
     corpus = load_data(trainer)
     sampler = Sampler(corpus.train, plan.seq_len, training.seed)
     validation = validation_array(trainer, corpus)
@@ -196,8 +210,9 @@ def train(
         write_run_record(trainer, out_dir, corpus, state)
         initial_val_loss = trainer.validation_step(state.params, validation)
         metrics_path = out_dir / "metrics.jsonl"
-        kept = _kept_metrics(metrics_path, first_step - 1) if resume else []
-        metrics_path.write_text("".join(row + "\n" for row in kept))
+        if is_main_process():
+            kept = _kept_metrics(metrics_path, first_step - 1) if resume else []
+            metrics_path.write_text("".join(row + "\n" for row in kept))
         result = _steps(trainer, state, sampler, validation, checkpointer, metrics_path,
                         first_step, position, log)
         checkpointer.wait()
@@ -224,7 +239,8 @@ def _steps(trainer, state, sampler, validation, checkpointer, metrics_path, firs
     val_losses: list[float] = []
     start = time.perf_counter()
     pending = None
-    with open(metrics_path, "a") as metrics_file, Reporter(
+    sink = open(metrics_path, "a") if is_main_process() else contextlib.nullcontext(None)
+    with sink as metrics_file, Reporter(
         first_step - 1, training.steps, trainer.config.logging, log
     ) as reporter:
 
@@ -235,8 +251,9 @@ def _steps(trainer, state, sampler, validation, checkpointer, metrics_path, firs
                 row["val_loss"] = float(val_loss)
                 val_losses.append(row["val_loss"])
             losses.append(row["loss"])
-            metrics_file.write(json.dumps(row) + "\n")
-            metrics_file.flush()
+            if metrics_file is not None:
+                metrics_file.write(json.dumps(row) + "\n")
+                metrics_file.flush()
             reporter.update(row, tokens_per_step)
 
         for step in range(first_step, training.steps + 1):
@@ -266,6 +283,7 @@ def evaluate(
     """Validation loss of the newest good checkpoint in ``source_dir`` (default: ``out_dir``),
     restored into this trainer's layouts; written to ``out_dir/eval.json``."""
     out_dir = Path(out_dir)
+    log = log if is_main_process() else _silent
     source = Path(source_dir) if source_dir is not None else out_dir
     if not (source / CHECKPOINTS).is_dir():
         raise ValueError(
@@ -278,10 +296,11 @@ def evaluate(
     with Checkpointer(source / CHECKPOINTS, read_only=True, log=log) as checkpointer:
         state, meta = checkpointer.restore(None, restore_target(trainer))
     val_loss = float(trainer.validation_step(state.params, validation))
-    out_dir.mkdir(parents=True, exist_ok=True)
     result = EvalResult(str(out_dir), str(source), int(meta["step"]), val_loss)
-    (out_dir / "eval.json").write_text(
-        json.dumps({**asdict(result), "policy": trainer.policy.model_dump()}, indent=2) + "\n"
-    )
+    if is_main_process():
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "eval.json").write_text(
+            json.dumps({**asdict(result), "policy": trainer.policy.model_dump()}, indent=2) + "\n"
+        )
     log(result.describe())
     return result
