@@ -16,6 +16,7 @@ import jax
 from theseus.checkpoint import Checkpointer, checkpoint_meta, restore_target
 from theseus.config import save_yaml
 from theseus.data import Corpus, Sampler, load_corpus, validation_batches
+from theseus.planner import compile_train_step, compiled_memory, one_line_plan
 from theseus.training.base import BaseTrainer, TrainState
 from theseus.training.progress import Reporter
 
@@ -129,7 +130,9 @@ def prepare_run_dir(out_dir: Path, *, resume: bool, overwrite: bool) -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
 
 
-def write_run_record(trainer: BaseTrainer, out_dir: Path, corpus: Corpus, state: TrainState):
+def write_run_record(
+    trainer: BaseTrainer, out_dir: Path, corpus: Corpus, state: TrainState, step_fn
+) -> None:
     if not is_main_process():
         return
     plan = trainer.batch_plan
@@ -145,6 +148,7 @@ def write_run_record(trainer: BaseTrainer, out_dir: Path, corpus: Corpus, state:
         "seq_len": plan.seq_len,
         "num_params": trainer.num_params,
         "memory_per_device": asdict(trainer.memory_facts(state)),
+        "compiled_step_memory_per_device": compiled_memory(step_fn).to_json(),
         "data": corpus.source,
     }
     (out_dir / "run.json").write_text(json.dumps(record, indent=2) + "\n")
@@ -203,18 +207,20 @@ def train(
         else:
             state, first_step, position = trainer.init_state(), 1, 0
         log(plan.describe())
+        log(one_line_plan(trainer))
         log(
             f"model: {trainer.num_params:,} parameters; policy {trainer.policy.describe()}; "
             f"mesh {trainer.topology.mesh_shape}; data {corpus.source}"
         )
-        write_run_record(trainer, out_dir, corpus, state)
+        step_fn = compile_train_step(trainer)  # once, ahead of time: the loop calls this
+        write_run_record(trainer, out_dir, corpus, state, step_fn)
         initial_val_loss = trainer.validation_step(state.params, validation)
         metrics_path = out_dir / "metrics.jsonl"
         if is_main_process():
             kept = _kept_metrics(metrics_path, first_step - 1) if resume else []
             metrics_path.write_text("".join(row + "\n" for row in kept))
-        result = _steps(trainer, state, sampler, validation, checkpointer, metrics_path,
-                        first_step, position, log)
+        result = _steps(trainer, step_fn, state, sampler, validation, checkpointer,
+                        metrics_path, first_step, position, log)
         checkpointer.wait()
     losses, val_losses, seconds = result
     return RunSummary(
@@ -229,7 +235,7 @@ def train(
     )
 
 
-def _steps(trainer, state, sampler, validation, checkpointer, metrics_path, first_step,
+def _steps(trainer, step_fn, state, sampler, validation, checkpointer, metrics_path, first_step,
            position, log):
     """The hot loop: dispatch step n, then read step n-1's metrics (already computed)."""
     training = trainer.config.training
@@ -257,7 +263,7 @@ def _steps(trainer, state, sampler, validation, checkpointer, metrics_path, firs
             reporter.update(row, tokens_per_step)
 
         for step in range(first_step, training.steps + 1):
-            state, metrics = trainer.train_step(state, train_batch(trainer, sampler, position))
+            state, metrics = step_fn(state, train_batch(trainer, sampler, position))
             position += plan.global_batch_size
             last = step == training.steps
             val_loss = None
