@@ -13,8 +13,8 @@ import pytest
 from theseus.base.axis import ShardingPolicy
 from theseus.base.topology import Topology
 from theseus.checkpoint import (
-    CheckpointError,
     Checkpointer,
+    CheckpointError,
     IncompatibleCheckpointError,
     checkpoint_meta,
     fingerprints,

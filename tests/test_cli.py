@@ -3,7 +3,6 @@ with SIGKILL resumes and matches an uninterrupted run."""
 
 import hashlib
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -12,23 +11,12 @@ import time
 from pathlib import Path
 
 import pytest
+from support import TINY_GPT, subprocess_env
 from typer.testing import CliRunner
 
 from theseus.cli import app
 
-TINY = [
-    "model.n_layer=2",
-    "model.n_embd=32",
-    "model.n_head=4",
-    "model.block_size=16",
-    "training.batch_size=16",
-    "training.per_device_batch_size=2",
-    "training.steps=4",
-    "training.validation_interval=2",
-    "training.validation_batches=1",
-    "checkpointing.interval=2",
-    "logging.progress_bar=false",
-]
+TINY = [*TINY_GPT, "training.steps=4"]
 
 
 def invoke(*args):
@@ -70,8 +58,17 @@ def run_copy(finished_run, tmp_path):
 def test_help_explains_flags():
     result = invoke("train", "--help")
     assert result.exit_code == 0
-    for flag in ("--tp", "--fsdp", "--zero", "--cpu-devices", "--steps", "--seed", "--out",
-                 "--resume", "--overwrite"):
+    for flag in (
+        "--tp",
+        "--fsdp",
+        "--zero",
+        "--cpu-devices",
+        "--steps",
+        "--seed",
+        "--out",
+        "--resume",
+        "--overwrite",
+    ):
         assert flag in result.output
     for command in ("run", "configure", "jobs", "plot"):
         assert invoke(command, "--help").exit_code == 0
@@ -85,11 +82,13 @@ def test_jobs_lists_registered_jobs():
 
 def test_missing_and_empty_data_path(tmp_path):
     out = tmp_path / "out"
-    assert_user_error(invoke("train", "--out", out, *TINY, f"data.path={tmp_path}/nope.txt"),
-                      "nope.txt")
+    assert_user_error(
+        invoke("train", "--out", out, *TINY, f"data.path={tmp_path}/nope.txt"), "nope.txt"
+    )
     (tmp_path / "empty.txt").write_text("")
-    assert_user_error(invoke("train", "--out", out, *TINY, f"data.path={tmp_path}/empty.txt"),
-                      "empty.txt")
+    assert_user_error(
+        invoke("train", "--out", out, *TINY, f"data.path={tmp_path}/empty.txt"), "empty.txt"
+    )
     assert not out.exists()
 
 
@@ -110,8 +109,9 @@ def test_bad_sharding_and_config(tmp_path):
 
 def test_refuses_to_mix_runs(run_copy):
     before = snapshot(run_copy)
-    assert_user_error(invoke("train", "--out", run_copy, *TINY), "already holds a run",
-                      "--resume", "--overwrite")
+    assert_user_error(
+        invoke("train", "--out", run_copy, *TINY), "already holds a run", "--resume", "--overwrite"
+    )
     assert snapshot(run_copy) == before
 
 
@@ -156,8 +156,9 @@ def test_overwrite_replaces_previous_run(run_copy):
 
 def test_configure_run_and_plot(tmp_path):
     chain_file = tmp_path / "chain.yaml"
-    result = invoke("configure", "gpt/train/pretrain", chain_file, *TINY, "--tp", "2",
-                    "--then", "gpt/evaluate")
+    result = invoke(
+        "configure", "gpt/train/pretrain", chain_file, *TINY, "--tp", "2", "--then", "gpt/evaluate"
+    )
     assert result.exit_code == 0, result.output
     assert_user_error(invoke("configure", "gpt/train/pretrain", chain_file), "exists")
     result = invoke("run", chain_file, tmp_path / "out", "--fsdp")
@@ -170,29 +171,38 @@ def test_configure_run_and_plot(tmp_path):
     assert (tmp_path / "out" / "00-gpt-train-pretrain" / "loss.png").stat().st_size > 1000
 
 
-def cli_env():
-    env = dict(os.environ)
-    # The subprocess picks its own device count with --cpu-devices.
-    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(
-        "--xla_force_host_platform_device_count=8", ""
-    )
-    return env
-
-
 def cli(*args):
     return [sys.executable, "-m", "theseus.cli", *[str(a) for a in args]]
 
 
 @pytest.mark.slow
 def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
-    args = ["--cpu-devices", "4", "--tp", "2", "--fsdp", *TINY, "training.steps=40",
-            "checkpointing.interval=5", "checkpointing.async_save=true"]
+    args = [
+        "--cpu-devices",
+        "4",
+        "--tp",
+        "2",
+        "--fsdp",
+        *TINY,
+        "training.steps=40",
+        "checkpointing.interval=5",
+        "checkpointing.async_save=true",
+    ]
     full = tmp_path / "full"
-    subprocess.run(cli("train", "--out", full, *args), env=cli_env(), check=True,
-                   capture_output=True, timeout=600)
+    subprocess.run(
+        cli("train", "--out", full, *args),
+        env=subprocess_env(),
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     killed = tmp_path / "killed"
-    process = subprocess.Popen(cli("train", "--out", killed, *args), env=cli_env(),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        cli("train", "--out", killed, *args),
+        env=subprocess_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 300
     try:
         while time.time() < deadline:
@@ -206,8 +216,13 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
     finally:
         process.kill()
     assert process.returncode == -signal.SIGKILL
-    subprocess.run(cli("train", "--out", killed, *args, "--resume"), env=cli_env(), check=True,
-                   capture_output=True, timeout=600)
+    subprocess.run(
+        cli("train", "--out", killed, *args, "--resume"),
+        env=subprocess_env(),
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
 
     def losses(run_dir):
         rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 import yaml
+from support import TINY_GPT
 
 import theseus
 from theseus.base.axis import ShardingPolicy
@@ -15,20 +16,7 @@ from theseus.jobs import all_jobs, get_job
 from theseus.plot import plot_losses
 from theseus.training.gpt import GPTTrainerConfig
 
-TINY = (
-    "model.n_layer=2",
-    "model.n_embd=32",
-    "model.n_head=4",
-    "model.block_size=16",
-    "training.batch_size=16",
-    "training.per_device_batch_size=2",
-    "training.steps=6",
-    "training.validation_interval=2",
-    "training.validation_batches=1",
-    "checkpointing.interval=2",
-    "checkpointing.keep=5",
-    "logging.progress_bar=false",
-)
+TINY = (*TINY_GPT, "training.steps=6", "checkpointing.keep=5")
 
 
 def metrics(run_dir):
@@ -108,8 +96,12 @@ def test_chain_yaml_round_trip(tmp_path):
     loaded = Chain.load(tmp_path / "chain.yaml")
     assert loaded == built
     data = yaml.safe_load((tmp_path / "chain.yaml").read_text())
-    assert data["sharding"] == {"tp": 2, "zero": True, "fsdp": True,
-                                "activation_checkpointing": False}
+    assert data["sharding"] == {
+        "tp": 2,
+        "zero": True,
+        "fsdp": True,
+        "activation_checkpointing": False,
+    }
     assert [s["job"] for s in data["steps"]] == ["gpt/train/pretrain", "gpt/evaluate"]
     # The evaluate step starts from the training step's config.
     assert loaded.steps[1].config.model == loaded.steps[0].config.model
@@ -122,8 +114,10 @@ def test_chain_runs_train_then_evaluate(tmp_path):
     train_dir = tmp_path / "chain" / "00-gpt-train-pretrain"
     eval_dir = tmp_path / "chain" / "01-gpt-evaluate"
     assert (tmp_path / "chain" / "chain.yaml").is_file()
-    assert json.loads((train_dir / "run.json").read_text())["mesh_shape"] == {"batch": 4,
-                                                                             "shard": 2}
+    assert json.loads((train_dir / "run.json").read_text())["mesh_shape"] == {
+        "batch": 4,
+        "shard": 2,
+    }
     saved = json.loads((eval_dir / "eval.json").read_text())
     assert saved["step"] == 6
     # Same parameters, same held-out batches, same layouts: the same validation loss.
@@ -161,9 +155,10 @@ def test_trains_on_own_text_and_token_files(tmp_path):
     text.write_text("the quick brown fox jumps over the lazy dog. " * 400)
     tokens = tmp_path / "tokens.bin"
     write_tokens(tokens, np.arange(20_011) % 499, dtype="uint32")
-    for name, data in (("text", [f"data.path={text}"]),
-                       ("bin", [f"data.path={tokens}", "data.token_dtype=uint32",
-                                "model.vocab_size=512"])):
+    for name, data in (
+        ("text", [f"data.path={text}"]),
+        ("bin", [f"data.path={tokens}", "data.token_dtype=uint32", "model.vocab_size=512"]),
+    ):
         with quick("gpt/train/pretrain", tmp_path / name) as q:
             q.override(*TINY, *data, "training.steps=2")
             summary = q()
@@ -219,8 +214,7 @@ def test_resume_onto_other_policy_continues_with_matching_numbers(tmp_path):
     np.testing.assert_allclose(
         [r["loss"] for r in resumed[4:]], [r["loss"] for r in full[4:]], rtol=1e-5
     )
-    assert json.loads((run_dir / "run.json").read_text())["mesh_shape"] == {"batch": 2,
-                                                                           "shard": 4}
+    assert json.loads((run_dir / "run.json").read_text())["mesh_shape"] == {"batch": 2, "shard": 4}
 
 
 # --- plots ---------------------------------------------------------------------------------

@@ -250,9 +250,7 @@ def test_scan_matches_python_loop_reference(model, tokens, logits):
 
 def test_remat_gives_identical_loss_and_grads(model, tokens, fp32_loss_and_grads):
     loss, grads = fp32_loss_and_grads
-    remat_loss, remat_grads = _loss_and_grads(
-        _with_params(nnx.state(model), remat=True), tokens
-    )
+    remat_loss, remat_grads = _loss_and_grads(_with_params(nnx.state(model), remat=True), tokens)
     np.testing.assert_allclose(remat_loss, loss, rtol=1e-6, atol=1e-6)
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), remat_grads, grads

@@ -2,34 +2,20 @@
 with the numbers of one process of 8 devices (subprocesses with timeouts and their own port)."""
 
 import json
-import os
 import socket
 import subprocess
 import sys
 
 import pytest
+from support import TINY_GPT, subprocess_env
 
-ARGS = [
-    "--tp", "2", "--fsdp",
-    "model.n_layer=2", "model.n_embd=32", "model.n_head=4", "model.block_size=16",
-    "training.batch_size=16", "training.per_device_batch_size=2", "training.steps=4",
-    "training.validation_interval=2", "training.validation_batches=1",
-    "checkpointing.interval=2", "logging.progress_bar=false",
-]
+ARGS = ["--tp", "2", "--fsdp", *TINY_GPT, "training.steps=4"]
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def env() -> dict:
-    environment = dict(os.environ)
-    environment["XLA_FLAGS"] = environment.get("XLA_FLAGS", "").replace(
-        "--xla_force_host_platform_device_count=8", ""
-    )
-    return environment
 
 
 def cli(*args):
@@ -44,15 +30,34 @@ def losses(run_dir):
 @pytest.mark.slow
 def test_two_processes_match_one(tmp_path):
     single = tmp_path / "single"
-    subprocess.run(cli("--cpu-devices", 8, "--out", single, *ARGS), env=env(), check=True,
-                   capture_output=True, timeout=600)
+    subprocess.run(
+        cli("--cpu-devices", 8, "--out", single, *ARGS),
+        env=subprocess_env(),
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     multi = tmp_path / "multi"
     port = free_port()
     processes = [
         subprocess.Popen(
-            cli("--cpu-devices", 4, "--out", multi, "--coordinator", f"127.0.0.1:{port}",
-                "--num-processes", 2, "--process-id", index, *ARGS),
-            env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            cli(
+                "--cpu-devices",
+                4,
+                "--out",
+                multi,
+                "--coordinator",
+                f"127.0.0.1:{port}",
+                "--num-processes",
+                2,
+                "--process-id",
+                index,
+                *ARGS,
+            ),
+            env=subprocess_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for index in range(2)
     ]

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import subprocess_env
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 BLOCK = re.compile(r"```(python|bash)\n(.*?)```", re.DOTALL)
@@ -27,10 +28,7 @@ def theseus_command() -> str:
 
 @pytest.mark.slow
 def test_tutorial_runs(tmp_path):
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(
-        "--xla_force_host_platform_device_count=8", ""
-    )
+    env = subprocess_env()
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
     blocks = tutorial_blocks()
     assert len(blocks) >= 6
@@ -42,10 +40,14 @@ def test_tutorial_runs(tmp_path):
         if language == "python":
             command = [sys.executable, "-c", code]
         else:
-            prelude = f'theseus() {{ {theseus_command()} "$@"; }}\npython3() {{ "{sys.executable}" "$@"; }}\n'
+            prelude = (
+                f'theseus() {{ {theseus_command()} "$@"; }}\n'
+                f'python3() {{ "{sys.executable}" "$@"; }}\n'
+            )
             command = ["bash", "-euo", "pipefail", "-c", prelude + code]
-        done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=900)
+        done = subprocess.run(
+            command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900
+        )
         assert done.returncode == 0, f"block {index} failed:\n{code}\n{done.stdout}\n{done.stderr}"
     assert (tmp_path / "runs/chain/00-gpt-train-pretrain/loss.png").is_file()
     assert (tmp_path / "runs/chain/01-gpt-evaluate/eval.json").is_file()

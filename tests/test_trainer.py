@@ -75,9 +75,11 @@ def run(trainer: GPTTrainer):
         VALIDATION_BATCHES * plan.accumulation_steps,
         plan.examples_per_microbatch,
     )
-    val = float(trainer.validation_step(state.params, trainer.put_batch(
-        lambda r: held_out[:, r], held_out.shape
-    )))
+    val = float(
+        trainer.validation_step(
+            state.params, trainer.put_batch(lambda r: held_out[:, r], held_out.shape)
+        )
+    )
     return np.array(losses), jax.device_get(state.params), val, state
 
 
@@ -124,7 +126,11 @@ def test_state_shards_follow_layouts(policy):
     update = jax.tree.leaves(layouts.update)
     adam = state.opt_state[1][0]
     for (path, param), store, upd, mu, nu in zip(
-        flat_params, storage, update, jax.tree.leaves(adam.mu), jax.tree.leaves(adam.nu),
+        flat_params,
+        storage,
+        update,
+        jax.tree.leaves(adam.mu),
+        jax.tree.leaves(adam.nu),
         strict=True,
     ):
         assert shard_shapes(param) == {store.shard_shape(param.shape)}, path

@@ -74,14 +74,8 @@ def checkpoint_meta(trainer: BaseTrainer, data_position: int, step: int | None =
     ``data_position`` is the index of the next training example to draw (the loop's position
     after the last completed step). ``step`` is filled in by :meth:`Checkpointer.save` when absent.
     """
-    plan = trainer.batch_plan
     meta = {
-        "policy": trainer.policy.model_dump(),
-        "mesh_shape": trainer.topology.mesh_shape,
-        "num_devices": trainer.topology.num_devices,
-        "num_processes": trainer.topology.num_processes,
-        "global_batch_size": plan.global_batch_size,
-        "seq_len": plan.seq_len,
+        **trainer.execution_facts(),
         "config": trainer.config.model_dump(mode="json"),
         "data_position": int(data_position),
     }
@@ -455,4 +449,3 @@ def _parse_payload(payload: Any) -> tuple[dict, dict[str, int]]:
     if not all(isinstance(v, int) and 0 <= v < 2**32 for v in expected.values()):
         raise ValueError("metadata fingerprints are not 32-bit unsigned integers")
     return meta, expected
-

@@ -81,8 +81,9 @@ class Chain:
         job = get_job(job_name)
         last = self.steps[-1].config
         base = last if type(last) is job.trainer_class.config_class else None
-        step = ChainStep(job_name, apply_overrides(base or job.trainer_class.config_class(),
-                                                   overrides))
+        step = ChainStep(
+            job_name, apply_overrides(base or job.trainer_class.config_class(), overrides)
+        )
         return replace(self, steps=(*self.steps, step))
 
     def shard(self, **changes: Any) -> Chain:
@@ -125,8 +126,11 @@ class Chain:
             if not isinstance(item, dict) or "job" not in item:
                 raise ConfigError(f"{where}: step {index} needs a 'job' name")
             job = get_job(item["job"])
-            steps.append(ChainStep(item["job"], validate(job.trainer_class.config_class,
-                                                         item.get("config") or {})))
+            steps.append(
+                ChainStep(
+                    item["job"], validate(job.trainer_class.config_class, item.get("config") or {})
+                )
+            )
         if not steps:
             raise ConfigError(f"{where}: a chain needs at least one step")
         return cls(tuple(steps), policy, imports)
@@ -139,8 +143,9 @@ class Chain:
             raise ConfigError(f"cannot read chain {path}: {error}") from None
         return cls.from_dict(data, where=str(path))
 
-    def run(self, out_dir: str | Path, *, resume: bool = False, overwrite: bool = False,
-            log=print) -> list[Any]:
+    def run(
+        self, out_dir: str | Path, *, resume: bool = False, overwrite: bool = False, log=print
+    ) -> list[Any]:
         """Run every step in order; returns each step's result."""
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -151,8 +156,16 @@ class Chain:
             directory = step_dir(out_dir, index, step.job)
             log(f"chain step {index}: {step.job} in {directory}")
             results.append(
-                run_job(job, step.config, self.policy, directory, resume=resume,
-                        overwrite=overwrite, source_dir=last_train_dir, log=log)
+                run_job(
+                    job,
+                    step.config,
+                    self.policy,
+                    directory,
+                    resume=resume,
+                    overwrite=overwrite,
+                    source_dir=last_train_dir,
+                    log=log,
+                )
             )
             if job.action == "train":
                 last_train_dir = directory
@@ -170,8 +183,15 @@ class QuickSession:
     ``with theseus.quick("gpt/train/pretrain", out) as q: q.shard(tp=2); q.config...; q()``.
     """
 
-    def __init__(self, job_name: str, out_dir: str | Path, *, resume: bool = False,
-                 overwrite: bool = False, log=print):
+    def __init__(
+        self,
+        job_name: str,
+        out_dir: str | Path,
+        *,
+        resume: bool = False,
+        overwrite: bool = False,
+        log=print,
+    ):
         self.job = get_job(job_name)
         self.out_dir = Path(out_dir)
         self.config = self.job.trainer_class.config_class()
@@ -208,8 +228,14 @@ class QuickSession:
         return self.trainer
 
     def __call__(self) -> Any:
-        return run_trainer(self.job, self.create(), self.out_dir, resume=self.resume,
-                           overwrite=self.overwrite, log=self.log)
+        return run_trainer(
+            self.job,
+            self.create(),
+            self.out_dir,
+            resume=self.resume,
+            overwrite=self.overwrite,
+            log=self.log,
+        )
 
 
 def quick(job_name: str, out_dir: str | Path, **options: Any) -> QuickSession:

@@ -13,7 +13,7 @@ Action = Literal["train", "evaluate"]
 
 @dataclass(frozen=True)
 class Job:
-    """A named, runnable unit: ``trainer_class`` built from its config, then trained or evaluated."""
+    """A named, runnable unit: ``trainer_class`` built from its config, trained or evaluated."""
 
     name: str
     trainer_class: type[BaseTrainer]

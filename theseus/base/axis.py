@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Union
+from typing import Literal
 
 import pydantic
 from jax.sharding import PartitionSpec
@@ -25,7 +25,7 @@ class Axis:
 
 MESH_AXES = (Axis.BATCH, Axis.SHARD)
 
-MeshAxes = Union[str, tuple[str, ...], None]
+MeshAxes = str | tuple[str, ...] | None
 Rule = tuple[str, MeshAxes]
 Phase = Literal["compute", "storage", "update"]
 PHASES: tuple[Phase, ...] = ("compute", "storage", "update")

@@ -52,6 +52,11 @@ class Layouts:
         return getattr(self, phase)
 
 
+def is_sharding(x: object) -> bool:
+    """A pytree leaf test: layouts hold ``NamedSharding`` leaves (which are not pytrees)."""
+    return isinstance(x, NamedSharding)
+
+
 def _is_variable(x: object) -> bool:
     return isinstance(x, nnx.Variable)
 
@@ -125,7 +130,7 @@ def optimizer_layout(
         abstract_opt_state,
         param_update_layout,
         transform_non_params=lambda _: replicated,
-        is_leaf=lambda x: isinstance(x, NamedSharding),
+        is_leaf=is_sharding,
     )
 
 
@@ -152,7 +157,9 @@ class LayoutError(ValueError):
         # One line per leaf and failure; layouts failing the same way are named together.
         phases_by_failure: dict[tuple, list[str]] = {}
         for p in problems:
-            phases_by_failure.setdefault((p.leaf.path, p.leaf, p.spec, p.reason), []).append(p.phase)
+            phases_by_failure.setdefault((p.leaf.path, p.leaf, p.spec, p.reason), []).append(
+                p.phase
+            )
         for (path, leaf, spec, reason), phases in phases_by_failure.items():
             lines.append(
                 f"  {path}: shape {leaf.shape}, names {leaf.names}, {' and '.join(phases)} spec "
@@ -175,7 +182,9 @@ def _leaf_problems(leaf: AbstractLeaf, phase: Phase, spec: PartitionSpec, mesh_s
         pieces = math.prod(mesh_shape[axis] for axis in axes)
         if size % pieces:
             split = " × ".join(f"{axis}={mesh_shape[axis]}" for axis in axes)
-            reasons.append(f"dim {dim} of size {size} does not divide into {pieces} pieces ({split})")
+            reasons.append(
+                f"dim {dim} of size {size} does not divide into {pieces} pieces ({split})"
+            )
     return reasons
 
 
@@ -208,29 +217,3 @@ def shard_shape(leaf: AbstractLeaf, spec: PartitionSpec, mesh_shape: dict[str, i
         axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
         shape[dim] //= math.prod(mesh_shape[a] for a in axes)
     return tuple(shape)
-
-
-
-def layouts_table(abstract_state: Any, layouts: Layouts) -> str:
-    """A plain-text table: each leaf's path, shape, names and spec in each layout."""
-    leaves, _ = abstract_leaves(abstract_state)
-    specs = {
-        phase: [s.spec for s in jax.tree.leaves(layouts[phase], is_leaf=_is_sharding)]
-        for phase in PHASES
-    }
-    header = ("path", "shape", "names", "compute", "storage", "update")
-    rows = [header] + [
-        (
-            leaf.path,
-            str(leaf.shape),
-            str(leaf.names) if leaf.names else "-",
-            *(str(specs[phase][i]) for phase in PHASES),
-        )
-        for i, leaf in enumerate(leaves)
-    ]
-    widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows)
-
-
-def _is_sharding(x: object) -> bool:
-    return isinstance(x, NamedSharding)

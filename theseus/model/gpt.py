@@ -12,10 +12,9 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import pydantic
 from flax import nnx
 from jax.typing import DTypeLike
-
-import pydantic
 
 from theseus.base.axis import Axis, ShardingPlan
 from theseus.config import Section

@@ -7,6 +7,7 @@ The layouts are data (pytrees of ``NamedSharding``); the step only applies them.
 
 from __future__ import annotations
 
+import abc
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,12 +29,11 @@ from theseus.base.layout import (
     Layouts,
     abstract_leaves,
     check_layouts,
-    layouts_table,
+    is_sharding,
     optimizer_layout,
     resolve_layouts,
 )
 from theseus.base.topology import Topology
-from theseus.data import Corpus
 from theseus.config import (
     CheckpointingConfig,
     DataConfig,
@@ -42,6 +42,7 @@ from theseus.config import (
     Section,
     TrainingConfig,
 )
+from theseus.data import Corpus
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -129,15 +130,11 @@ class MemoryFacts:
         return self.measured_params_bytes + self.measured_opt_state_bytes
 
 
-def _is_sharding(x: object) -> bool:
-    return isinstance(x, NamedSharding)
-
-
 def shard_bytes(abstract: Any, shardings: Any) -> int:
     """Per-device bytes of ``abstract`` placed with ``shardings`` (matching pytrees)."""
     total = 0
     for value, sharding in zip(
-        jax.tree.leaves(abstract), jax.tree.leaves(shardings, is_leaf=_is_sharding), strict=True
+        jax.tree.leaves(abstract), jax.tree.leaves(shardings, is_leaf=is_sharding), strict=True
     ):
         shape = sharding.shard_shape(tuple(value.shape))
         total += math.prod(shape) * np.dtype(value.dtype).itemsize
@@ -155,12 +152,12 @@ def device_bytes(tree: Any, device: jax.Device) -> int:
 
 
 def next_token_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean cross-entropy of float32 logits (examples, seq, vocab) against targets (examples, seq)."""
+    """Mean cross-entropy of logits (examples, seq, vocab) against targets (examples, seq)."""
     logits = logits.astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
-class BaseTrainer:
+class BaseTrainer(abc.ABC):
     """Trains an annotated NNX model under any :class:`ShardingPolicy` with the same numbers.
 
     A subclass names its config class and plan and builds its model; the base class does the
@@ -174,6 +171,11 @@ class BaseTrainer:
     def __init__(
         self, config: TrainerConfig, policy: ShardingPolicy, topology: Topology | None = None
     ):
+        if not isinstance(getattr(type(self), "plan", None), ShardingPlan):
+            raise TypeError(
+                f"{type(self).__name__} must set the class attribute `plan` to its model's "
+                "ShardingPlan"
+            )
         if not isinstance(config, self.config_class):
             raise TypeError(
                 f"{type(self).__name__} needs a {self.config_class.__name__}, got "
@@ -193,15 +195,17 @@ class BaseTrainer:
         self._abstract_model, self.graphdef = self._build_abstract_model()
         self.abstract_params = nnx.state(self._abstract_model, nnx.Param)
         check_layouts(self.abstract_params, self.plan, policy, self.mesh)
-        self._annotated_layouts = resolve_layouts(self.abstract_params, self.plan, policy, self.mesh)
+        self._annotated_layouts = resolve_layouts(
+            self.abstract_params, self.plan, policy, self.mesh
+        )
         self.layouts = Layouts(*(nnx.to_pure_dict(self._annotated_layouts[p]) for p in PHASES))
         self.state_layout = self._state_layout()
 
     # --- what a subclass provides ------------------------------------------------------------
 
+    @abc.abstractmethod
     def build_model(self, rngs: nnx.Rngs) -> nnx.Module:
         """The model, built from ``self.config``; its weights carry logical names."""
-        raise NotImplementedError(f"{type(self).__name__} must define build_model(rngs)")
 
     def default_seq_len(self) -> int:
         """Tokens per example when ``training.seq_len`` is not set."""
@@ -211,6 +215,7 @@ class BaseTrainer:
 
     def check_corpus(self, corpus: Corpus) -> None:
         """Reject data the model cannot read (e.g. token ids beyond its vocabulary)."""
+        del corpus  # any data is fine unless a subclass says otherwise
 
     def loss_fn(self, model: nnx.Module, tokens: jax.Array, rng: jax.Array) -> jax.Array:
         """Mean next-token loss of ``tokens`` (examples, seq_len + 1); override for other tasks."""
@@ -284,10 +289,20 @@ class BaseTrainer:
             ),
         )
 
-    def layouts_summary(self) -> str:
-        mesh = ", ".join(f"{axis}={size}" for axis, size in self.topology.mesh_shape.items())
-        header = f"policy {self.policy.describe()}; mesh ({mesh})"
-        return header + "\n" + layouts_table(self.abstract_params, self._annotated_layouts)
+    def execution_facts(self) -> dict[str, Any]:
+        """Policy, mesh and batch accounting, as run records and checkpoints store them."""
+        plan = self.batch_plan
+        return {
+            "policy": self.policy.model_dump(),
+            "mesh_shape": self.topology.mesh_shape,
+            "num_devices": self.topology.num_devices,
+            "num_processes": self.topology.num_processes,
+            "replicas": plan.replicas,
+            "per_device_batch_size": plan.per_device_batch_size,
+            "accumulation_steps": plan.accumulation_steps,
+            "global_batch_size": plan.global_batch_size,
+            "seq_len": plan.seq_len,
+        }
 
     # --- state -------------------------------------------------------------------------------
 
@@ -339,7 +354,7 @@ class BaseTrainer:
 
     @property
     def batch_sharding(self) -> NamedSharding:
-        """(accumulation, examples, seq_len + 1): examples over ``batch``, shared across ``shard``."""
+        """(accumulation, examples, seq_len + 1): examples over ``batch``, shared by ``shard``."""
         return NamedSharding(self.mesh, P(None, Axis.BATCH, None))
 
     def _loss(self, params: Any, tokens: jax.Array, rng: jax.Array) -> jax.Array:
@@ -407,7 +422,9 @@ class BaseTrainer:
         )
         return _under_mesh(step, self.mesh)
 
-    def put_batch(self, rows_for: Callable[[slice], np.ndarray], shape: tuple[int, ...]) -> jax.Array:
+    def put_batch(
+        self, rows_for: Callable[[slice], np.ndarray], shape: tuple[int, ...]
+    ) -> jax.Array:
         """A global batch array whose devices each read only their own example rows."""
 
         def fetch(index):

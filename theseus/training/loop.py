@@ -12,11 +12,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import jax
+from jax.experimental import multihost_utils
 
+from theseus import planner
 from theseus.checkpoint import Checkpointer, checkpoint_meta, restore_target
 from theseus.config import save_yaml
 from theseus.data import Corpus, Sampler, load_corpus, validation_batches
-from theseus.planner import compile_train_step, compiled_memory, one_line_plan
 from theseus.training.base import BaseTrainer, TrainState
 from theseus.training.progress import Reporter
 
@@ -106,28 +107,38 @@ def is_main_process() -> bool:
     return jax.process_index() == 0
 
 
+def sync_processes(name: str) -> None:
+    """Wait until every process of a multi-process run reaches this point."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
+
+
 def prepare_run_dir(out_dir: Path, *, resume: bool, overwrite: bool) -> None:
-    """Refuse to mix two runs in one directory unless the user said how."""
+    """Refuse to mix two runs in one directory unless the user said how.
+
+    Every process checks before any of them writes (process 0 then clears an overwritten run),
+    so the check never sees a run that this very job has begun.
+    """
     if resume and overwrite:
         raise ValueError("--resume and --overwrite contradict each other; choose one")
     present = [name for name in RUN_FILES if (out_dir / name).exists()]
-    if resume:
-        if not (out_dir / CHECKPOINTS).is_dir():
-            raise ValueError(
-                f"nothing to resume in {out_dir}: it holds no {CHECKPOINTS}/ folder; start a new "
-                "run without --resume"
-            )
-        return
-    if present and not overwrite:
+    if resume and not (out_dir / CHECKPOINTS).is_dir():
+        raise ValueError(
+            f"nothing to resume in {out_dir}: it holds no {CHECKPOINTS}/ folder; start a new "
+            "run without --resume"
+        )
+    if present and not (resume or overwrite):
         raise ValueError(
             f"{out_dir} already holds a run ({', '.join(present)}); pass --resume to continue it, "
             "--overwrite to replace it, or choose another output directory"
         )
-    if is_main_process():
+    sync_processes("theseus: run directory checked")
+    if is_main_process() and not resume:
         for name in present:
             path = out_dir / name
             shutil.rmtree(path) if path.is_dir() else path.unlink()
         out_dir.mkdir(parents=True, exist_ok=True)
+    sync_processes("theseus: run directory ready")
 
 
 def write_run_record(
@@ -135,25 +146,24 @@ def write_run_record(
 ) -> None:
     if not is_main_process():
         return
-    plan = trainer.batch_plan
     record = {
-        "policy": trainer.policy.model_dump(),
-        "mesh_shape": trainer.topology.mesh_shape,
-        "num_devices": trainer.topology.num_devices,
-        "num_processes": trainer.topology.num_processes,
-        "replicas": plan.replicas,
-        "per_device_batch_size": plan.per_device_batch_size,
-        "accumulation_steps": plan.accumulation_steps,
-        "global_batch_size": plan.global_batch_size,
-        "seq_len": plan.seq_len,
+        **trainer.execution_facts(),
         "num_params": trainer.num_params,
         "memory_per_device": asdict(trainer.memory_facts(state)),
-        "compiled_step_memory_per_device": compiled_memory(step_fn).to_json(),
+        "compiled_step_memory_per_device": planner.compiled_memory(step_fn).to_json(),
         "data": corpus.source,
     }
     (out_dir / "run.json").write_text(json.dumps(record, indent=2) + "\n")
     save_yaml(trainer.config, out_dir / "config.yaml")
-    (out_dir / "layouts.txt").write_text(trainer.layouts_summary() + "\n")
+    topology = trainer.topology
+    layouts = planner.plan(
+        type(trainer),
+        trainer.config,
+        trainer.policy,
+        topology.num_devices,
+        devices_per_host=topology.num_devices // topology.num_processes,
+    )
+    (out_dir / "layouts.txt").write_text(layouts.render() + "\n")
 
 
 def _kept_metrics(path: Path, last_step: int) -> list[str]:
@@ -207,20 +217,30 @@ def train(
         else:
             state, first_step, position = trainer.init_state(), 1, 0
         log(plan.describe())
-        log(one_line_plan(trainer))
+        log(planner.one_line_plan(trainer))
         log(
             f"model: {trainer.num_params:,} parameters; policy {trainer.policy.describe()}; "
             f"mesh {trainer.topology.mesh_shape}; data {corpus.source}"
         )
-        step_fn = compile_train_step(trainer)  # once, ahead of time: the loop calls this
+        step_fn = planner.compile_train_step(trainer)  # once, ahead of time: the loop calls this
         write_run_record(trainer, out_dir, corpus, state, step_fn)
         initial_val_loss = trainer.validation_step(state.params, validation)
         metrics_path = out_dir / "metrics.jsonl"
         if is_main_process():
             kept = _kept_metrics(metrics_path, first_step - 1) if resume else []
             metrics_path.write_text("".join(row + "\n" for row in kept))
-        result = _steps(trainer, step_fn, state, sampler, validation, checkpointer,
-                        metrics_path, first_step, position, log)
+        result = _steps(
+            trainer,
+            step_fn,
+            state,
+            sampler,
+            validation,
+            checkpointer,
+            metrics_path,
+            first_step,
+            position,
+            log,
+        )
         checkpointer.wait()
     losses, val_losses, seconds = result
     return RunSummary(
@@ -235,8 +255,18 @@ def train(
     )
 
 
-def _steps(trainer, step_fn, state, sampler, validation, checkpointer, metrics_path, first_step,
-           position, log):
+def _steps(
+    trainer,
+    step_fn,
+    state,
+    sampler,
+    validation,
+    checkpointer,
+    metrics_path,
+    first_step,
+    position,
+    log,
+):
     """The hot loop: dispatch step n, then read step n-1's metrics (already computed)."""
     training = trainer.config.training
     plan = trainer.batch_plan
@@ -246,9 +276,10 @@ def _steps(trainer, step_fn, state, sampler, validation, checkpointer, metrics_p
     start = time.perf_counter()
     pending = None
     sink = open(metrics_path, "a") if is_main_process() else contextlib.nullcontext(None)
-    with sink as metrics_file, Reporter(
-        first_step - 1, training.steps, trainer.config.logging, log
-    ) as reporter:
+    with (
+        sink as metrics_file,
+        Reporter(first_step - 1, training.steps, trainer.config.logging, log) as reporter,
+    ):
 
         def record(step: int, metrics: dict, val_loss) -> None:
             row = {"step": step, **{k: float(v) for k, v in jax.device_get(metrics).items()}}
