@@ -192,13 +192,10 @@ class BaseTrainer(abc.ABC):
         self.mesh = self.topology.mesh
         self.batch_plan = plan_batch(config.training, self.topology, self.seq_len)
         self.optimizer = self.build_optimizer()
-        self._abstract_model, self.graphdef = self._build_abstract_model()
-        self.abstract_params = nnx.state(self._abstract_model, nnx.Param)
+        self.graphdef, self.abstract_params = self._build_abstract_model()
         check_layouts(self.abstract_params, self.plan, policy, self.mesh)
-        self._annotated_layouts = resolve_layouts(
-            self.abstract_params, self.plan, policy, self.mesh
-        )
-        self.layouts = Layouts(*(nnx.to_pure_dict(self._annotated_layouts[p]) for p in PHASES))
+        annotated = resolve_layouts(self.abstract_params, self.plan, policy, self.mesh)
+        self.layouts = Layouts(*(nnx.to_pure_dict(annotated[p]) for p in PHASES))
         self.state_layout = self._state_layout()
 
     # --- what a subclass provides ------------------------------------------------------------
@@ -232,17 +229,18 @@ class BaseTrainer(abc.ABC):
     def compute_dtype(self) -> jnp.dtype:
         return COMPUTE_DTYPES[self.config.training.dtype]
 
-    def _build_abstract_model(self) -> tuple[nnx.Module, nnx.GraphDef]:
+    def _build_abstract_model(self) -> tuple[nnx.GraphDef, nnx.State]:
+        """The model's graph and its parameters as shapes with logical names (no allocation)."""
         with nnx.use_eager_sharding(False):
             model = nnx.eval_shape(lambda: self.build_model(nnx.Rngs(0)))
-        graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         if jax.tree.leaves(rest):
             raise ValueError(
                 f"{type(model).__name__} has state that is not nnx.Param "
                 f"({sorted(str(p) for p, _ in nnx.to_flat_state(rest))[:5]}); theseus trains "
                 "models whose variables are all nnx.Param."
             )
-        return model, graphdef
+        return graphdef, params
 
     @cached_property
     def abstract_leaves(self) -> list[AbstractLeaf]:
