@@ -2,6 +2,16 @@
 
 import os
 
+from theseus.config import apply_overrides
+from theseus.model import GPTConfig
+from theseus.training.gpt import GPTTrainerConfig
+
+# n_embd and n_mlp divide by 8 (tp=8 and FSDP over 8 devices); other dims differ from them.
+EQUIVALENCE_MODEL = GPTConfig(
+    vocab_size=256, block_size=24, n_layer=3, n_head=4, n_embd=40, mlp_ratio=4
+)
+EQUIVALENCE_BATCH = 32
+
 # A GPT small enough to compile in seconds; 16 examples split over any of the 8 devices.
 TINY_GPT = (
     "model.n_layer=2",
@@ -25,3 +35,21 @@ def subprocess_env() -> dict[str, str]:
         "--xla_force_host_platform_device_count=8", ""
     )
     return env
+
+
+def equivalence_config(
+    per_device_batch_size: int, model: GPTConfig = EQUIVALENCE_MODEL, **training
+) -> GPTTrainerConfig:
+    """A global batch of 32 and a learning rate of 1e-3, small enough that parameters of
+    different layouts agree to 1e-4 after a few Adam steps."""
+    overrides = {
+        "training.batch_size": EQUIVALENCE_BATCH,
+        "training.per_device_batch_size": per_device_batch_size,
+        "training.steps": 100,
+        "optimization.learning_rate": 1e-3,
+        "optimization.warmup_steps": 1,
+        **{f"training.{k}": v for k, v in training.items()},
+    }
+    return apply_overrides(
+        GPTTrainerConfig(model=model), [f"{k}={v}" for k, v in overrides.items()]
+    )

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support import EQUIVALENCE_BATCH, EQUIVALENCE_MODEL, equivalence_config
 
 from theseus.base.axis import ShardingPolicy
 from theseus.base.topology import Topology
@@ -20,28 +21,17 @@ from theseus.checkpoint import (
     fingerprints,
     restore_target,
 )
-from theseus.config import apply_overrides
 from theseus.data import Sampler, load_corpus
-from theseus.model import GPTConfig
 from theseus.training.base import TrainState
-from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
+from theseus.training.gpt import GPTTrainer
 
-MODEL = GPTConfig(vocab_size=256, block_size=24, n_layer=3, n_head=4, n_embd=40, mlp_ratio=4)
-GLOBAL_BATCH = 32
+MODEL = EQUIVALENCE_MODEL
+GLOBAL_BATCH = EQUIVALENCE_BATCH
 SAVED_POLICY = ShardingPolicy(tp=2, fsdp=True)
 
 
 def make_trainer(policy, per_device_batch_size, devices=None, model=MODEL) -> GPTTrainer:
-    overrides = {
-        "training.batch_size": GLOBAL_BATCH,
-        "training.per_device_batch_size": per_device_batch_size,
-        "training.steps": 100,
-        "optimization.learning_rate": 1e-3,
-        "optimization.warmup_steps": 1,
-    }
-    config = apply_overrides(
-        GPTTrainerConfig(model=model), [f"{k}={v}" for k, v in overrides.items()]
-    )
+    config = equivalence_config(per_device_batch_size, model)
     topology = Topology.new(policy, devices=devices) if devices is not None else None
     return GPTTrainer(config, policy, topology)
 

@@ -323,7 +323,8 @@ def test_dense_bf16_weight_grads_are_float32_and_accumulated_in_float32():
     assert grad_w.dtype == jnp.float32
     assert dense(x, w, jnp.float32).dtype == jnp.float32
     # The float32 reference on the same bfloat16 values: the weight gradient, accumulated and
-    # returned in float32, matches it to float32 precision; the input gradient is bfloat16.
+    # returned in float32, matches it to float32 precision; the input gradient is rounded to
+    # bfloat16 (8 significant bits, relative step 2**-8 ≈ 4e-3), hence its 1e-2.
     w_bf16_values = w.astype(jnp.bfloat16).astype(jnp.float32)
     _, reference_vjp = jax.vjp(lambda x, w: x @ w, x.astype(jnp.float32), w_bf16_values)
     expected_grad_x, expected_grad_w = reference_vjp(cotangent.astype(jnp.float32))

@@ -6,19 +6,18 @@ import math
 import jax
 import numpy as np
 import pytest
+from support import EQUIVALENCE_BATCH, EQUIVALENCE_MODEL, equivalence_config
 
 from theseus.base.axis import ShardingPolicy
 from theseus.base.layout import LayoutError
 from theseus.base.topology import Topology
 from theseus.config import apply_overrides
 from theseus.data import Sampler, load_corpus, validation_batches
-from theseus.model import GPTConfig
 from theseus.training.base import plan_batch
-from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
+from theseus.training.gpt import GPTTrainer
 
-# n_embd and n_mlp divide by 8 (tp=8 and FSDP over 8 devices); other dims differ from them.
-MODEL = GPTConfig(vocab_size=256, block_size=24, n_layer=3, n_head=4, n_embd=40, mlp_ratio=4)
-GLOBAL_BATCH = 32
+MODEL = EQUIVALENCE_MODEL
+GLOBAL_BATCH = EQUIVALENCE_BATCH
 STEPS = 3
 VALIDATION_BATCHES = 2
 
@@ -33,17 +32,7 @@ POLICIES = [
 ]
 
 
-def config(per_device_batch_size: int, **training) -> GPTTrainerConfig:
-    base = GPTTrainerConfig(model=MODEL)
-    overrides = {
-        "training.batch_size": GLOBAL_BATCH,
-        "training.per_device_batch_size": per_device_batch_size,
-        "training.steps": 100,
-        "optimization.learning_rate": 1e-3,
-        "optimization.warmup_steps": 1,
-        **{f"training.{k}": v for k, v in training.items()},
-    }
-    return apply_overrides(base, [f"{k}={v}" for k, v in overrides.items()])
+config = equivalence_config
 
 
 @functools.cache
