@@ -1,0 +1,335 @@
+"""A hand-written GPT train step in plain JAX (``jax.jit`` + optax, no theseus code): the
+baseline the benchmarks compare theseus's step against.
+
+It is what a careful user would write by hand for one sharding choice: the same GPT-2 math as
+``theseus.model.gpt`` (float32 master weights, matmuls in the compute dtype with float32
+accumulation and float32 weight gradients, float32 LayerNorm statistics, softmax, residual stream
+and logits, a head tied to the token embedding, layers stacked and scanned, optional per-layer
+remat), the same AdamW chain, and the same three layouts written out by hand as
+``PartitionSpec``s per parameter: compute (TP), storage (TP, or TP+ZeRO under FSDP) and update
+(TP+ZeRO under ZeRO). The parameter tree has theseus's structure, so both steps can start from
+the same values and must give the same loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+BATCH, SHARD = "batch", "shard"
+
+
+@dataclass(frozen=True)
+class Model:
+    """GPT-2 shape and numerics."""
+
+    vocab_size: int
+    block_size: int
+    n_layer: int
+    n_head: int
+    n_embd: int
+    mlp_ratio: int = 4
+    compute_dtype: Any = jnp.float32
+    remat: bool = False
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    """AdamW with global-norm clipping, warmup and cosine decay (theseus's defaults)."""
+
+    learning_rate: float = 3e-3
+    warmup_steps: int = 20
+    steps: int = 200
+    min_learning_rate_ratio: float = 0.1
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """One policy: ``tp`` devices per replica; ZeRO partitions the update, FSDP also storage."""
+
+    tp: int = 1
+    zero: bool = True
+    fsdp: bool = False
+
+
+class State(NamedTuple):
+    params: Any
+    opt_state: Any
+    step: jax.Array
+
+
+# --- layouts, by hand ---------------------------------------------------------------------------
+
+
+def param_specs(model: Model, tp_axis, zero_axis) -> dict:
+    """PartitionSpecs of every parameter. ``tp_axis`` splits the attention and MLP widths;
+    ``zero_axis`` (None, or the batch axis) also splits them and the vocabulary and position
+    tables. LayerNorms, n_embd-wide biases and ``ln_f`` stay whole."""
+
+    def both(*axes):
+        axes = tuple(a for a in axes if a is not None)
+        return axes if len(axes) > 1 else (axes[0] if axes else None)
+
+    width = both(tp_axis, zero_axis)  # n_attn, n_mlp
+    table = P(zero_axis, None)  # wte, wpe: (rows, n_embd)
+    stacked = P(None, None)  # (n_layer, n_embd)
+    into = {"kernel": P(None, None, width), "bias": P(None, width)}  # n_embd -> width
+    out_of = {"kernel": P(None, width, None), "bias": stacked}  # width -> n_embd
+    norm = {"scale": stacked, "bias": stacked}
+    return {
+        "wte": table,
+        "wpe": table,
+        "ln_f": {"scale": P(None), "bias": P(None)},
+        "blocks": {
+            "ln1": norm,
+            "attn_q": into,
+            "attn_k": into,
+            "attn_v": into,
+            "attn_out": out_of,
+            "ln2": norm,
+            "mlp_fc": into,
+            "mlp_proj": out_of,
+        },
+    }
+
+
+@dataclass(frozen=True)
+class Layouts:
+    compute: Any
+    storage: Any
+    update: Any
+
+
+def layouts(model: Model, sharding: Sharding, mesh: jax.sharding.Mesh) -> Layouts:
+    tp = param_specs(model, SHARD, None)
+    tp_zero = param_specs(model, SHARD, BATCH)
+
+    def named(specs):
+        return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
+
+    return Layouts(
+        compute=named(tp),
+        storage=named(tp_zero if sharding.fsdp else tp),
+        update=named(tp_zero if sharding.zero else tp),
+    )
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, P)
+
+
+def make_mesh(tp: int) -> jax.sharding.Mesh:
+    devices = np.array(jax.devices()).reshape(-1, tp)
+    return jax.sharding.Mesh(devices, (BATCH, SHARD), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+# --- the model ----------------------------------------------------------------------------------
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def dense(x, w, out_dtype, w_axes="io"):
+    """``x @ w`` in ``x.dtype``, float32 accumulation; float32 weight gradient."""
+    out = jnp.einsum(
+        f"...i,{w_axes}->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32
+    )
+    return out.astype(out_dtype)
+
+
+def _dense_fwd(x, w, out_dtype, w_axes):
+    return dense(x, w, out_dtype, w_axes), (x, w)
+
+
+def _dense_bwd(out_dtype, w_axes, residuals, g):
+    x, w = residuals
+    g = g.astype(x.dtype)
+    gx = jnp.einsum(
+        f"...o,{w_axes}->...i", g, w.astype(x.dtype), preferred_element_type=jnp.float32
+    )
+    gw = jnp.einsum(f"...i,...o->{w_axes}", x, g, preferred_element_type=jnp.float32)
+    return gx.astype(x.dtype), gw.astype(w.dtype)
+
+
+dense.defvjp(_dense_fwd, _dense_bwd)
+
+
+def linear(x, p):
+    return (dense(x, p["kernel"], jnp.float32) + p["bias"]).astype(x.dtype)
+
+
+def layer_norm(x, p, dtype):
+    x = x.astype(jnp.float32)
+    mean = x.mean(-1, keepdims=True)
+    var = jnp.square(x - mean).mean(-1, keepdims=True)
+    return ((x - mean) * jax.lax.rsqrt(var + 1e-5) * p["scale"] + p["bias"]).astype(dtype)
+
+
+def attention(q, k, v, n_head):
+    b, t, c = q.shape  # (batch, seq, n_attn)
+    q, k, v = (a.reshape(b, t, n_head, c // n_head) for a in (q, k, v))
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+    s = s / jnp.sqrt(jnp.float32(c // n_head))  # (batch, n_head, seq, seq)
+    s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1).astype(q.dtype)
+    out = jnp.einsum("bhqk,bkhd->bqhd", p, v, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, c).astype(q.dtype)  # (batch, seq, n_attn)
+
+
+def forward(model: Model, params, tokens):
+    """Float32 logits (batch, seq, vocab) of tokens (batch, seq)."""
+    dtype = model.compute_dtype
+    x = params["wte"][tokens] + params["wpe"][: tokens.shape[1]]  # (batch, seq, n_embd)
+
+    def layer(x, p):
+        h = layer_norm(x, p["ln1"], dtype)
+        q, k, v = (linear(h, p[name]) for name in ("attn_q", "attn_k", "attn_v"))
+        x = x + linear(attention(q, k, v, model.n_head), p["attn_out"]).astype(jnp.float32)
+        h = jax.nn.gelu(linear(layer_norm(x, p["ln2"], dtype), p["mlp_fc"]), approximate=True)
+        return x + linear(h, p["mlp_proj"]).astype(jnp.float32)
+
+    if model.remat:
+        layer = jax.checkpoint(layer)
+    x, _ = jax.lax.scan(lambda x, p: (layer(x, p), None), x, params["blocks"])
+    h = layer_norm(x, params["ln_f"], dtype)
+    return dense(h, params["wte"], jnp.float32, "oi")  # (batch, seq, vocab)
+
+
+def loss_fn(model: Model, params, tokens):
+    """Mean next-token cross-entropy of tokens (examples, seq + 1)."""
+    logits = forward(model, params, tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
+def init_params(model: Model, key) -> dict:
+    """GPT-2 initialisation (normal 0.02, residual projections scaled by depth)."""
+    e, m, n = model.n_embd, model.mlp_ratio * model.n_embd, model.n_layer
+    keys = iter(jax.random.split(key, 8))
+
+    def normal(shape, std=0.02):
+        return std * jax.random.normal(next(keys), shape, jnp.float32)
+
+    def lin(d_in, d_out, std=0.02):
+        return {"kernel": normal((n, d_in, d_out), std), "bias": jnp.zeros((n, d_out))}
+
+    norm = {"scale": jnp.ones((n, e)), "bias": jnp.zeros((n, e))}
+    residual = 0.02 / np.sqrt(2 * n)
+    return {
+        "wte": normal((model.vocab_size, e)),
+        "wpe": normal((model.block_size, e)),
+        "ln_f": {"scale": jnp.ones(e), "bias": jnp.zeros(e)},
+        "blocks": {
+            "ln1": norm,
+            "attn_q": lin(e, e),
+            "attn_k": lin(e, e),
+            "attn_v": lin(e, e),
+            "attn_out": lin(e, e, residual),
+            "ln2": norm,
+            "mlp_fc": lin(e, m),
+            "mlp_proj": lin(m, e, residual),
+        },
+    }
+
+
+# --- the step -----------------------------------------------------------------------------------
+
+
+def optimizer(opt: Optimizer) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    warmup = min(opt.warmup_steps, opt.steps)
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0,
+        opt.learning_rate,
+        warmup,
+        max(opt.steps, warmup + 1),
+        opt.learning_rate * opt.min_learning_rate_ratio,
+    )
+
+    def decay_mask(params):  # matrices: kernels and the embedding tables
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: path[-1].key in ("kernel", "wte", "wpe"), params
+        )
+
+    tx = optax.chain(
+        optax.clip_by_global_norm(opt.grad_clip),
+        optax.adamw(
+            schedule, opt.b1, opt.b2, opt.eps, weight_decay=opt.weight_decay, mask=decay_mask
+        ),
+    )
+    return tx, schedule
+
+
+@dataclass(frozen=True)
+class Step:
+    """A compiled step and what it needs: ``init(params)`` places parameters (any placement) in
+    their storage layout with fresh optimizer state; ``run(state, batch)`` is one step."""
+
+    init: Any
+    run: Any
+    mesh: jax.sharding.Mesh
+    batch_sharding: NamedSharding
+
+
+def build(model: Model, sharding: Sharding, opt: Optimizer = Optimizer()) -> Step:
+    mesh = make_mesh(sharding.tp)
+    lay = layouts(model, sharding, mesh)
+    tx, schedule = optimizer(opt)
+    constrain = jax.lax.with_sharding_constraint
+    replicated = NamedSharding(mesh, P())
+    batch_sharding = NamedSharding(mesh, P(None, BATCH, None))
+
+    def init(params):
+        params = constrain(params, lay.storage)
+        opt_state = tx.init(constrain(params, lay.update))
+        return State(params, opt_state, jnp.zeros((), jnp.int32))
+
+    abstract = jax.eval_shape(partial(init_params, model), jax.random.key(0))
+    with jax.set_mesh(mesh):
+        opt_layout = jax.jit(init).lower(abstract).compile().output_shardings.opt_state
+    state_layout = State(lay.storage, opt_layout, replicated)
+
+    def step(state: State, batch):  # batch: (accumulation, examples, seq + 1)
+        def micro(grad_sum, tokens):
+            params = constrain(state.params, lay.compute)
+            loss, grads = jax.value_and_grad(partial(loss_fn, model))(params, tokens)
+            return constrain(jax.tree.map(jnp.add, grad_sum, grads), lay.storage), loss
+
+        zeros = constrain(jax.tree.map(jnp.zeros_like, state.params), lay.storage)
+        grad_sum, losses = jax.lax.scan(micro, zeros, batch)
+        grads = constrain(jax.tree.map(lambda g: g / batch.shape[0], grad_sum), lay.update)
+        params = constrain(state.params, lay.update)
+        updates, opt_state = tx.update(grads, state.opt_state, params)
+        params = constrain(optax.apply_updates(params, updates), lay.storage)
+        metrics = {
+            "loss": losses.mean(),
+            "grad_norm": optax.tree.norm(grads),
+            "learning_rate": schedule(state.step),
+        }
+        return State(params, opt_state, state.step + 1), metrics
+
+    jit_init = jax.jit(init, out_shardings=state_layout)
+    jit_step = jax.jit(
+        step,
+        in_shardings=(state_layout, batch_sharding),
+        out_shardings=(state_layout, replicated),
+        donate_argnums=0,
+    )
+
+    def under_mesh(fn):
+        def wrapped(*args):
+            with jax.set_mesh(mesh):
+                return fn(*args)
+
+        return wrapped
+
+    return Step(under_mesh(jit_init), under_mesh(jit_step), mesh, batch_sharding)

@@ -1,0 +1,151 @@
+"""Step time of theseus's GPT train step against the hand-written plain-JAX step of
+``bench/reference.py`` (same model math, same layouts), per policy, on 8 simulated CPU devices.
+
+    python bench/step_bench.py [--repeats 7] [--steps 4] [--policies DP,ZeRO,...]
+
+Both steps start from the same parameters; their first losses must agree (to 1e-5), which shows
+they compute the same thing. Timing: after a warm-up, each repetition runs ``--steps`` steps of
+every (policy, implementation) pair, in an order that alternates which implementation goes first,
+blocking only at the end of each run; the figure is the median over repetitions of seconds per
+step, and the ratio is theseus / hand-written. Simulated devices share the host's cores: the
+ratio shows framework overhead, not speedup. Prints a table; asserts only the loss agreement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "bench")]
+
+import jax
+import numpy as np
+import reference
+
+# name: (tp, zero, fsdp)
+POLICIES = {
+    "DP": (1, False, False),
+    "ZeRO": (1, True, False),
+    "FSDP": (1, True, True),
+    "tp=2": (2, True, False),
+    "tp=2+FSDP": (2, True, True),
+    "tp=4+FSDP": (4, True, True),
+}
+# Enough work per step that a step is tens of milliseconds on 2 cores, small enough to compile
+# ten steps in well under a minute.
+MODEL = {"vocab_size": 256, "block_size": 64, "n_layer": 4, "n_head": 4, "n_embd": 128}
+BATCH = {"batch_size": 32, "per_device_batch_size": 2}
+
+
+@dataclass
+class Contender:
+    name: str
+    step: object  # (state, batch) -> (state, metrics)
+    state: object
+    batch: jax.Array
+    seconds: list[float]
+
+
+def theseus_contender(policy_name: str, dtype: str):
+    from theseus.base.axis import ShardingPolicy
+    from theseus.config import apply_overrides
+    from theseus.planner import compile_train_step
+    from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
+
+    tp, zero, fsdp = POLICIES[policy_name]
+    overrides = [f"model.{k}={v}" for k, v in MODEL.items()]
+    overrides += [f"training.{k}={v}" for k, v in BATCH.items()] + [f"training.dtype={dtype}"]
+    config = apply_overrides(GPTTrainerConfig(), overrides)
+    trainer = GPTTrainer(config, ShardingPolicy(tp=tp, zero=zero, fsdp=fsdp))
+    plan = trainer.batch_plan
+    shape = (plan.accumulation_steps, plan.examples_per_microbatch, plan.seq_len + 1)
+    tokens = np.random.default_rng(0).integers(0, MODEL["vocab_size"], shape, dtype=np.int32)
+    batch = jax.device_put(tokens, trainer.batch_sharding)
+    return trainer, compile_train_step(trainer), trainer.init_state(), batch, tokens
+
+
+def reference_contender(policy_name: str, dtype: str, params, tokens):
+    tp, zero, fsdp = POLICIES[policy_name]
+    model = reference.Model(**MODEL, compute_dtype=jax.numpy.dtype(dtype))
+    ref = reference.build(model, reference.Sharding(tp, zero, fsdp))
+    state = ref.init(params)
+    batch = jax.device_put(tokens, ref.batch_sharding)
+    return ref.run, state, batch
+
+
+def run(contender: Contender, steps: int) -> float:
+    start = time.perf_counter()
+    state, metrics = contender.state, None
+    for _ in range(steps):
+        state, metrics = contender.step(state, contender.batch)
+    jax.block_until_ready((state, metrics))
+    contender.state = state
+    return (time.perf_counter() - start) / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7, help="timed repetitions (median)")
+    parser.add_argument("--steps", type=int, default=4, help="steps per timed repetition")
+    parser.add_argument("--policies", default="DP,ZeRO,FSDP,tp=2,tp=2+FSDP")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    args = parser.parse_args()
+    names = args.policies.split(",")
+    unknown = sorted(set(names) - set(POLICIES))
+    if unknown:
+        parser.error(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
+
+    pairs = []
+    for name in names:
+        start = time.perf_counter()
+        trainer, step, state, batch, tokens = theseus_contender(name, args.dtype)
+        params = jax.tree.map(lambda a: a.copy(), state.params)  # the theseus step donates
+        ref_step, ref_state, ref_batch = reference_contender(name, args.dtype, params, tokens)
+        ours = Contender("theseus", step, state, batch, [])
+        theirs = Contender("reference", ref_step, ref_state, ref_batch, [])
+        ours.state, ours_metrics = ours.step(ours.state, ours.batch)
+        theirs.state, ref_metrics = theirs.step(theirs.state, theirs.batch)
+        loss, ref_loss = float(ours_metrics["loss"]), float(ref_metrics["loss"])
+        if abs(loss - ref_loss) > 1e-5:
+            raise SystemExit(f"{name}: theseus loss {loss} != hand-written loss {ref_loss}")
+        print(
+            f"{name}: mesh {dict(trainer.mesh.shape)}, {trainer.batch_plan.describe()}; "
+            f"first loss {loss:.6f} (hand-written {ref_loss:.6f}); set up in "
+            f"{time.perf_counter() - start:.1f} s",
+            flush=True,
+        )
+        pairs.append((name, ours, theirs))
+
+    for repeat in range(args.repeats):
+        for name, ours, theirs in pairs:
+            order = (ours, theirs) if repeat % 2 == 0 else (theirs, ours)
+            for contender in order:
+                contender.seconds.append(run(contender, args.steps))
+
+    model = ", ".join(f"{k}={v}" for k, v in MODEL.items())
+    print()
+    print(
+        f"GPT {model}, {BATCH['batch_size']} examples per step, {args.dtype}; 8 simulated CPU "
+        f"devices; median of {args.repeats} × {args.steps} steps"
+    )
+    print(f"{'policy':<11} {'theseus s/step':>15} {'hand-written':>13} {'ratio':>7}  spread")
+    for name, ours, theirs in pairs:
+        a, b = statistics.median(ours.seconds), statistics.median(theirs.seconds)
+        spread = max(o / t for o, t in zip(ours.seconds, theirs.seconds, strict=True))
+        spread_low = min(o / t for o, t in zip(ours.seconds, theirs.seconds, strict=True))
+        print(f"{name:<11} {a:>15.4f} {b:>13.4f} {a / b:>7.3f}  {spread_low:.2f}-{spread:.2f}")
+
+
+if __name__ == "__main__":
+    main()
