@@ -17,6 +17,7 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from theseus.base.axis import Axis, ShardingPlan
+from theseus.base.layer_scan import scan_layers
 from theseus.config import Section
 from theseus.model.layers import causal_attention, dense, layer_norm, linear
 
@@ -220,10 +221,7 @@ class GPT(nnx.Module):
         wte = self.wte[...]  # (vocab, n_embd)
         x = wte[tokens] + self.wpe[...][:seq]  # (batch, seq, n_embd) float32 residual stream
         layer_step = partial(block, n_head=self.n_head, compute_dtype=self.compute_dtype)
-        if self.remat:
-            layer_step = jax.checkpoint(layer_step)
-        layers = nnx.to_pure_dict(nnx.state(self.blocks))  # arrays of shape (n_layer, ...)
-        x, _ = jax.lax.scan(lambda x, layer: (layer_step(layer, x), None), x, layers)
+        x = scan_layers(layer_step, x, self.blocks, remat=self.remat)  # gathered per layer
         h = layer_norm(x, **nnx.to_pure_dict(nnx.state(self.ln_f)), dtype=self.compute_dtype)
         return dense(h, wte, jnp.float32, transposed=True)  # (batch, seq, vocab)
 

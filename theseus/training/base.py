@@ -24,6 +24,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from theseus.base.axis import PHASES, Axis, ShardingPlan, ShardingPolicy
+from theseus.base.layer_scan import LayerLayouts, layer_layouts
 from theseus.base.layout import (
     AbstractLeaf,
     Layouts,
@@ -31,6 +32,7 @@ from theseus.base.layout import (
     check_layouts,
     is_sharding,
     optimizer_layout,
+    path_str,
     resolve_layouts,
 )
 from theseus.base.topology import Topology
@@ -355,32 +357,104 @@ class BaseTrainer(abc.ABC):
         """(accumulation, examples, seq_len + 1): examples over ``batch``, shared by ``shard``."""
         return NamedSharding(self.mesh, P(None, Axis.BATCH, None))
 
-    def _loss(self, params: Any, tokens: jax.Array, rng: jax.Array) -> jax.Array:
-        return self.loss_fn(nnx.merge(self.graphdef, params), tokens, rng)
+    def _loss(
+        self, params: Any, tokens: jax.Array, rng: jax.Array, gathered: set[str] | None = None
+    ) -> jax.Array:
+        """``loss_fn`` with the parameter layouts installed for :func:`scan_layers`; the paths
+        of the parameters it gathered per layer are added to ``gathered`` when given."""
+        flat = jax.tree_util.tree_flatten_with_path(params)[0]
+        ids = [id(leaf) for _, leaf in flat]
+        storage, compute = (
+            jax.tree.leaves(layout, is_leaf=is_sharding)
+            for layout in (self.layouts.storage, self.layouts.compute)
+        )
+        installed = LayerLayouts(dict(zip(ids, storage, strict=True)), dict(zip(ids, compute)))
+        with layer_layouts(installed):
+            loss = self.loss_fn(nnx.merge(self.graphdef, params), tokens, rng)
+        if gathered is not None:
+            gathered.update(path_str(path) for path, leaf in flat if id(leaf) in installed.gathered)
+        return loss
+
+    @cached_property
+    def per_layer_paths(self) -> frozenset[str]:
+        """State paths of the parameters the model gathers one layer at a time, inside its
+        layer scan (:func:`theseus.scan_layers`); found by tracing the loss once, abstractly."""
+        found: set[str] = set()
+        tokens = jax.ShapeDtypeStruct(
+            (self.batch_plan.per_device_batch_size, self.seq_len + 1), jnp.int32
+        )
+        jax.eval_shape(
+            lambda p, t: self._loss(p, t, jax.random.PRNGKey(0), found),
+            self.abstract_state.params,
+            tokens,
+        )
+        return frozenset(found)
+
+    @cached_property
+    def entry_layout(self) -> Any:
+        """The layout parameters enter the loss in: compute, except those gathered per layer
+        inside the layer scan, which enter in storage (the whole model is never gathered)."""
+        return jax.tree_util.tree_map_with_path(
+            lambda path, compute, storage: (
+                storage if path_str(path) in self.per_layer_paths else compute
+            ),
+            self.layouts.compute,
+            self.layouts.storage,
+            is_leaf=is_sharding,
+        )
+
+    @cached_property
+    def accumulating_replicas(self) -> int:
+        """Replicas keeping their own partial gradient sum between microbatches: all of them
+        when storage leaves parameters whole across ``batch`` (DP, ZeRO), so gradients cross
+        ``batch`` once per step; 1 when storage splits them (FSDP), whose sharded accumulator
+        takes a reduce-scatter per microbatch."""
+        storage = jax.tree.leaves(self.layouts.storage, is_leaf=is_sharding)
+        split = any(Axis.BATCH in jax.tree.leaves(tuple(s.spec)) for s in storage)
+        return 1 if split else self.topology.replicas
+
+    @cached_property
+    def accumulator_layout(self) -> Any:
+        """The float32 gradient sum: (replicas, *parameter) with replicas over ``batch``, each
+        in the storage layout; per device, the bytes of the parameters as stored."""
+        lead = Axis.BATCH if self.accumulating_replicas > 1 else None
+        return jax.tree.map(
+            lambda s: NamedSharding(self.mesh, P(lead, *s.spec)),
+            self.layouts.storage,
+            is_leaf=is_sharding,
+        )
 
     def _train_step(self, state: TrainState, batch: jax.Array) -> tuple[TrainState, dict]:
-        layouts = self.layouts
         constrain = jax.lax.with_sharding_constraint
         rng, step_rng = jax.random.split(state.rng)
-        num_micro = batch.shape[0]
+        num_micro, examples, width = batch.shape
+        replicas = self.accumulating_replicas
+        batch = batch.reshape(num_micro, replicas, examples // replicas, width)
+
+        def replica_grads(tokens, micro_rng):  # tokens: (examples / replicas, seq_len + 1)
+            params = constrain(state.params, self.entry_layout)
+            loss, grads = jax.value_and_grad(self._loss)(params, tokens, micro_rng)
+            return loss, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+
+        spmd_axis = Axis.BATCH if replicas > 1 else None
+        replica_grads = jax.vmap(replica_grads, in_axes=(0, None), spmd_axis_name=spmd_axis)
 
         def microbatch(grad_sum, inputs):
-            tokens, micro_rng = inputs  # (examples, seq_len + 1)
-            params = constrain(state.params, layouts.compute)
-            loss, grads = jax.value_and_grad(self._loss)(params, tokens, micro_rng)
-            grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-            grad_sum = constrain(jax.tree.map(jnp.add, grad_sum, grads), layouts.storage)
-            return grad_sum, loss
+            losses, grads = replica_grads(*inputs)  # (replicas,), (replicas, *parameter)
+            grad_sum = constrain(jax.tree.map(jnp.add, grad_sum, grads), self.accumulator_layout)
+            return grad_sum, losses.mean()
 
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-        zeros = constrain(zeros, layouts.storage)
+        zeros = jax.tree.map(lambda p: jnp.zeros((replicas, *p.shape), jnp.float32), state.params)
         micro_rngs = jax.random.split(step_rng, num_micro)
-        grad_sum, losses = jax.lax.scan(microbatch, zeros, (batch, micro_rngs))
-
-        grads = constrain(jax.tree.map(lambda g: g / num_micro, grad_sum), layouts.update)
-        params = constrain(state.params, layouts.update)
+        grad_sum, losses = jax.lax.scan(
+            microbatch, constrain(zeros, self.accumulator_layout), (batch, micro_rngs)
+        )
+        # The one reduction across replicas of the step, straight into the update layout.
+        mean = jax.tree.map(lambda g: g.sum(0) / (num_micro * replicas), grad_sum)
+        grads = constrain(mean, self.layouts.update)
+        params = constrain(state.params, self.layouts.update)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, params)
-        params = constrain(optax.apply_updates(params, updates), layouts.storage)
+        params = constrain(optax.apply_updates(params, updates), self.layouts.storage)
         metrics = {
             "loss": losses.mean(),
             "grad_norm": optax.tree.norm(grads),
@@ -401,7 +475,7 @@ class BaseTrainer(abc.ABC):
         return _under_mesh(step, self.mesh)
 
     def _validation_loss(self, params: Any, batches: jax.Array) -> jax.Array:
-        params = jax.lax.with_sharding_constraint(params, self.layouts.compute)
+        params = jax.lax.with_sharding_constraint(params, self.entry_layout)
         rng = jax.random.PRNGKey(0)
 
         def one(total, tokens):

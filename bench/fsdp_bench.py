@@ -1,0 +1,134 @@
+"""Memory and communication of the compiled train step, per policy (compile only, nothing runs).
+
+Two tables, per device and per step:
+
+- ``--devices 8`` (default): a small GPT on 8 simulated CPU devices, tp=1, one example per
+  replica per microbatch, with 1 and 8 accumulation steps: compiled peak and temporaries, and
+  the bytes of each kind of collective (loops unrolled; :mod:`theseus.collectives`).
+- ``--scale``: the 7.5B GPT of issue 8 on 64 simulated devices (bf16, remat, 1 × 2048 tokens per
+  device): compiled peak and temporaries of FSDP at 36 and 72 layers, ZeRO and DP at 36.
+
+    PYTHONPATH=. python bench/fsdp_bench.py [--scale]
+
+Prints markdown tables; asserts nothing (the tests do).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+DEVICES = 64 if "--scale" in sys.argv else 8
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}"
+).strip()
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SMALL = [
+    "model.vocab_size=256",
+    "model.block_size=64",
+    "model.n_layer=4",
+    "model.n_head=4",
+    "model.n_embd=192",
+    "training.per_device_batch_size=1",
+]
+BIG = [
+    "model.n_embd=4096",
+    "model.n_head=32",
+    "model.vocab_size=50304",
+    "model.block_size=2048",
+    "training.batch_size=64",
+    "training.per_device_batch_size=1",
+    "training.dtype=bfloat16",
+]
+GB = 1e9
+
+
+def compiled(policy, overrides: list[str]):
+    """(seconds, CompiledMemory with collectives) of the GPT train step on this process."""
+    from theseus.config import apply_overrides
+    from theseus.planner import plan
+    from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
+
+    config = apply_overrides(GPTTrainerConfig(), overrides)
+    start = time.perf_counter()
+    result = plan(GPTTrainer, config, policy, DEVICES, compile=True, alternatives=False)
+    return time.perf_counter() - start, result.compiled
+
+
+def collectives_of(memory):
+    from theseus.collectives import count_collectives
+
+    return count_collectives(memory.executable.as_text())
+
+
+def small_table() -> None:
+    from theseus.base.axis import ShardingPolicy
+
+    policies = {
+        "DP": ShardingPolicy(zero=False),
+        "ZeRO": ShardingPolicy(),
+        "FSDP": ShardingPolicy(fsdp=True),
+    }
+    print(
+        "compiled train step on 8 simulated CPU devices, per device per step: GPT n_layer=4 "
+        "n_embd=192 vocab=256, 1 example x 64 tokens per replica per microbatch"
+    )
+    print()
+    print(
+        "| policy | accumulation | peak bytes | temporaries | all-gather bytes (count) | "
+        "reduce-scatter bytes (count) | all-reduce bytes (count) | all collective bytes |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for name, policy in policies.items():
+        for accumulation in (1, 8):
+            _, memory = compiled(policy, [*SMALL, f"training.batch_size={8 * accumulation}"])
+            found = collectives_of(memory)
+            cells = [
+                f"{found[op].bytes:,} ({found[op].count})"
+                for op in ("all-gather", "reduce-scatter", "all-reduce")
+            ]
+            print(
+                f"| {name} | {accumulation} | {memory.peak:,} | {memory.temporaries:,} | "
+                + " | ".join(cells)
+                + f" | {found.bytes:,} |"
+            )
+
+
+def scale_table() -> None:
+    from theseus.base.axis import ShardingPolicy
+
+    rows = [
+        ("FSDP", ShardingPolicy(fsdp=True, activation_checkpointing=True), 36),
+        ("FSDP", ShardingPolicy(fsdp=True, activation_checkpointing=True), 72),
+        ("ZeRO", ShardingPolicy(activation_checkpointing=True), 36),
+        ("DP", ShardingPolicy(zero=False, activation_checkpointing=True), 36),
+    ]
+    print(
+        "7.5B GPT (n_embd=4096, 36 layers; 72 for the depth row) on 64 simulated devices, "
+        "bf16, remat per layer, 1 x 2048 tokens per device, per device:"
+    )
+    print()
+    print("| policy | n_layer | peak GB | temporaries GB | collective GB per step | compile s |")
+    print("|---|---|---|---|---|---|")
+    for name, policy, n_layer in rows:
+        seconds, memory = compiled(policy, [*BIG, f"model.n_layer={n_layer}"])
+        print(
+            f"| {name} | {n_layer} | {memory.peak / GB:.1f} | {memory.temporaries / GB:.1f} | "
+            f"{collectives_of(memory).bytes / GB:.1f} | {seconds:.0f} |"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scale", action="store_true", help="the 7.5B table on 64 devices")
+    args = parser.parse_args()
+    scale_table() if args.scale else small_table()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+"""Collectives of one compiled step, per device: how many and how many bytes, loops unrolled.
+
+Reads the text of a compiled XLA module (``compiled.as_text()``), so it counts what will run, not
+what the program asked for. For each of ``all-gather``, ``reduce-scatter``, ``all-reduce``,
+``all-to-all`` and ``collective-permute`` it gives ``count`` and ``bytes`` per device per step:
+an op inside a ``while`` loop counts once per iteration (XLA's ``known_trip_count``), so the
+microbatch scan and the layer scan are multiplied out. ``bytes`` is the size of the whole buffer
+the collective works on, as each device sees it: the result of an all-gather, the operand of a
+reduce-scatter, the operand (= result) of the others. A ring implementation sends about
+(N-1)/N of it per device.
+
+Asynchronous pairs (``all-gather-start`` / ``all-gather-done``) count once, at ``-done``, whose
+result is the collective's output; ops wrapped by ``async-start`` count inside the wrapped
+computation.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from functools import cache
+
+OPS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+
+_DTYPE_BYTES = {
+    "pred": 1, "s2": 1, "u2": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1,
+    "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+    "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16,
+}  # fmt: skip
+_ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]+m[0-9]+[a-z]*)?)\[([0-9,]*)\]")
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([^\s(]+)\s*\(.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+)\s*=\s*(.*)$")
+_CALLEE = re.compile(
+    r"\b(?:to_apply|calls|body|condition|true_computation|false_computation)=%?([^\s,]+)"
+)
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+@dataclass(frozen=True)
+class CollectiveTotal:
+    """One kind of collective over a step: how many run and how many bytes they handle."""
+
+    count: int = 0
+    bytes: int = 0
+
+    def __add__(self, other: CollectiveTotal) -> CollectiveTotal:
+        return CollectiveTotal(self.count + other.count, self.bytes + other.bytes)
+
+    def __mul__(self, times: int) -> CollectiveTotal:
+        return CollectiveTotal(self.count * times, self.bytes * times)
+
+    def to_json(self) -> dict:
+        return {"count": self.count, "bytes": self.bytes}
+
+
+@dataclass(frozen=True)
+class Collectives:
+    """Per-device collectives of one step, by kind (every kind of :data:`OPS` present)."""
+
+    totals: dict[str, CollectiveTotal] = field(default_factory=dict)
+
+    def __getitem__(self, op: str) -> CollectiveTotal:
+        if op not in OPS:
+            raise KeyError(f"unknown collective {op!r}; expected one of {OPS}")
+        return self.totals.get(op, CollectiveTotal())
+
+    @property
+    def bytes(self) -> int:
+        """All collective bytes of the step."""
+        return sum(self[op].bytes for op in OPS)
+
+    def to_json(self) -> dict:
+        return {op: self[op].to_json() for op in OPS}
+
+
+def array_bytes(type_text: str) -> int:
+    """Bytes of an HLO type: one array (``f32[4,8]{1,0}``) or a tuple of them (summed)."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(type_text):
+        itemsize = _DTYPE_BYTES.get(dtype, 1 if dtype.startswith("f8") else None)
+        if itemsize is None:
+            raise ValueError(f"unknown HLO element type {dtype!r} in {type_text[:120]!r}")
+        total += itemsize * math.prod(int(d) for d in dims.split(",") if d)
+    return total
+
+
+def _split_type(rest: str) -> tuple[str, str]:
+    """``(type, remainder)`` of an instruction's right-hand side: the type is one token or a
+    parenthesised tuple."""
+    if not rest.startswith("("):
+        type_text, _, remainder = rest.partition(" ")
+        return type_text, remainder
+    depth = 0
+    for i, char in enumerate(rest):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth == 0:
+            return rest[: i + 1], rest[i + 1 :].lstrip()
+    raise ValueError(f"unbalanced tuple type in HLO instruction: {rest[:120]!r}")
+
+
+@dataclass(frozen=True)
+class _Instruction:
+    name: str
+    type_text: str
+    opcode: str
+    operands: tuple[str, ...]
+    attributes: str
+
+
+def _parse_instruction(line: str) -> _Instruction | None:
+    match = _INSTRUCTION.match(line)
+    if match is None:
+        return None
+    name, rest = match.groups()
+    type_text, remainder = _split_type(rest)
+    opcode, paren, args = remainder.partition("(")
+    if not paren:
+        return None
+    depth, end = 1, len(args)
+    for i, char in enumerate(args):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth == 0:
+            end = i
+            break
+    operands = tuple(re.findall(r"%([^\s,()]+)", args[:end]))
+    return _Instruction(name, type_text, opcode.strip(), operands, args[end + 1 :])
+
+
+def _computations(hlo_text: str) -> tuple[dict[str, list[_Instruction]], str]:
+    """Every computation's instructions by name, and the name of the entry computation."""
+    computations: dict[str, list[_Instruction]] = {}
+    entry, current = None, None
+    for line in hlo_text.splitlines():
+        if not line.startswith((" ", "\t")):
+            header = _HEADER.match(line)
+            current = header.group(1) if header else None
+            if current is not None:
+                computations[current] = []
+                if line.startswith("ENTRY"):
+                    entry = current
+            continue
+        if current is not None:
+            instruction = _parse_instruction(line)
+            if instruction is not None:
+                computations[current].append(instruction)
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text; pass compiled.as_text()")
+    return computations, entry
+
+
+def _kind(opcode: str) -> str | None:
+    """The collective an opcode performs (``-done`` carries the result), else None."""
+    if opcode in OPS:
+        return opcode
+    if opcode.endswith("-done") and opcode[: -len("-done")] in OPS:
+        return opcode[: -len("-done")]
+    return None
+
+
+def _callees(instruction: _Instruction) -> list[tuple[str, int]]:
+    """Computations an instruction calls, each with how many times per call of it."""
+    if instruction.opcode.endswith("-done"):
+        return []  # an async pair's wrapped computation is reached from its -start
+    names = _CALLEE.findall(instruction.attributes)
+    for branches in _BRANCHES.findall(instruction.attributes):
+        names += re.findall(r"%?([^\s,]+)", branches)
+    if instruction.opcode != "while":
+        return [(name, 1) for name in names]
+    trip = _TRIP_COUNT.search(instruction.attributes)
+    if trip is None:
+        raise ValueError(
+            f"while loop {instruction.name} has no known trip count in the compiled HLO, so its "
+            "collectives cannot be counted per step; loops from lax.scan and fori_loop with "
+            "static bounds have one."
+        )
+    body = re.search(r"\bbody=%?([^\s,]+)", instruction.attributes).group(1)
+    return [(body, int(trip.group(1)))]  # the condition runs no collectives
+
+
+def count_collectives(hlo_text: str) -> Collectives:
+    """The collectives one execution of the compiled module runs, per device, loops unrolled."""
+    computations, entry = _computations(hlo_text)
+
+    @cache
+    def totals(name: str) -> tuple[tuple[str, CollectiveTotal], ...]:
+        instructions = computations.get(name, [])
+        types = {i.name: i.type_text for i in instructions}
+        found: dict[str, CollectiveTotal] = {}
+        for instruction in instructions:
+            kind = _kind(instruction.opcode)
+            if kind is not None:
+                type_text = instruction.type_text
+                if kind == "reduce-scatter":
+                    type_text = " ".join(types[o] for o in instruction.operands)
+                one = CollectiveTotal(1, array_bytes(type_text))
+                found[kind] = found.get(kind, CollectiveTotal()) + one
+            for callee, times in _callees(instruction):
+                for callee_kind, total in totals(callee):
+                    found[callee_kind] = found.get(callee_kind, CollectiveTotal()) + total * times
+        return tuple(found.items())
+
+    return Collectives(dict(totals(entry)))
+
+
+def loop_bodies_with(hlo_text: str, op: str) -> list[tuple[str, int]]:
+    """``(body name, trip count)`` of every ``while`` loop whose body itself (not a nested loop)
+    runs collective ``op``, for checking where communication sits."""
+    computations, _ = _computations(hlo_text)
+    bodies = []
+    for instructions in computations.values():
+        for instruction in instructions:
+            if instruction.opcode != "while":
+                continue
+            for body, trip in _callees(instruction):
+                if any(_kind(i.opcode) == op for i in computations.get(body, [])):
+                    bodies.append((body, trip))
+    return bodies
