@@ -6,8 +6,11 @@ A model whose layers are stacked along a leading ``n_layer`` dimension runs them
 a plain scan. Inside a trainer's loss, the trainer has installed the parameter layouts
 (:func:`layer_layouts`); then, inside the scan body, each layer's slice is constrained first to
 its storage layout and then to its compute layout. Under FSDP that is a gather over ``batch`` of
-one layer at a time, forward and (recomputed, never saved) backward, and each layer's gradient
-leaves the body reduce-scattered back to the storage layout. The whole model is never gathered.
+one layer at a time, and each layer's gradient leaves the body reduced back to the storage layout
+(a reduce-scatter). With ``remat=True`` (activation checkpointing) the gather is recomputed with
+the layer in the backward pass, so the whole model is never gathered; without it, each layer's
+gathered weights are kept for the backward pass like its activations (a gathered copy of every
+layer: use activation checkpointing when the model must fit under FSDP).
 
 A model that does not use it still trains correctly: the trainer then moves every parameter to
 the compute layout before the loss, all at once, and ``theseus plan`` says what that costs.
@@ -23,10 +26,7 @@ from typing import Any
 
 import jax
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
-
-GATHERED_LAYER = "theseus_gathered_layer"  # checkpoint name of a gathered layer: never saved
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ def _gather(leaves: list, shardings: list[tuple | None]) -> list:
     for leaf, sharding in zip(leaves, shardings, strict=True):
         if sharding is not None:
             storage, compute = sharding
-            leaf = checkpoint_name(constrain(constrain(leaf, storage), compute), GATHERED_LAYER)
+            leaf = constrain(constrain(leaf, storage), compute)
         gathered.append(leaf)
     return gathered
 
@@ -93,8 +93,8 @@ def scan_layers(
     ``layers``: the stacked parameters, a pytree of arrays (or an ``nnx.Module``/``nnx.State``
     holding them) whose leaves all have the layer count as their leading dimension; ``layer``
     is the same pytree with that dimension removed. ``remat=True`` recomputes each layer in the
-    backward pass (activation checkpointing). Under a trainer, each layer's weights are gathered
-    to the compute layout inside the scan body and never kept for the backward pass.
+    backward pass (activation checkpointing, which also re-gathers its weights there). Under a
+    trainer, each layer's weights are gathered to the compute layout inside the scan body.
     """
     if isinstance(layers, nnx.Module):
         layers = nnx.state(layers)
@@ -103,18 +103,12 @@ def scan_layers(
     leaves, treedef = jax.tree.flatten(layers)
     active = _ACTIVE.get()
     shardings = [None] * len(leaves) if active is None else _layer_shardings(leaves, active)
-    gathers = any(s is not None for s in shardings)
 
     def body(carry, layer):
         layer = treedef.unflatten(_gather(treedef.flatten_up_to(layer), shardings))
         return layer_fn(layer, carry), None
 
     if remat:
-        body = jax.checkpoint(body)
-    elif gathers:
-        save_all_but_gathered = jax.checkpoint_policies.save_anything_except_these_names(
-            GATHERED_LAYER
-        )
-        body = jax.checkpoint(body, policy=save_all_but_gathered)
+        body = jax.checkpoint(body)  # the gather is recomputed with the layer
     carry, _ = jax.lax.scan(body, carry, layers)
     return carry
