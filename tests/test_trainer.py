@@ -11,8 +11,10 @@ from support import EQUIVALENCE_BATCH, EQUIVALENCE_MODEL, equivalence_config
 from theseus.base.axis import ShardingPolicy
 from theseus.base.layout import LayoutError
 from theseus.base.topology import Topology
+from theseus.collectives import count_collectives, loop_bodies_with
 from theseus.config import apply_overrides
 from theseus.data import Sampler, load_corpus, validation_batches
+from theseus.planner import compiled_memory
 from theseus.training.base import plan_batch
 from theseus.training.gpt import GPTTrainer
 
@@ -236,3 +238,40 @@ def test_activation_checkpointing_matches_one_device():
     np.testing.assert_allclose(val, ref_val, rtol=1e-5)
     for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def compiled_step(policy, *overrides):
+    cfg = apply_overrides(config(1), ["model.n_embd=192", "model.n_head=4", *overrides])
+    return compiled_memory(GPTTrainer(cfg, policy))
+
+
+def test_fsdp_gathers_one_layer_at_a_time_inside_the_layer_loop():
+    """Compile only: wide layers (1.8 MB each), 1 example per device, remat; going from 3 to 6
+    layers adds only the saved residual stream, and the gather sits in the 3-trip layer loop."""
+    policy = ShardingPolicy(fsdp=True, activation_checkpointing=True)
+    shallow = compiled_step(policy, "model.n_layer=3", "training.batch_size=16")
+    deep = compiled_step(policy, "model.n_layer=6", "training.batch_size=16")
+    residual_per_layer = 1 * MODEL.block_size * 192 * 4  # (examples, seq, n_embd) float32
+    gathered_layer = 12 * 192 * 192 * 4
+    growth = deep.temporaries - shallow.temporaries
+    assert growth <= 3 * 4 * residual_per_layer < gathered_layer, (growth, residual_per_layer)
+    hlo = shallow.executable.as_text()
+    trips = [trip for _, trip in loop_bodies_with(hlo, "all-gather")]
+    assert trips.count(3) == 2, trips  # forward, and again in the recomputed backward
+
+
+@pytest.mark.parametrize(
+    "policy", [ShardingPolicy(zero=False), ShardingPolicy()], ids=["DP", "ZeRO"]
+)
+def test_gradients_cross_batch_once_per_step(policy):
+    """Same microbatch, 1 and 8 accumulation steps: the same gradient bytes cross batch."""
+    tiny = ("model.n_layer=2", "model.n_embd=32")
+    found = {
+        steps: count_collectives(
+            compiled_step(policy, *tiny, f"training.batch_size={8 * steps}").executable.as_text()
+        )
+        for steps in (1, 8)
+    }
+    reduced = {k: c["all-reduce"].bytes + c["reduce-scatter"].bytes for k, c in found.items()}
+    assert reduced[8] == pytest.approx(reduced[1], rel=0.05), reduced
+    assert found[8]["all-gather"] == found[1]["all-gather"]

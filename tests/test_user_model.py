@@ -1,5 +1,7 @@
 """A user's own NNX model (not GPT), with its own logical names and plan, registered as a job
-and trained through quick() under {tp=2, fsdp} with the losses of one device."""
+and trained through quick() under {tp=2, fsdp} with the losses of one device: one that gathers
+all its parameters at once, and one whose stacked layers run through theseus.scan_layers and
+are gathered one layer at a time."""
 
 import json
 from typing import ClassVar
@@ -8,11 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pydantic
+import pytest
 from flax import nnx
 
 import theseus
 from theseus.base.topology import Topology
 from theseus.config import Section, apply_overrides
+from theseus.planner import plan
 from theseus.training.loop import train
 
 
@@ -60,6 +64,37 @@ class BigramTrainer(theseus.BaseTrainer):
         return 16
 
 
+class StackedBigram(BigramMLP):
+    """The bigram MLP with ``depth`` residual layers stacked along ``layers`` and scanned with
+    theseus.scan_layers (each gathered to the compute layout inside the scan under FSDP)."""
+
+    depth = 3
+
+    def __init__(self, config: BigramConfig, rngs: nnx.Rngs):
+        super().__init__(config, rngs)
+        init = nnx.with_partitioning(
+            nnx.initializers.normal(0.05), ("layers", "features", "hidden")
+        )
+        shape = (self.depth, config.width, config.hidden)
+        self.mix = nnx.Param(init(rngs.params(), shape), eager_sharding=False)
+
+    def __call__(self, tokens):
+        x = self.embed[...][tokens]  # (examples, seq, width)
+
+        def layer(mix, x):  # mix: (width, hidden), one layer's slice
+            return x + jnp.tanh(x @ mix) @ mix.T  # (examples, seq, width)
+
+        x = theseus.scan_layers(layer, x, self.mix)
+        h = jax.nn.relu(x @ self.up[...] + self.up_bias[...])  # (examples, seq, hidden)
+        return h @ self.down[...]  # (examples, seq, vocab)
+
+
+@theseus.register("bigram/stacked", "a bigram MLP with stacked, scanned layers (test model)")
+class StackedTrainer(BigramTrainer):
+    def build_model(self, rngs):
+        return StackedBigram(self.config.model, rngs)
+
+
 OVERRIDES = (
     "training.batch_size=16",
     "training.per_device_batch_size=2",
@@ -77,9 +112,10 @@ def losses(run_dir):
     return np.array([r["loss"] for r in rows]), [r["val_loss"] for r in rows if "val_loss" in r]
 
 
-def test_own_model_trains_sharded_like_one_device(tmp_path):
-    assert "bigram/train" in {job.name for job in theseus.jobs.all_jobs()}
-    with theseus.quick("bigram/train", tmp_path / "sharded") as q:
+@pytest.mark.parametrize("job", ["bigram/train", "bigram/stacked"])
+def test_own_model_trains_sharded_like_one_device(tmp_path, job):
+    assert job in {job.name for job in theseus.jobs.all_jobs()}
+    with theseus.quick(job, tmp_path / "sharded") as q:
         q.shard(tp=2, fsdp=True)
         q.override(*OVERRIDES)
         trainer = q.create()
@@ -87,11 +123,18 @@ def test_own_model_trains_sharded_like_one_device(tmp_path):
         assert layouts.storage["up"].spec == jax.sharding.PartitionSpec(None, ("shard", "batch"))
         assert layouts.storage["embed"].spec == jax.sharding.PartitionSpec("batch", None)
         assert layouts.storage["up_bias"].spec == jax.sharding.PartitionSpec()
+        gathering = plan(type(trainer), trainer.config, trainer.policy, 8, alternatives=False)
+        if job == "bigram/stacked":
+            assert trainer.per_layer_paths == {"mix"}
+            assert "gathers 1 stacked tensors one layer at a time" in gathering.render()
+        else:
+            assert trainer.per_layer_paths == set()
+            assert "BigramTrainer gathers all parameters at once" in gathering.render()
         q()
 
     config = apply_overrides(BigramTrainerConfig(), OVERRIDES)
     policy = theseus.ShardingPolicy()
-    one_device = BigramTrainer(config, policy, Topology.new(policy, devices=jax.devices()[:1]))
+    one_device = type(trainer)(config, policy, Topology.new(policy, devices=jax.devices()[:1]))
     train(one_device, tmp_path / "single", log=lambda _: None)
 
     sharded_losses, sharded_val = losses(tmp_path / "sharded")

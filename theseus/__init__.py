@@ -15,6 +15,7 @@ _LAZY = {
     "register_job": "theseus.jobs",
     "BaseTrainer": "theseus.training.base",
     "TrainerConfig": "theseus.training.base",
+    "scan_layers": "theseus.base.layer_scan",
 }
 
 __all__ = ["Axis", "ShardingPlan", "ShardingPolicy", "Topology", "partition_spec", *_LAZY]

@@ -55,8 +55,16 @@ from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, PartitionSpec
 
 from theseus.base.axis import MESH_AXES, PHASES, Axis, Phase, ShardingPolicy, partition_spec
-from theseus.base.layout import LayoutError, check_layouts, optimizer_layout, resolve_layouts
+from theseus.base.layout import (
+    LayoutError,
+    check_layouts,
+    is_sharding,
+    optimizer_layout,
+    resolve_layouts,
+    shard_shape,
+)
 from theseus.base.topology import Topology
+from theseus.collectives import OPS, Collectives, count_collectives
 from theseus.config import apply_overrides
 from theseus.training.base import BaseTrainer, TrainerConfig, plan_batch, shard_bytes
 
@@ -153,13 +161,14 @@ class Verdict:
     ok: bool
     error: str | None = None
     also: str | None = None
+    gathering: str | None = None  # how the step gathers parameters stored split over batch
 
     @property
     def summary(self) -> str:
         return "ok" if self.ok else self.error.splitlines()[0]
 
     def to_json(self) -> dict:
-        return {"ok": self.ok, "error": self.error, "also": self.also}
+        return {"ok": self.ok, "error": self.error, "also": self.also, "gathering": self.gathering}
 
 
 @dataclass(frozen=True)
@@ -265,13 +274,15 @@ class CompiledMemory:
     ``peak`` is the sum of arguments, temporaries and outputs; ``aliased`` of the output bytes
     reuse donated argument buffers, so the sum is an upper bound by that much. ``executable`` is
     the compiled step itself (callable on a state in the trainer's layouts; its HLO is
-    ``executable.as_text()``); it is not part of the JSON.
+    ``executable.as_text()``); it is not part of the JSON. ``collectives``: per device per step,
+    loops unrolled (:mod:`theseus.collectives`).
     """
 
     arguments: int
     temporaries: int
     outputs: int
     aliased: int
+    collectives: Collectives = dataclasses.field(default_factory=Collectives)
     executable: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
@@ -285,6 +296,7 @@ class CompiledMemory:
             "output_bytes": self.outputs,
             "alias_bytes": self.aliased,
             "peak_bytes": self.peak,
+            "collectives": self.collectives.to_json(),
         }
 
 
@@ -730,11 +742,49 @@ def plan(
         batch=None if trainer is None else trainer.batch_plan.describe(),
         rows=plan_rows(shapes, policy, mesh_shape),
         totals=chosen.totals,
-        verdict=chosen.verdict,
+        verdict=dataclasses.replace(chosen.verdict, gathering=gathering(trainer)),
         replicated=replicated_share(shapes),
         closed_form=chosen.closed_form,
         options=tuple(options),
         compiled=compiled,
+    )
+
+
+def gathering(trainer: BaseTrainer | None) -> str | None:
+    """How the step gathers the parameters its storage layout splits over ``batch`` (None when
+    none are, or no trainer was built): per layer inside the model's layer scan
+    (:func:`theseus.scan_layers`), or all at once before the loss, with those temporary bytes."""
+    if trainer is None:
+        return None
+    mesh_shape = dict(trainer.mesh.shape)
+    per_layer, whole, whole_bytes = 0, 0, 0
+    layouts = trainer.layouts
+    for leaf, storage, compute in zip(
+        trainer.abstract_leaves,
+        jax.tree.leaves(layouts.storage, is_leaf=is_sharding),
+        jax.tree.leaves(layouts.compute, is_leaf=is_sharding),
+        strict=True,
+    ):
+        if storage.spec == compute.spec:
+            continue
+        if leaf.path in trainer.per_layer_paths:
+            per_layer += 1
+            continue
+        whole += 1
+        whole_bytes += math.prod(shard_shape(leaf, compute.spec, mesh_shape)) * 4  # float32
+    if not per_layer and not whole:
+        return None
+    if not per_layer:
+        return (
+            f"{trainer.__class__.__name__} gathers all parameters at once: every microbatch moves "
+            f"the {whole} tensors stored split over batch to the compute layout before the loss, "
+            f"{_bytes(whole_bytes)} ({_num(whole_bytes)} bytes) of temporaries per device; run "
+            "stacked layers with theseus.scan_layers to gather one layer at a time"
+        )
+    return (
+        f"gathers {per_layer} stacked tensors one layer at a time inside the layer scan; "
+        f"{whole} others whole where used, {_bytes(whole_bytes)} ({_num(whole_bytes)} bytes) "
+        "per device"
     )
 
 
@@ -765,19 +815,19 @@ def plan_for_budget(
         trainer_class, config, policies[0], num_devices, devices_per_host=devices_per_host
     )
     measure = "compiled peak" if compile else "model state"
-    reasons: list[tuple[str, str]] = []
-    chosen: Plan | None = None
+    reasons: dict[str, str] = {}
+    fitting: list[Plan] = []  # compiled plans that fit, ranked by their collectives
     for option in survey.options:
         if not option.verdict.ok:
-            reasons.append((option.name, f"invalid: {option.verdict.summary}"))
+            reasons[option.name] = f"invalid: {option.verdict.summary}"
             continue
         total = option.totals.total
         if total > budget:
-            reasons.append((option.name, f"model state needs {_bytes(total)} > budget"))
+            reasons[option.name] = f"model state needs {_bytes(total)} > budget"
             continue
-        if chosen is not None:
-            reasons.append(
-                (option.name, f"fits ({_bytes(total)}) but communicates more than {chosen.name}")
+        if fitting and not compile:  # uncompiled, the communication order decides
+            reasons[option.name] = (
+                f"fits ({_bytes(total)}) but communicates more than {fitting[0].name}"
             )
             continue
         candidate = survey
@@ -791,15 +841,22 @@ def plan_for_budget(
                 compile=compile,
             )
         if not candidate.verdict.ok:
-            reasons.append((option.name, f"invalid: {candidate.verdict.summary}"))
+            reasons[option.name] = f"invalid: {candidate.verdict.summary}"
             continue
         if compile and candidate.compiled.peak > budget:
-            reasons.append(
-                (option.name, f"compiled peak needs {_bytes(candidate.compiled.peak)} > budget")
-            )
+            reasons[option.name] = f"compiled peak needs {_bytes(candidate.compiled.peak)} > budget"
             continue
-        chosen = candidate
-        reasons.append((option.name, f"chosen: {measure} {_bytes(_measure(candidate))} fits"))
+        fitting.append(candidate)
+    # Compiled, the least collective bytes per step wins (ties: the communication order).
+    chosen = min(fitting, key=_communicated, default=None)
+    for candidate in fitting:
+        reasons[candidate.name] = (
+            f"chosen: {measure} {_bytes(_measure(candidate))} fits"
+            if candidate is chosen
+            else f"fits ({_bytes(_measure(candidate))}) but its step moves "
+            f"{_bytes(_communicated(candidate))} of collectives, more than {chosen.name}"
+        )
+    reasons = [(o.name, reasons[o.name]) for o in survey.options if o.name in reasons]
     if chosen is None:
         lines = "; ".join(f"{name}: {why}" for name, why in reasons)
         raise ValueError(
@@ -809,6 +866,11 @@ def plan_for_budget(
         )
     choice = BudgetChoice(budget, measure, chosen.name, tuple(reasons))
     return dataclasses.replace(chosen, budget=choice)
+
+
+def _communicated(plan_: Plan) -> int:
+    """Collective bytes per device per step when compiled; 0 otherwise (order decides)."""
+    return plan_.compiled.collectives.bytes if plan_.compiled is not None else 0
 
 
 def _measure(plan_: Plan) -> int:
@@ -851,6 +913,7 @@ def compiled_memory(trainer_or_compiled: BaseTrainer | jax.stages.Compiled) -> C
         temporaries=int(stats.temp_size_in_bytes),
         outputs=int(stats.output_size_in_bytes),
         aliased=int(stats.alias_size_in_bytes),
+        collectives=count_collectives(compiled.as_text()),
         executable=compiled,
     )
 
@@ -1085,7 +1148,20 @@ def _render(p: Plan) -> str:
                 f"{_num(c.temporaries)}, outputs {_num(c.outputs)} ({_num(c.aliased)} reuse "
                 f"donated arguments); peak (sum) {_num(c.peak)} bytes = {format_bytes(c.peak)}"
             ),
+            "collectives per device per step (loops unrolled):",
         ]
+        lines += _table(
+            ["collective", "count", "bytes", ""],
+            [
+                [
+                    op,
+                    _num(c.collectives[op].count),
+                    _num(c.collectives[op].bytes),
+                    format_bytes(c.collectives[op].bytes),
+                ]
+                for op in OPS
+            ],
+        )
 
     if p.budget is not None:
         b = p.budget
@@ -1099,6 +1175,8 @@ def _render(p: Plan) -> str:
     lines.append("")
     if p.verdict.ok:
         lines.append("verdict: ok (the pre-flight check of a training run passes)")
+        if p.verdict.gathering:
+            lines.append(f"  {p.verdict.gathering}")
     else:
         lines.append("verdict: FAILED, a training run would stop with:")
         lines += ["  " + line for line in p.verdict.error.splitlines()]
