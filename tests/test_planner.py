@@ -19,6 +19,7 @@ from theseus.base.axis import Axis, ShardingPlan, ShardingPolicy
 from theseus.base.layout import LayoutError
 from theseus.base.topology import Topology
 from theseus.cli import app
+from theseus.collectives import OPS
 from theseus.config import apply_overrides, save_yaml
 from theseus.jobs import register_job
 from theseus.training.base import device_bytes
@@ -460,3 +461,7 @@ def test_cli_compile_in_a_fresh_process_simulates_the_devices():
     assert compiled["peak_bytes"] == (
         compiled["argument_bytes"] + compiled["temp_bytes"] + compiled["output_bytes"]
     )
+    collectives = compiled["collectives"]
+    assert list(collectives) == list(OPS)
+    assert collectives["all-gather"]["count"] > 0 and collectives["all-gather"]["bytes"] > 0
+    assert "one layer at a time inside the layer scan" in data["verdict"]["gathering"]
