@@ -22,8 +22,8 @@ from theseus.cli import app
 from theseus.collectives import OPS
 from theseus.config import apply_overrides, save_yaml
 from theseus.jobs import register_job
-from theseus.training.base import device_bytes
 from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
+from theseus.training.memory import device_bytes
 
 DP, ZERO, FSDP = ShardingPolicy(zero=False), ShardingPolicy(), ShardingPolicy(fsdp=True)
 REPO = Path(__file__).resolve().parents[1]

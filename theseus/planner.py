@@ -66,7 +66,8 @@ from theseus.base.layout import (
 from theseus.base.topology import Topology
 from theseus.collectives import OPS, Collectives, count_collectives
 from theseus.config import apply_overrides
-from theseus.training.base import BaseTrainer, TrainerConfig, plan_batch, shard_bytes
+from theseus.training.base import BaseTrainer, TrainerConfig, plan_batch
+from theseus.training.memory import shard_bytes
 
 #: Above this share of parameters replicated across ``batch``, the largest such tensors are named.
 REPLICATED_WARNING_SHARE = 0.02

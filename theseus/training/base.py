@@ -24,15 +24,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from theseus.base.axis import PHASES, Axis, ShardingPlan, ShardingPolicy
-from theseus.base.layer_scan import LayerLayouts, layer_layouts
 from theseus.base.layout import (
     AbstractLeaf,
     Layouts,
     abstract_leaves,
     check_layouts,
-    is_sharding,
     optimizer_layout,
-    path_str,
     resolve_layouts,
 )
 from theseus.base.topology import Topology
@@ -45,6 +42,8 @@ from theseus.config import (
     TrainingConfig,
 )
 from theseus.data import Corpus
+from theseus.training import gathering
+from theseus.training.memory import MemoryFacts, device_bytes, shard_bytes
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -109,47 +108,6 @@ def plan_batch(training: TrainingConfig, topology: Topology, seq_len: int) -> Ba
         topology.replicas,
         training.batch_size // per_step,
         seq_len,
-    )
-
-
-@dataclass(frozen=True)
-class MemoryFacts:
-    """Per-device bytes of the persistent state, predicted from layouts and measured."""
-
-    predicted_params_bytes: int
-    predicted_opt_state_bytes: int
-    measured_params_bytes: int | None = None
-    measured_opt_state_bytes: int | None = None
-
-    @property
-    def predicted_bytes(self) -> int:
-        return self.predicted_params_bytes + self.predicted_opt_state_bytes
-
-    @property
-    def measured_bytes(self) -> int | None:
-        if self.measured_params_bytes is None:
-            return None
-        return self.measured_params_bytes + self.measured_opt_state_bytes
-
-
-def shard_bytes(abstract: Any, shardings: Any) -> int:
-    """Per-device bytes of ``abstract`` placed with ``shardings`` (matching pytrees)."""
-    total = 0
-    for value, sharding in zip(
-        jax.tree.leaves(abstract), jax.tree.leaves(shardings, is_leaf=is_sharding), strict=True
-    ):
-        shape = sharding.shard_shape(tuple(value.shape))
-        total += math.prod(shape) * np.dtype(value.dtype).itemsize
-    return total
-
-
-def device_bytes(tree: Any, device: jax.Device) -> int:
-    """Bytes that ``device`` holds of the arrays in ``tree`` (from their addressable shards)."""
-    return sum(
-        shard.data.nbytes
-        for array in jax.tree.leaves(tree)
-        for shard in array.addressable_shards
-        if shard.device == device
     )
 
 
@@ -360,68 +318,32 @@ class BaseTrainer(abc.ABC):
     def _loss(
         self, params: Any, tokens: jax.Array, rng: jax.Array, gathered: set[str] | None = None
     ) -> jax.Array:
-        """``loss_fn`` with the parameter layouts installed for :func:`scan_layers`; the paths
-        of the parameters it gathered per layer are added to ``gathered`` when given."""
-        flat = jax.tree_util.tree_flatten_with_path(params)[0]
-        ids = [id(leaf) for _, leaf in flat]
-        storage, compute = (
-            jax.tree.leaves(layout, is_leaf=is_sharding)
-            for layout in (self.layouts.storage, self.layouts.compute)
-        )
-        installed = LayerLayouts(dict(zip(ids, storage, strict=True)), dict(zip(ids, compute)))
-        with layer_layouts(installed):
-            loss = self.loss_fn(nnx.merge(self.graphdef, params), tokens, rng)
-        if gathered is not None:
-            gathered.update(path_str(path) for path, leaf in flat if id(leaf) in installed.gathered)
-        return loss
+        """``loss_fn`` with the layouts installed for :func:`theseus.scan_layers`."""
+        model_loss = lambda p: self.loss_fn(nnx.merge(self.graphdef, p), tokens, rng)
+        return gathering.loss_with_layouts(model_loss, params, self.layouts, gathered)
 
     @cached_property
     def per_layer_paths(self) -> frozenset[str]:
-        """State paths of the parameters the model gathers one layer at a time, inside its
-        layer scan (:func:`theseus.scan_layers`); found by tracing the loss once, abstractly."""
+        """Paths of the parameters the model gathers one layer at a time inside its layer scan
+        (:func:`theseus.scan_layers`); found by tracing the loss once, abstractly."""
         found: set[str] = set()
-        tokens = jax.ShapeDtypeStruct(
-            (self.batch_plan.per_device_batch_size, self.seq_len + 1), jnp.int32
-        )
-        jax.eval_shape(
-            lambda p, t: self._loss(p, t, jax.random.PRNGKey(0), found),
-            self.abstract_state.params,
-            tokens,
-        )
+        shape = (self.batch_plan.per_device_batch_size, self.seq_len + 1)
+        loss = lambda p, t: self._loss(p, t, jax.random.PRNGKey(0), found)
+        jax.eval_shape(loss, self.abstract_state.params, jax.ShapeDtypeStruct(shape, jnp.int32))
         return frozenset(found)
 
     @cached_property
     def entry_layout(self) -> Any:
-        """The layout parameters enter the loss in: compute, except those gathered per layer
-        inside the layer scan, which enter in storage (the whole model is never gathered)."""
-        return jax.tree_util.tree_map_with_path(
-            lambda path, compute, storage: (
-                storage if path_str(path) in self.per_layer_paths else compute
-            ),
-            self.layouts.compute,
-            self.layouts.storage,
-            is_leaf=is_sharding,
-        )
+        return gathering.entry_layout(self.layouts, self.per_layer_paths)
 
     @cached_property
     def accumulating_replicas(self) -> int:
-        """Replicas keeping their own partial gradient sum between microbatches: all of them
-        when storage leaves parameters whole across ``batch`` (DP, ZeRO), so gradients cross
-        ``batch`` once per step; 1 when storage splits them (FSDP), whose sharded accumulator
-        takes a reduce-scatter per microbatch."""
-        storage = jax.tree.leaves(self.layouts.storage, is_leaf=is_sharding)
-        split = any(Axis.BATCH in jax.tree.leaves(tuple(s.spec)) for s in storage)
-        return 1 if split else self.topology.replicas
+        return gathering.accumulating_replicas(self.layouts.storage, self.topology.replicas)
 
     @cached_property
     def accumulator_layout(self) -> Any:
-        """The float32 gradient sum: (replicas, *parameter) with replicas over ``batch``, each
-        in the storage layout; per device, the bytes of the parameters as stored."""
-        lead = Axis.BATCH if self.accumulating_replicas > 1 else None
-        return jax.tree.map(
-            lambda s: NamedSharding(self.mesh, P(lead, *s.spec)),
-            self.layouts.storage,
-            is_leaf=is_sharding,
+        return gathering.accumulator_layout(
+            self.layouts.storage, self.mesh, self.accumulating_replicas
         )
 
     def _train_step(self, state: TrainState, batch: jax.Array) -> tuple[TrainState, dict]:

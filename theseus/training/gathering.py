@@ -1,0 +1,69 @@
+"""Where the step moves parameters and gradients: pure functions of the layouts.
+
+- Parameters the model runs through :func:`theseus.scan_layers` enter the loss in the storage
+  layout and are gathered one layer at a time inside the scan; all others enter in the compute
+  layout (gathered before the loss).
+- When storage leaves every parameter whole across ``batch`` (DP, ZeRO), each replica keeps its
+  own float32 partial gradient sum between microbatches, so gradients cross ``batch`` once per
+  step; when storage splits them (FSDP), the sharded accumulator takes a reduction per microbatch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from theseus.base.axis import Axis
+from theseus.base.layer_scan import LayerLayouts, layer_layouts
+from theseus.base.layout import Layouts, is_sharding, path_str
+
+
+def loss_with_layouts(
+    loss: Callable[[Any], jax.Array], params: Any, layouts: Layouts, gathered: set[str] | None
+) -> jax.Array:
+    """``loss(params)`` with ``layouts`` installed for :func:`theseus.scan_layers`; adds the
+    paths of the parameters it gathered per layer to ``gathered`` when given."""
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    ids = [id(leaf) for _, leaf in flat]
+    storage, compute = (
+        jax.tree.leaves(layout, is_leaf=is_sharding)
+        for layout in (layouts.storage, layouts.compute)
+    )
+    installed = LayerLayouts(dict(zip(ids, storage, strict=True)), dict(zip(ids, compute)))
+    with layer_layouts(installed):
+        value = loss(params)
+    if gathered is not None:
+        gathered.update(path_str(path) for path, leaf in flat if id(leaf) in installed.gathered)
+    return value
+
+
+def entry_layout(layouts: Layouts, per_layer_paths: frozenset[str]) -> Any:
+    """The layout parameters enter the loss in: compute, except those gathered per layer inside
+    the layer scan, which enter in storage (the whole model is never gathered)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, compute, storage: storage if path_str(path) in per_layer_paths else compute,
+        layouts.compute,
+        layouts.storage,
+        is_leaf=is_sharding,
+    )
+
+
+def accumulating_replicas(storage_layout: Any, replicas: int) -> int:
+    """Replicas keeping their own partial gradient sum between microbatches: all of them when
+    storage leaves parameters whole across ``batch``, else 1."""
+    storage = jax.tree.leaves(storage_layout, is_leaf=is_sharding)
+    split = any(Axis.BATCH in jax.tree.leaves(tuple(s.spec)) for s in storage)
+    return 1 if split else replicas
+
+
+def accumulator_layout(storage_layout: Any, mesh: Mesh, replicas: int) -> Any:
+    """The float32 gradient sum: (replicas, *parameter), replicas over ``batch`` (when more than
+    one), each in the storage layout; per device, the bytes of the parameters as stored."""
+    lead = Axis.BATCH if replicas > 1 else None
+    return jax.tree.map(
+        lambda s: NamedSharding(mesh, P(lead, *s.spec)), storage_layout, is_leaf=is_sharding
+    )
