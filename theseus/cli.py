@@ -412,5 +412,37 @@ def plan_command(
         raise typer.Exit(code=1)
 
 
+@app.command()
+def tokenize(
+    corpus: Annotated[
+        str, typer.Argument(help="text file, folder of text files, or 'builtin' (built-in corpus)")
+    ],
+    out_dir: Annotated[Path, typer.Argument(help="folder to write tokenizer.json and .bin files")],
+    vocab_size: Annotated[
+        int | None, typer.Option(help="train a byte-level BPE tokenizer of this many tokens")
+    ] = None,
+    tokenizer: Annotated[
+        Path | None, typer.Option(help="reuse this tokenizer.json instead of training one")
+    ] = None,
+    validation_fraction: Annotated[
+        float, typer.Option(help="share of the corpus held out for validation")
+    ] = 0.1,
+    overwrite: Overwrite = False,
+) -> None:
+    """Tokenize a corpus with byte-level BPE; train on it with data.path=OUT_DIR."""
+    with user_errors():
+        from theseus.data.bpe import tokenize as tokenize_corpus
+
+        result = tokenize_corpus(
+            corpus,
+            out_dir,
+            vocab_size=vocab_size,
+            tokenizer=tokenizer,
+            validation_fraction=validation_fraction,
+            overwrite=overwrite,
+        )
+    typer.echo(result.describe())
+
+
 if __name__ == "__main__":
     sys.exit(app())

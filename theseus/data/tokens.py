@@ -9,6 +9,7 @@ training process only reads the pages its examples touch.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import sysconfig
 import zlib
@@ -19,6 +20,11 @@ import numpy as np
 
 BYTE_VOCAB_SIZE = 256
 TOKEN_DTYPES = ("uint16", "uint32")
+
+# A folder written by `theseus tokenize` (theseus.data.bpe): its record, tokenizer and splits.
+TOKENIZED_RECORD = "tokens.json"
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZED_SPLITS = ("train.bin", "validation.bin")
 
 # The built-in corpus takes stdlib files in sorted order until about this many bytes.
 BUILTIN_MAX_BYTES = 8 * 2**20
@@ -35,6 +41,7 @@ class Corpus:
     validation: np.ndarray
     vocab_size: int
     source: str
+    tokenizer: Path | None = None  # tokenizer.json of a tokenized folder; None: byte or .bin
 
 
 def load_corpus(
@@ -50,7 +57,10 @@ def load_corpus(
     ``path`` selects the source:
 
     - ``None``: the Python standard library's ``.py`` files (no download needed), split by file.
-    - a directory: the bytes of every non-hidden regular file below it, split by file
+    - a directory written by ``theseus tokenize`` (it holds ``tokens.json``): its
+      ``train.bin`` and ``validation.bin``, split when it was tokenized, with its vocabulary size
+      and ``tokenizer.json``.
+    - any other directory: the bytes of every non-hidden regular file below it, split by file
       (a tail split when it holds a single non-empty file).
     - a file ending in ``.bin``: pre-tokenized ``token_dtype`` tokens, memory-mapped,
       with the last ``validation_fraction`` as validation. ``vocab_size`` defaults to
@@ -71,6 +81,8 @@ def load_corpus(
             f"corpus path {str(path)!r} does not exist; pass an existing text file, directory "
             "or .bin token file, or no path for the built-in corpus"
         )
+    if path.is_dir() and (path / TOKENIZED_RECORD).is_file():
+        return _tokenized_corpus(path, vocab_size)
     if path.is_dir():
         _check_byte_options(path, vocab_size)
         return _directory_corpus(path, validation_fraction, seed)
@@ -202,6 +214,22 @@ def _split_files(
 def _bin_corpus(
     path: Path, validation_fraction: float, token_dtype: str, vocab_size: int | None
 ) -> Corpus:
+    tokens = _memmap_tokens(path, token_dtype)
+    if vocab_size is None:
+        vocab_size = int(tokens.max()) + 1
+    if not isinstance(vocab_size, int) or not 0 < vocab_size <= np.iinfo(np.int32).max:
+        raise ValueError(f"vocab_size must be an int in [1, 2**31 - 1], got {vocab_size!r}")
+    train, validation = tail_split(tokens, validation_fraction)
+    return Corpus(
+        train,
+        validation,
+        vocab_size,
+        f"token file {str(path)!r}, {tokens.size} {token_dtype} tokens",
+    )
+
+
+def _memmap_tokens(path: Path, token_dtype: str) -> np.ndarray:
+    """A non-empty ``.bin`` file of ``token_dtype`` tokens, memory-mapped read-only."""
     _check_token_dtype(token_dtype)
     itemsize = np.dtype(token_dtype).itemsize
     size = path.stat().st_size
@@ -214,18 +242,32 @@ def _bin_corpus(
             f"token file {str(path)!r} has {size} bytes, not a multiple of the {itemsize}-byte "
             f"{token_dtype} tokens; pass the token_dtype it was written with or rewrite it"
         )
-    tokens = np.memmap(path, dtype=token_dtype, mode="r")
-    if vocab_size is None:
-        vocab_size = int(tokens.max()) + 1
-    if not isinstance(vocab_size, int) or not 0 < vocab_size <= np.iinfo(np.int32).max:
-        raise ValueError(f"vocab_size must be an int in [1, 2**31 - 1], got {vocab_size!r}")
-    train, validation = tail_split(tokens, validation_fraction)
-    return Corpus(
-        train,
-        validation,
-        vocab_size,
-        f"token file {str(path)!r}, {tokens.size} {token_dtype} tokens",
+    return np.memmap(path, dtype=token_dtype, mode="r")
+
+
+def _tokenized_corpus(root: Path, vocab_size: int | None) -> Corpus:
+    """The splits ``theseus tokenize`` wrote, memory-mapped, with the record's vocabulary."""
+    if vocab_size is not None:
+        raise ValueError(
+            f"{str(root)!r} is a tokenized folder whose {TOKENIZED_RECORD} fixes the vocabulary; "
+            "drop vocab_size"
+        )
+    try:
+        record = json.loads((root / TOKENIZED_RECORD).read_text())
+        dtype, record_vocab = record["token_dtype"], int(record["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(
+            f"cannot read {root / TOKENIZED_RECORD}: {error}; tokenize the corpus again"
+        ) from None
+    train, validation = (_memmap_tokens(root / name, dtype) for name in TOKENIZED_SPLITS)
+    tokenizer = root / TOKENIZER_FILE
+    if not tokenizer.is_file():
+        raise ValueError(f"{str(root)!r} lacks {TOKENIZER_FILE}; tokenize the corpus again")
+    source = (
+        f"tokenized folder {str(root)!r}, {train.size} + {validation.size} {dtype} tokens, "
+        f"vocab {record_vocab}"
     )
+    return Corpus(train, validation, record_vocab, source, tokenizer)
 
 
 def _walk_sorted(root: Path, *, skip_dirs: frozenset[str]) -> list[str]:

@@ -10,6 +10,7 @@ from flax import nnx
 from theseus.base.axis import ShardingPlan
 from theseus.data import Corpus
 from theseus.model import GPT, GPT_PLAN, GPTConfig
+from theseus.model.gpt_decode import GPTDecoder
 from theseus.training.base import BaseTrainer, TrainerConfig
 
 
@@ -41,6 +42,10 @@ class GPTTrainer(BaseTrainer):
             compute_dtype=self.compute_dtype,
             remat=self.policy.activation_checkpointing,
         )
+
+    def decoder(self) -> GPTDecoder:
+        """Cached decoding for ``theseus generate`` (see theseus.model.decode)."""
+        return GPTDecoder(self.config.model, self.compute_dtype)
 
     def default_seq_len(self) -> int:
         return self.config.model.block_size

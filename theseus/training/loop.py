@@ -22,7 +22,15 @@ from theseus.training.base import BaseTrainer, TrainState
 from theseus.training.progress import Reporter
 
 # Files a run writes: an output directory holding any of them holds a run.
-RUN_FILES = ("run.json", "metrics.jsonl", "config.yaml", "layouts.txt", "checkpoints", "eval.json")
+RUN_FILES = (
+    "run.json",
+    "metrics.jsonl",
+    "config.yaml",
+    "layouts.txt",
+    "checkpoints",
+    "eval.json",
+    "tokenizer.json",
+)
 CHECKPOINTS = "checkpoints"
 
 
@@ -155,6 +163,8 @@ def write_run_record(
     }
     (out_dir / "run.json").write_text(json.dumps(record, indent=2) + "\n")
     save_yaml(trainer.config, out_dir / "config.yaml")
+    if corpus.tokenizer is not None:  # `theseus generate` decodes with the run's own copy
+        shutil.copyfile(corpus.tokenizer, out_dir / "tokenizer.json")
     topology = trainer.topology
     layouts = planner.plan(
         type(trainer),

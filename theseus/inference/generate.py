@@ -1,0 +1,316 @@
+"""Text from a run's checkpoint, under any sharding policy and device count.
+
+The newest good checkpoint's parameters (not the optimizer state) are restored straight into the
+compute layout of the requested policy. Prompts of different lengths are right-padded into one
+batch of rows (``num_samples`` rows per prompt) split over ``batch``; the KV cache has a fixed
+length (longest prompt + new tokens), its rows over ``batch`` and its heads over ``shard``. One
+compiled prefill fills the cache and picks each row's first token; one compiled decode step,
+called once per further token, writes one position per row and picks the next. Row ``r`` reads
+its own positions only, so padding never changes a result, and its sampling key depends on
+``(seed, r, position)`` only: every layout gives the same completions.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from theseus.base.axis import Axis, ShardingPolicy, partition_spec
+from theseus.base.topology import Topology
+from theseus.config import apply_overrides, validate
+from theseus.inference.codec import Codec, resolve_codec
+from theseus.inference.sampling import Sampling, next_tokens, sample_keys
+from theseus.inference.weights import restore_params
+from theseus.jobs import get_job
+from theseus.model.decode import ROWS
+from theseus.training.base import BaseTrainer
+
+CHECKPOINTS = "checkpoints"
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sample of one prompt."""
+
+    prompt: str
+    sample: int
+    completion: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What ``generate`` returns: the completions and how they were made."""
+
+    completions: list[Completion]
+    checkpoint_step: int
+    new_tokens: int
+    tokens_per_s: float
+    policy: str
+    mesh_shape: dict[str, int]
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Generator:
+    """A trainer's model with parameters in the compute layout, ready to decode token ids."""
+
+    def __init__(self, trainer: BaseTrainer, params: Any):
+        decoder = getattr(trainer, "decoder", None)
+        if decoder is None:
+            raise TypeError(
+                f"{type(trainer).__name__} cannot generate: give it a decoder() method returning "
+                "an object with the interface of theseus.model.decode.Decoder"
+            )
+        self.trainer = trainer
+        self.decoder = decoder()
+        self.params = params
+        self.mesh = trainer.mesh
+        self.rules = (*trainer.plan.rules(trainer.policy, "compute"), (ROWS, Axis.BATCH))
+
+    def generate_ids(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        sampling: Sampling,
+        seed: int = 0,
+        num_samples: int = 1,
+        log: Callable[[str], None] = print,
+    ) -> tuple[np.ndarray, float, list[str]]:
+        """New token ids (prompts × num_samples rows, prompt-major; new tokens), generated
+        tokens per second (prefill included, compilation excluded) and notes for the user."""
+        lengths = self._check(prompts, max_new_tokens, num_samples)
+        context = self.decoder.context_len
+        notes = []
+        new = min(max_new_tokens, context - max(lengths))
+        if new < max_new_tokens:
+            notes.append(
+                f"stopped at the context length {context}: the longest prompt has "
+                f"{max(lengths)} tokens, so each row gets {new} new tokens, not {max_new_tokens}"
+            )
+        num_rows = len(prompts) * num_samples
+        replicas = self.trainer.topology.replicas
+        padded = math.ceil(num_rows / replicas) * replicas
+        if padded > num_rows:
+            notes.append(f"{num_rows} rows on {replicas} replicas: {padded - num_rows} idle rows")
+        for note in notes:
+            log(f"note: {note}")
+        width = max(lengths)
+        tokens = np.zeros((padded, width), np.int32)  # (rows, width): right-padded prompts
+        row_lengths = np.ones(padded, np.int32)
+        for row in range(num_rows):
+            prompt = prompts[row // num_samples]
+            tokens[row, : len(prompt)] = prompt
+            row_lengths[row] = len(prompt)
+        prefill, step = self._compile(padded, width, width + new, sampling)
+        row_sharding = NamedSharding(self.mesh, P(Axis.BATCH))
+        inputs = (
+            jax.device_put(tokens, NamedSharding(self.mesh, P(Axis.BATCH, None))),
+            jax.device_put(row_lengths, row_sharding),
+            jax.device_put(np.arange(padded, dtype=np.int32), row_sharding),
+            jax.device_put(np.uint32(seed), NamedSharding(self.mesh, P())),
+        )
+        start = time.perf_counter()
+        token, cache, positions = prefill(self.params, *inputs)
+        chosen = [token]
+        for _ in range(new - 1):
+            token, cache, positions = step(self.params, cache, token, positions, *inputs[2:])
+            chosen.append(token)
+        ids = np.stack(jax.device_get(chosen), axis=1)[:num_rows]  # (rows, new)
+        seconds = time.perf_counter() - start
+        return ids, num_rows * new / seconds, notes
+
+    def _check(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int, num_samples: int
+    ) -> list[int]:
+        if not prompts:
+            raise ValueError("no prompts given; pass at least one (--prompt TEXT)")
+        for name, value in (("max_new_tokens", max_new_tokens), ("num_samples", num_samples)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
+        context = self.decoder.context_len
+        lengths = [len(p) for p in prompts]
+        for index, length in enumerate(lengths):
+            if length == 0:
+                raise ValueError(f"prompt {index} is empty; give each prompt at least one token")
+            if length >= context:
+                raise ValueError(
+                    f"prompt {index} has {length} tokens, but the model reads at most {context} "
+                    "positions and needs one for a new token; shorten the prompt"
+                )
+        return lengths
+
+    def _compile(self, num_rows: int, width: int, cache_len: int, sampling: Sampling):
+        """The prefill and the decode step for this batch shape, compiled once each."""
+        decoder = self.decoder
+        arrays = decoder.cache(num_rows, cache_len)
+        cache_layout = {
+            name: NamedSharding(self.mesh, partition_spec(a.names, self.rules))
+            for name, a in arrays.items()
+        }
+        rows = NamedSharding(self.mesh, P(Axis.BATCH))
+        replicated = NamedSharding(self.mesh, P())
+        params_layout = self.trainer.layouts.compute
+
+        def prefill(params, tokens, lengths, row_ids, seed):
+            cache = {
+                name: jax.lax.with_sharding_constraint(
+                    jnp.zeros(a.shape, a.dtype), cache_layout[name]
+                )
+                for name, a in arrays.items()
+            }
+            logits, cache = decoder(params, cache, tokens, jnp.zeros_like(lengths))
+            last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+            keys = sample_keys(seed, row_ids, lengths)
+            return next_tokens(last, keys, sampling), cache, lengths
+
+        def step(params, cache, token, positions, row_ids, seed):
+            logits, cache = decoder(params, cache, token[:, None], positions)
+            keys = sample_keys(seed, row_ids, positions + 1)
+            return next_tokens(logits[:, 0], keys, sampling), cache, positions + 1
+
+        tokens_sharding = NamedSharding(self.mesh, P(Axis.BATCH, None))
+        outputs = (rows, cache_layout, rows)
+        with jax.set_mesh(self.mesh):
+            prefill = jax.jit(
+                prefill,
+                in_shardings=(params_layout, tokens_sharding, rows, rows, replicated),
+                out_shardings=outputs,
+            )
+            step = jax.jit(
+                step,
+                in_shardings=(params_layout, cache_layout, rows, rows, rows, replicated),
+                out_shardings=outputs,
+                donate_argnums=1,
+            )
+            abstract = jax.tree.map(
+                lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),
+                self.trainer.abstract_state.params,
+                params_layout,
+            )
+            row_ints = jax.ShapeDtypeStruct((num_rows,), jnp.int32, sharding=rows)
+            seed = jax.ShapeDtypeStruct((), jnp.uint32, sharding=replicated)
+            tokens = jax.ShapeDtypeStruct((num_rows, width), jnp.int32, sharding=tokens_sharding)
+            cache = {
+                name: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=cache_layout[name])
+                for name, a in arrays.items()
+            }
+            compiled_prefill = prefill.lower(abstract, tokens, row_ints, row_ints, seed).compile()
+            compiled_step = step.lower(
+                abstract, cache, row_ints, row_ints, row_ints, seed
+            ).compile()
+        return compiled_prefill, compiled_step
+
+
+def load_generator(
+    run_dir: str | Path,
+    *,
+    policy_changes: dict[str, Any] | None = None,
+    devices: Sequence[jax.Device] | None = None,
+    job: str = "gpt/train/pretrain",
+    log: Callable[[str], None] = print,
+) -> tuple[Generator, int, dict]:
+    """A :class:`Generator` with the newest good checkpoint of ``run_dir`` in the compute layout
+    of the run's policy merged with ``policy_changes``; also the step and its metadata."""
+    run_dir = Path(run_dir)
+    if not (run_dir / CHECKPOINTS).is_dir():
+        raise ValueError(
+            f"{run_dir} holds no {CHECKPOINTS}/ folder: it is not the directory of a training "
+            "run, or the run saved no checkpoint yet; pass the --out directory of `theseus train`"
+        )
+    trainer_class = get_job(job).trainer_class
+    trainers: dict[str, BaseTrainer] = {}
+
+    def target_for(meta: dict) -> Any:
+        policy = validate(ShardingPolicy, meta.get("policy") or {}).merge(**(policy_changes or {}))
+        topology = Topology.new(policy, devices)
+        config = validate(trainer_class.config_class, meta.get("config") or {})
+        # Generation never splits a training batch: make the batch accounting fit any mesh.
+        config = apply_overrides(
+            config, [f"training.batch_size={topology.replicas}", "training.per_device_batch_size=1"]
+        )
+        trainer = trainers["trainer"] = trainer_class(config, policy, topology)
+        return jax.tree.map(
+            lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),
+            trainer.abstract_state.params,
+            trainer.layouts.compute,
+        )
+
+    restored = restore_params(run_dir / CHECKPOINTS, target_for, log=log)
+    return Generator(trainers["trainer"], restored.params), restored.step, restored.meta
+
+
+def generate(
+    run_dir: str | Path,
+    prompts: Sequence[str],
+    *,
+    max_new_tokens: int = 64,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+    num_samples: int = 1,
+    tokenizer: str | Path | None = None,
+    policy_changes: dict[str, Any] | None = None,
+    devices: Sequence[jax.Device] | None = None,
+    job: str = "gpt/train/pretrain",
+    log: Callable[[str], None] = print,
+) -> Generation:
+    """Complete ``prompts`` with the newest good checkpoint of ``run_dir``.
+
+    Text is encoded with ``tokenizer`` (a ``tokenizer.json``), else the run's own tokenizer (a
+    run trained on a ``theseus tokenize`` folder keeps a copy), else as UTF-8 bytes.
+    ``policy_changes`` (e.g. ``{"tp": 2}``) merge into the run's saved policy; ``devices``
+    default to all of JAX's devices.
+    """
+    sampling = Sampling(temperature, top_k, top_p)  # checked before anything is loaded
+    if isinstance(prompts, str):
+        raise TypeError("prompts must be a list of strings, not one string")
+    generator, step, meta = load_generator(
+        run_dir, policy_changes=policy_changes, devices=devices, job=job, log=log
+    )
+    codec: Codec = resolve_codec(Path(run_dir), tokenizer, meta, generator.decoder.vocab_size)
+    sampling = Sampling(temperature, top_k, top_p, num_valid=codec.vocab_size)
+    prompt_ids = [codec.encode(text) for text in prompts]
+    ids, tokens_per_s, notes = generator.generate_ids(
+        prompt_ids,
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        seed=seed,
+        num_samples=num_samples,
+        log=log,
+    )
+    completions = [
+        Completion(
+            prompt=prompts[row // num_samples],
+            sample=row % num_samples,
+            completion=codec.decode(ids[row].tolist()),
+            prompt_ids=prompt_ids[row // num_samples],
+            token_ids=ids[row].tolist(),
+        )
+        for row in range(ids.shape[0])
+    ]
+    trainer = generator.trainer
+    return Generation(
+        completions,
+        step,
+        int(ids.shape[1]),
+        tokens_per_s,
+        trainer.policy.describe(),
+        trainer.topology.mesh_shape,
+        notes,
+    )
