@@ -1,7 +1,7 @@
 """theseus: annotate a model once with logical axis names, train it under DP, TP, ZeRO or FSDP.
 
-``theseus.chain``, ``theseus.quick``, ``theseus.register`` and ``theseus.BaseTrainer`` load the
-training stack on first use, so ``import theseus`` (and the command line) stay light.
+``theseus.chain``, ``theseus.quick``, ``theseus.register``, ``theseus.BaseTrainer``,
+``theseus.tokenize`` and ``theseus.generate`` load the training stack on first use, so ``import theseus`` (and the command line) stay light.
 """
 
 from theseus.base.axis import Axis, ShardingPlan, ShardingPolicy, partition_spec
@@ -16,6 +16,8 @@ _LAZY = {
     "BaseTrainer": "theseus.training.base",
     "TrainerConfig": "theseus.training.base",
     "scan_layers": "theseus.base.layer_scan",
+    "generate": "theseus.inference",
+    "tokenize": "theseus.data.bpe",
 }
 
 __all__ = ["Axis", "ShardingPlan", "ShardingPolicy", "Topology", "partition_spec", *_LAZY]

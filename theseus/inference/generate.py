@@ -80,6 +80,7 @@ class Generator:
         self.params = params
         self.mesh = trainer.mesh
         self.rules = (*trainer.plan.rules(trainer.policy, "compute"), (ROWS, Axis.BATCH))
+        self._compiled_steps: dict[tuple[int, ...], tuple[Any, Any]] = {}
 
     def generate_ids(
         self,
@@ -89,11 +90,16 @@ class Generator:
         sampling: Sampling,
         seed: int = 0,
         num_samples: int = 1,
+        num_valid: int | None = None,
         log: Callable[[str], None] = print,
     ) -> tuple[np.ndarray, float, list[str]]:
         """New token ids (prompts × num_samples rows, prompt-major; new tokens), generated
-        tokens per second (prefill included, compilation excluded) and notes for the user."""
+        tokens per second (prefill included, compilation excluded) and notes for the user.
+        Ids from ``num_valid`` (default: the whole vocabulary) on are never chosen."""
         lengths = self._check(prompts, max_new_tokens, num_samples)
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+            raise ValueError(f"seed={seed!r} must be an int in [0, 2**32)")
+        num_valid = self.decoder.vocab_size if num_valid is None else num_valid
         context = self.decoder.context_len
         notes = []
         new = min(max_new_tokens, context - max(lengths))
@@ -116,13 +122,14 @@ class Generator:
             prompt = prompts[row // num_samples]
             tokens[row, : len(prompt)] = prompt
             row_lengths[row] = len(prompt)
-        prefill, step = self._compile(padded, width, width + new, sampling)
+        prefill, step = self._compiled(padded, width, width + new, num_valid)
         row_sharding = NamedSharding(self.mesh, P(Axis.BATCH))
+        controls = {"seed": np.uint32(seed), **sampling.arrays()}
         inputs = (
             jax.device_put(tokens, NamedSharding(self.mesh, P(Axis.BATCH, None))),
             jax.device_put(row_lengths, row_sharding),
             jax.device_put(np.arange(padded, dtype=np.int32), row_sharding),
-            jax.device_put(np.uint32(seed), NamedSharding(self.mesh, P())),
+            jax.device_put(controls, NamedSharding(self.mesh, P())),
         )
         start = time.perf_counter()
         token, cache, positions = prefill(self.params, *inputs)
@@ -154,8 +161,14 @@ class Generator:
                 )
         return lengths
 
-    def _compile(self, num_rows: int, width: int, cache_len: int, sampling: Sampling):
+    def _compiled(self, num_rows: int, width: int, cache_len: int, num_valid: int):
         """The prefill and the decode step for this batch shape, compiled once each."""
+        key = (num_rows, width, cache_len, num_valid)
+        if key not in self._compiled_steps:
+            self._compiled_steps[key] = self._compile(*key)
+        return self._compiled_steps[key]
+
+    def _compile(self, num_rows: int, width: int, cache_len: int, num_valid: int):
         decoder = self.decoder
         arrays = decoder.cache(num_rows, cache_len)
         cache_layout = {
@@ -166,7 +179,7 @@ class Generator:
         replicated = NamedSharding(self.mesh, P())
         params_layout = self.trainer.layouts.compute
 
-        def prefill(params, tokens, lengths, row_ids, seed):
+        def prefill(params, tokens, lengths, row_ids, controls):
             cache = {
                 name: jax.lax.with_sharding_constraint(
                     jnp.zeros(a.shape, a.dtype), cache_layout[name]
@@ -175,13 +188,14 @@ class Generator:
             }
             logits, cache = decoder(params, cache, tokens, jnp.zeros_like(lengths))
             last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-            keys = sample_keys(seed, row_ids, lengths)
-            return next_tokens(last, keys, sampling), cache, lengths
+            keys = sample_keys(controls["seed"], row_ids, lengths)
+            return next_tokens(last, keys, controls, num_valid), cache, lengths
 
-        def step(params, cache, token, positions, row_ids, seed):
+        def step(params, cache, token, positions, row_ids, controls):
             logits, cache = decoder(params, cache, token[:, None], positions)
-            keys = sample_keys(seed, row_ids, positions + 1)
-            return next_tokens(logits[:, 0], keys, sampling), cache, positions + 1
+            keys = sample_keys(controls["seed"], row_ids, positions + 1)
+            chosen = next_tokens(logits[:, 0], keys, controls, num_valid)
+            return chosen, cache, positions + 1
 
         tokens_sharding = NamedSharding(self.mesh, P(Axis.BATCH, None))
         outputs = (rows, cache_layout, rows)
@@ -203,17 +217,23 @@ class Generator:
                 params_layout,
             )
             row_ints = jax.ShapeDtypeStruct((num_rows,), jnp.int32, sharding=rows)
-            seed = jax.ShapeDtypeStruct((), jnp.uint32, sharding=replicated)
+            controls = {
+                name: jax.ShapeDtypeStruct((), dtype, sharding=replicated)
+                for name, dtype in (
+                    ("seed", jnp.uint32),
+                    ("temperature", jnp.float32),
+                    ("top_k", jnp.int32),
+                    ("top_p", jnp.float32),
+                )
+            }
             tokens = jax.ShapeDtypeStruct((num_rows, width), jnp.int32, sharding=tokens_sharding)
             cache = {
                 name: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=cache_layout[name])
                 for name, a in arrays.items()
             }
-            compiled_prefill = prefill.lower(abstract, tokens, row_ints, row_ints, seed).compile()
-            compiled_step = step.lower(
-                abstract, cache, row_ints, row_ints, row_ints, seed
-            ).compile()
-        return compiled_prefill, compiled_step
+            compiled_prefill = prefill.lower(abstract, tokens, row_ints, row_ints, controls)
+            compiled_step = step.lower(abstract, cache, row_ints, row_ints, row_ints, controls)
+        return compiled_prefill.compile(), compiled_step.compile()
 
 
 def load_generator(
@@ -284,7 +304,6 @@ def generate(
         run_dir, policy_changes=policy_changes, devices=devices, job=job, log=log
     )
     codec: Codec = resolve_codec(Path(run_dir), tokenizer, meta, generator.decoder.vocab_size)
-    sampling = Sampling(temperature, top_k, top_p, num_valid=codec.vocab_size)
     prompt_ids = [codec.encode(text) for text in prompts]
     ids, tokens_per_s, notes = generator.generate_ids(
         prompt_ids,
@@ -292,6 +311,7 @@ def generate(
         sampling=sampling,
         seed=seed,
         num_samples=num_samples,
+        num_valid=codec.vocab_size,
         log=log,
     )
     completions = [

@@ -11,18 +11,18 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @dataclass(frozen=True)
 class Sampling:
     """How the next token is chosen. ``temperature=0`` is greedy (argmax); ``top_k`` keeps the k
     most likely tokens, ``top_p`` the smallest set whose probability reaches p (both optional).
-    ``num_valid`` masks ids at and above it (a vocabulary padded beyond the tokenizer's)."""
+    The values are inputs of the compiled step, so changing them compiles nothing."""
 
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
-    num_valid: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
@@ -34,8 +34,16 @@ class Sampling:
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p!r} must be in (0, 1], or None for no limit")
 
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The settings as step inputs: top_k 0 and top_p 1 mean no limit."""
+        return {
+            "temperature": np.float32(self.temperature),
+            "top_k": np.int32(self.top_k or 0),
+            "top_p": np.float32(1.0 if self.top_p is None else self.top_p),
+        }
 
-def sample_keys(seed: int, rows: jax.Array, positions: jax.Array) -> jax.Array:
+
+def sample_keys(seed: jax.Array, rows: jax.Array, positions: jax.Array) -> jax.Array:
     """One key per row: ``fold_in(fold_in(key(seed), row), position)``; rows, positions (rows,)."""
     base = jax.random.key(seed)
     return jax.vmap(lambda r, t: jax.random.fold_in(jax.random.fold_in(base, r), t))(
@@ -43,22 +51,26 @@ def sample_keys(seed: int, rows: jax.Array, positions: jax.Array) -> jax.Array:
     )
 
 
-def next_tokens(logits: jax.Array, keys: jax.Array, sampling: Sampling) -> jax.Array:
-    """The chosen ids (rows,) int32 from float32 ``logits`` (rows, vocab), one key per row."""
+def next_tokens(
+    logits: jax.Array, keys: jax.Array, settings: dict[str, jax.Array], num_valid: int
+) -> jax.Array:
+    """The chosen ids (rows,) int32 from float32 ``logits`` (rows, vocab), one key per row, with
+    ``Sampling.arrays()`` as ``settings``; ids from ``num_valid`` on are never chosen (a
+    vocabulary padded beyond the tokenizer's)."""
     vocab = logits.shape[-1]
-    if sampling.num_valid is not None and sampling.num_valid < vocab:
-        logits = jnp.where(jnp.arange(vocab) < sampling.num_valid, logits, -jnp.inf)
-    if sampling.temperature == 0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits / sampling.temperature  # (rows, vocab)
-    if sampling.top_k is not None and sampling.top_k < vocab:
-        kth = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]  # (rows, 1)
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if sampling.top_p is not None and sampling.top_p < 1:
-        ordered = jnp.sort(logits, axis=-1)[:, ::-1]  # (rows, vocab) descending
-        probs = jax.nn.softmax(ordered, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # probability of the tokens ranked above
-        kept = jnp.where(before < sampling.top_p, ordered, jnp.inf)  # the first is always kept
-        cutoff = jnp.min(kept, axis=-1, keepdims=True)  # (rows, 1): smallest kept logit
-        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
-    return jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
+    if num_valid < vocab:
+        logits = jnp.where(jnp.arange(vocab) < num_valid, logits, -jnp.inf)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # (rows,)
+    temperature, top_k, top_p = settings["temperature"], settings["top_k"], settings["top_p"]
+    logits = logits / jnp.where(temperature > 0, temperature, 1.0)  # (rows, vocab)
+    ordered = jnp.sort(logits, axis=-1)[:, ::-1]  # (rows, vocab) descending
+    kth = ordered[:, jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab) - 1]  # (rows,)
+    logits = jnp.where(logits < kth[:, None], -jnp.inf, logits)
+    ordered = jnp.where(ordered < kth[:, None], -jnp.inf, ordered)
+    probs = jax.nn.softmax(ordered, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # probability of the tokens ranked above
+    kept = jnp.where(before < top_p, ordered, jnp.inf)  # the first is always kept
+    cutoff = jnp.where(top_p < 1, jnp.min(kept, axis=-1), -jnp.inf)  # (rows,)
+    logits = jnp.where(logits < cutoff[:, None], -jnp.inf, logits)
+    sampled = jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
+    return jnp.where(temperature > 0, sampled, greedy)

@@ -1,0 +1,163 @@
+"""Tokenize and generate: the BPE folder round-trips and trains; cached greedy decoding equals the
+argmax of full forward passes; every layout gives the same completions; bad input exits 2."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from support import TINY_GPT
+from typer.testing import CliRunner
+
+import theseus
+from theseus.cli import app
+from theseus.data import load_corpus
+from theseus.data.bpe import load_tokenizer, tokenize
+from theseus.inference import Sampling, load_generator
+from theseus.model import GPT
+
+TEXT = "Beautiful is better than ugly.\nExplicit is better than implicit.\nSimple beats complex.\n"
+PROMPTS = [[66, 101, 97], [73, 109, 112, 108, 105, 99, 105], [83, 105, 109, 112, 108, 101, 32]]
+NEW_TOKENS = 32
+
+
+def invoke(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def token_folder(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bpe")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for index in range(3):  # three files: split by file, as the byte loader splits them
+        (corpus / f"part{index}.txt").write_text(TEXT * (40 + 7 * index) + f"file {index}\n")
+    result = invoke("tokenize", corpus, root / "tokens", "--vocab-size", 263)
+    assert result.exit_code == 0, result.output
+    return corpus, root / "tokens"
+
+
+def test_tokenized_folder_round_trips_and_loads(token_folder):
+    corpus, folder = token_folder
+    record = json.loads((folder / "tokens.json").read_text())
+    assert (record["vocab_size"], record["token_dtype"]) == (263, "uint16")
+    loaded = load_corpus(folder)
+    bytes_corpus = load_corpus(corpus)
+    assert loaded.vocab_size == 263 and loaded.tokenizer == folder / "tokenizer.json"
+    tokenizer = load_tokenizer(loaded.tokenizer)
+    for tokens, raw in ((loaded.train, bytes_corpus.train), (loaded.validation, bytes_corpus.validation)):
+        assert tokens.dtype == np.uint16
+        assert tokenizer.decode(tokens.tolist()).encode() == raw.astype(np.uint8).tobytes()
+    assert record["validation_bytes"] == bytes_corpus.validation.size
+    assert loaded.train.size < bytes_corpus.train.size  # merges shorten the text
+    # Reusing the tokenizer gives the same ids; a model smaller than the vocabulary is refused.
+    again = tokenize(corpus, folder.parent / "again", tokenizer=folder / "tokenizer.json")
+    assert not again.trained_tokenizer
+    assert np.array_equal(load_corpus(folder.parent / "again").train, loaded.train)
+    result = invoke("train", f"data.path={folder}", *TINY_GPT, "--out", folder.parent / "small")
+    assert result.exit_code == 2 and "model.vocab_size=263" in result.output
+
+
+def test_tokenize_bad_input(token_folder, tmp_path):
+    corpus, folder = token_folder
+    for args, fragment in [
+        ((corpus, tmp_path / "a"), "exactly one of vocab_size"),
+        ((corpus, tmp_path / "a", "--vocab-size", 9), "vocab_size=9"),
+        ((tmp_path / "missing", tmp_path / "a", "--vocab-size", 300), "does not exist"),
+        ((corpus, folder, "--vocab-size", 300), "--overwrite"),
+        ((folder, tmp_path / "a", "--vocab-size", 300), "already tokenized"),
+    ]:
+        result = invoke("tokenize", *args)
+        assert result.exit_code == 2 and fragment in result.output, result.output
+        assert "Traceback" not in result.output
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A tiny byte GPT trained under tp=2 with FSDP on 8 devices."""
+    out = tmp_path_factory.mktemp("gen") / "run"
+    with theseus.quick("gpt/train/pretrain", out, log=lambda _: None) as q:
+        q.shard(tp=2, fsdp=True)
+        q.override(*TINY_GPT, "model.block_size=48", "training.steps=4")
+        q()
+    return out
+
+
+def full_forward_greedy(generator, prompts, num_new):
+    """Greedy tokens from full forward passes without a cache over the growing sequences (held
+    right-padded in one fixed-width buffer, so the forward compiles once)."""
+    trainer = generator.trainer
+    model = jax.jit(lambda params, tokens: GPT.__call__(_merge(trainer, params), tokens))
+    lengths = [len(p) for p in prompts]
+    buffer = np.zeros((len(prompts), max(lengths) + num_new), np.int32)
+    for row, prompt in enumerate(prompts):
+        buffer[row, : len(prompt)] = prompt
+    chosen = []
+    for step in range(num_new):
+        logits = np.asarray(model(generator.params, jnp.asarray(buffer)))  # (rows, width, vocab)
+        last = [length + step - 1 for length in lengths]
+        tokens = logits[np.arange(len(prompts)), last].argmax(-1)
+        buffer[np.arange(len(prompts)), [i + 1 for i in last]] = tokens
+        chosen.append(tokens)
+    return np.stack(chosen, axis=1)
+
+
+def _merge(trainer, params):
+    from flax import nnx
+
+    return nnx.merge(trainer.graphdef, params)
+
+
+def test_same_completions_under_every_layout(run_dir):
+    greedy, sampled = Sampling(temperature=0), Sampling(temperature=0.8, top_k=20)
+    results = {}
+    for name, changes, devices in [
+        ("tp=1 on 1", {"tp": 1, "fsdp": False}, jax.devices()[:1]),
+        ("tp=2 on 8", {"tp": 2, "fsdp": False}, None),
+        ("tp=4 fsdp on 8", {"tp": 4, "fsdp": True}, None),
+    ]:
+        generator, step, _ = load_generator(
+            run_dir, policy_changes=changes, devices=devices, log=lambda _: None
+        )
+        assert step == 4 and generator.trainer.topology.num_devices == len(devices or jax.devices())
+        run = lambda sampling: generator.generate_ids(  # noqa: E731 - one compile for both
+            PROMPTS, max_new_tokens=NEW_TOKENS, sampling=sampling, seed=7, num_samples=2,
+            log=lambda _: None,
+        )[0]
+        results[name] = (run(greedy), run(sampled))
+        if name == "tp=1 on 1":
+            expected = full_forward_greedy(generator, PROMPTS, NEW_TOKENS)
+            np.testing.assert_array_equal(results[name][0][0::2], expected)
+            np.testing.assert_array_equal(results[name][0][1::2], expected)
+    reference = results["tp=1 on 1"]
+    assert reference[1].shape == (6, NEW_TOKENS)
+    assert not np.array_equal(reference[1][0], reference[1][1])  # two samples differ
+    for name, (greedy_ids, sampled_ids) in results.items():
+        np.testing.assert_array_equal(greedy_ids, reference[0], err_msg=name)
+        np.testing.assert_array_equal(sampled_ids, reference[1], err_msg=name)
+
+
+def test_generate_cli_json_and_bad_input(run_dir, token_folder, tmp_path):
+    result = invoke(
+        "generate", run_dir, "--prompt", "Be", "--prompt", "Simple", "--max-new-tokens", 5,
+        "--temperature", 0.8, "--top-p", 0.9, "--json",
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert [c["prompt"] for c in data["completions"]] == ["Be", "Simple"]
+    assert all(len(c["token_ids"]) == 5 for c in data["completions"]) and data["tokens_per_s"] > 0
+    (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
+    for args, fragment in [
+        ((tmp_path, "--prompt", "a"), "no checkpoints/ folder"),
+        ((tmp_path / "empty", "--prompt", "a"), "no checkpoints in"),
+        ((run_dir, "--prompt", ""), "prompt 0 is empty"),
+        ((run_dir, "--prompt", "x" * 48), "shorten the prompt"),
+        ((run_dir, "--prompt", "a", "--temperature", -1), "temperature=-1.0"),
+        ((run_dir, "--prompt", "a", "--top-p", 0), "top_p=0.0"),
+        ((run_dir, "--prompt", "a", "--top-p", 1.5), "top_p=1.5"),
+        ((run_dir, "--prompt", "a", "--tokenizer", token_folder[1] / "tokenizer.json"), "263"),
+    ]:
+        result = invoke("generate", *args)
+        assert result.exit_code == 2, (args, result.output)
+        assert fragment in result.output and "Traceback" not in result.output, result.output
