@@ -43,9 +43,12 @@ def main() -> None:
     prompts = np.random.default_rng(0).integers(0, 256, (args.batch, args.prompt_len)).tolist()
 
     generator = Generator(trainer, params)
-    cached = lambda: generator.generate_ids(  # noqa: E731
-        prompts, max_new_tokens=args.new_tokens, sampling=Sampling(temperature=0), log=print
-    )
+
+    def cached():
+        return generator.generate_ids(
+            prompts, max_new_tokens=args.new_tokens, sampling=Sampling(temperature=0), log=print
+        )
+
     cached()  # compile
     cached_runs = [cached() for _ in range(args.repeats)]
     cached_ids = cached_runs[0][0]
@@ -75,8 +78,10 @@ def main() -> None:
     plain_runs = [plain() for _ in range(args.repeats)]
     plain_rate = max(rate for _, rate in plain_runs)
     same = np.array_equal(plain_runs[0][0], cached_ids)
-    print(f"default GPT, block_size {width}, batch {args.batch}, prompt {args.prompt_len}, "
-          f"{args.new_tokens} new tokens, {jax.devices()[0].platform}; best of {args.repeats}")
+    print(
+        f"default GPT, block_size {width}, batch {args.batch}, prompt {args.prompt_len}, "
+        f"{args.new_tokens} new tokens, {jax.devices()[0].platform}; best of {args.repeats}"
+    )
     print("| decode | tokens/s |")
     print("|---|---|")
     print(f"| KV cache (one compiled prefill + decode step) | {cached_rate:,.0f} |")

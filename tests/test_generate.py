@@ -46,7 +46,10 @@ def test_tokenized_folder_round_trips_and_loads(token_folder):
     bytes_corpus = load_corpus(corpus)
     assert loaded.vocab_size == 263 and loaded.tokenizer == folder / "tokenizer.json"
     tokenizer = load_tokenizer(loaded.tokenizer)
-    for tokens, raw in ((loaded.train, bytes_corpus.train), (loaded.validation, bytes_corpus.validation)):
+    for tokens, raw in (
+        (loaded.train, bytes_corpus.train),
+        (loaded.validation, bytes_corpus.validation),
+    ):
         assert tokens.dtype == np.uint16
         assert tokenizer.decode(tokens.tolist()).encode() == raw.astype(np.uint8).tobytes()
     assert record["validation_bytes"] == bytes_corpus.validation.size
@@ -109,6 +112,18 @@ def _merge(trainer, params):
     return nnx.merge(trainer.graphdef, params)
 
 
+def complete(generator, sampling):
+    """Two samples of each prompt (one compiled prefill and step serve every sampling)."""
+    return generator.generate_ids(
+        PROMPTS,
+        max_new_tokens=NEW_TOKENS,
+        sampling=sampling,
+        seed=7,
+        num_samples=2,
+        log=lambda _: None,
+    )[0]
+
+
 def test_same_completions_under_every_layout(run_dir):
     greedy, sampled = Sampling(temperature=0), Sampling(temperature=0.8, top_k=20)
     results = {}
@@ -121,11 +136,7 @@ def test_same_completions_under_every_layout(run_dir):
             run_dir, policy_changes=changes, devices=devices, log=lambda _: None
         )
         assert step == 4 and generator.trainer.topology.num_devices == len(devices or jax.devices())
-        run = lambda sampling: generator.generate_ids(  # noqa: E731 - one compile for both
-            PROMPTS, max_new_tokens=NEW_TOKENS, sampling=sampling, seed=7, num_samples=2,
-            log=lambda _: None,
-        )[0]
-        results[name] = (run(greedy), run(sampled))
+        results[name] = (complete(generator, greedy), complete(generator, sampled))
         if name == "tp=1 on 1":
             expected = full_forward_greedy(generator, PROMPTS, NEW_TOKENS)
             np.testing.assert_array_equal(results[name][0][0::2], expected)
@@ -140,8 +151,19 @@ def test_same_completions_under_every_layout(run_dir):
 
 def test_generate_cli_json_and_bad_input(run_dir, token_folder, tmp_path):
     result = invoke(
-        "generate", run_dir, "--prompt", "Be", "--prompt", "Simple", "--max-new-tokens", 5,
-        "--temperature", 0.8, "--top-p", 0.9, "--json",
+        "generate",
+        run_dir,
+        "--prompt",
+        "Be",
+        "--prompt",
+        "Simple",
+        "--max-new-tokens",
+        5,
+        "--temperature",
+        0.8,
+        "--top-p",
+        0.9,
+        "--json",
     )
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)

@@ -55,3 +55,4 @@ def test_tutorial_runs(tmp_path):
     assert (tmp_path / "runs/quick/metrics.jsonl").is_file()
     assert len((tmp_path / "runs/mine/metrics.jsonl").read_text().splitlines()) == 30
     assert (tmp_path / "runs/bigram/run.json").is_file()
+    assert (tmp_path / "runs/bpe/tokenizer.json").is_file()

@@ -10,6 +10,7 @@ one file), so validation losses in nats per byte compare directly with byte-leve
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -106,8 +107,8 @@ def corpus_documents(
         train, validation = tail_split(np.frombuffer(data, np.uint8), validation_fraction)
         return [train.tobytes()], [validation.tobytes()], source
     train_names, validation_names = split_by_file(names, validation_fraction, seed)
-    read = lambda selected: [(root / name).read_bytes() for name in selected]  # noqa: E731
-    return read(train_names), read(validation_names), source
+    train = [(root / name).read_bytes() for name in train_names]
+    return train, [(root / name).read_bytes() for name in validation_names], source
 
 
 def train_tokenizer(documents: Sequence[bytes], vocab_size: int, *, progress: bool = False):
@@ -184,7 +185,9 @@ def tokenize(
             "tokenizer.json)"
         )
     out = Path(out_dir)
-    present = [n for n in (TOKENIZED_RECORD, TOKENIZER_FILE, *TOKENIZED_SPLITS) if (out / n).exists()]
+    present = [
+        n for n in (TOKENIZED_RECORD, TOKENIZER_FILE, *TOKENIZED_SPLITS) if (out / n).exists()
+    ]
     if present and not overwrite:
         raise ValueError(
             f"{out} already holds {', '.join(present)}; pass --overwrite to replace them or "
@@ -203,7 +206,9 @@ def tokenize(
     dtype = token_dtype(size)
     out.mkdir(parents=True, exist_ok=True)
     with _byte_progress(progress, total_bytes) as advance:
-        splits = [encode_documents(bpe, docs, dtype, advance) for docs in (train_docs, validation_docs)]
+        splits = [
+            encode_documents(bpe, docs, dtype, advance) for docs in (train_docs, validation_docs)
+        ]
     for name, tokens in zip(TOKENIZED_SPLITS, splits, strict=True):
         write_tokens(out / name, tokens, dtype)
     bpe.save(str(out / TOKENIZER_FILE))
@@ -239,23 +244,14 @@ def _chunks(document: bytes) -> Iterator[str]:
         start = end
 
 
-class _byte_progress:  # noqa: N801 - used as a context manager
-    """A rich progress bar over bytes encoded (a no-op when ``enabled`` is false)."""
+@contextlib.contextmanager
+def _byte_progress(enabled: bool, total: int) -> Iterator[Callable[[int], None]]:
+    """A rich progress bar over bytes encoded; yields its ``advance`` (a no-op when disabled)."""
+    if not enabled:
+        yield lambda _: None
+        return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
 
-    def __init__(self, enabled: bool, total: int):
-        self.progress = None
-        if enabled:
-            from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
-
-            self.progress = Progress(TextColumn("[bold]encode"), BarColumn(), DownloadColumn())
-            self.task = self.progress.add_task("encode", total=total)
-
-    def __enter__(self) -> Callable[[int], None]:
-        if self.progress is None:
-            return lambda _: None
-        self.progress.__enter__()
-        return lambda num_bytes: self.progress.advance(self.task, num_bytes)
-
-    def __exit__(self, *exc_info: object) -> None:
-        if self.progress is not None:
-            self.progress.__exit__(*exc_info)
+    with Progress(TextColumn("[bold]encode"), BarColumn(), DownloadColumn()) as progress:
+        task = progress.add_task("encode", total=total)
+        yield lambda num_bytes: progress.advance(task, num_bytes)

@@ -112,7 +112,7 @@ class Generator:
         replicas = self.trainer.topology.replicas
         padded = math.ceil(num_rows / replicas) * replicas
         if padded > num_rows:
-            notes.append(f"{num_rows} rows on {replicas} replicas: {padded - num_rows} idle rows")
+            notes.append(f"{num_rows} rows on {replicas} replicas: {padded - num_rows} idle row(s)")
         for note in notes:
             log(f"note: {note}")
         width = max(lengths)

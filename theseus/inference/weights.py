@@ -18,8 +18,8 @@ from typing import Any
 import orbax.checkpoint as ocp
 
 from theseus.checkpoint import (
-    CheckpointError,
     Checkpointer,
+    CheckpointError,
     IncompatibleCheckpointError,
     _compatibility_problems,
     fingerprints,
@@ -90,9 +90,7 @@ def restore_params(
         if skipped:
             log(f"restored step {step}; skipped damaged " + "; ".join(skipped))
         return RestoredParams(params, step, meta)
-    raise CheckpointError(
-        f"no good checkpoint in {checkpointer.directory}: " + "; ".join(skipped)
-    )
+    raise CheckpointError(f"no good checkpoint in {checkpointer.directory}: " + "; ".join(skipped))
 
 
 def _restore(state_dir: Path, target: Any) -> Any:
