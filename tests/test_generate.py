@@ -45,6 +45,7 @@ def test_tokenized_folder_round_trips_and_loads(token_folder):
     loaded = load_corpus(folder)
     bytes_corpus = load_corpus(corpus)
     assert loaded.vocab_size == 263 and loaded.tokenizer == folder / "tokenizer.json"
+    assert np.array_equal(load_corpus(folder / "train.bin").validation, loaded.validation)
     tokenizer = load_tokenizer(loaded.tokenizer)
     for tokens, raw in (
         (loaded.train, bytes_corpus.train),

@@ -59,7 +59,7 @@ def load_corpus(
     - ``None``: the Python standard library's ``.py`` files (no download needed), split by file.
     - a directory written by ``theseus tokenize`` (it holds ``tokens.json``): its
       ``train.bin`` and ``validation.bin``, split when it was tokenized, with its vocabulary size
-      and ``tokenizer.json``.
+      and ``tokenizer.json``. Either of those two ``.bin`` files names the whole folder.
     - any other directory: the bytes of every non-hidden regular file below it, split by file
       (a tail split when it holds a single non-empty file).
     - a file ending in ``.bin``: pre-tokenized ``token_dtype`` tokens, memory-mapped,
@@ -83,6 +83,8 @@ def load_corpus(
         )
     if path.is_dir() and (path / TOKENIZED_RECORD).is_file():
         return _tokenized_corpus(path, vocab_size)
+    if path.name in TOKENIZED_SPLITS and (path.parent / TOKENIZED_RECORD).is_file():
+        return _tokenized_corpus(path.parent, vocab_size)  # either .bin names its folder
     if path.is_dir():
         _check_byte_options(path, vocab_size)
         return _directory_corpus(path, validation_fraction, seed)

@@ -154,6 +154,11 @@ class Generator:
         for index, length in enumerate(lengths):
             if length == 0:
                 raise ValueError(f"prompt {index} is empty; give each prompt at least one token")
+            if min(prompts[index]) < 0 or max(prompts[index]) >= self.decoder.vocab_size:
+                raise ValueError(
+                    f"prompt {index} has token ids outside [0, {self.decoder.vocab_size}), the "
+                    "model's vocabulary; encode it with the run's tokenizer"
+                )
             if length >= context:
                 raise ValueError(
                     f"prompt {index} has {length} tokens, but the model reads at most {context} "

@@ -1,0 +1,126 @@
+"""``theseus tokenize`` and ``theseus generate``: from text to token files, and from a checkpoint
+back to text. Registered on the ``theseus`` command line by :mod:`theseus.cli`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from theseus.cli import (
+    FSDP,
+    TP,
+    CPUDevices,
+    Imports,
+    Overwrite,
+    Zero,
+    app,
+    import_modules,
+    sharding_changes,
+    use_cpu_devices,
+    user_errors,
+)
+
+
+@app.command()
+def tokenize(
+    corpus: Annotated[
+        str, typer.Argument(help="text file, folder of text files, or 'builtin' (built-in corpus)")
+    ],
+    out_dir: Annotated[Path, typer.Argument(help="folder to write tokenizer.json and .bin files")],
+    vocab_size: Annotated[
+        int | None, typer.Option(help="train a byte-level BPE tokenizer of this many tokens")
+    ] = None,
+    tokenizer: Annotated[
+        Path | None, typer.Option(help="reuse this tokenizer.json instead of training one")
+    ] = None,
+    validation_fraction: Annotated[
+        float, typer.Option(help="share of the corpus held out for validation")
+    ] = 0.1,
+    overwrite: Overwrite = False,
+) -> None:
+    """Tokenize a corpus with byte-level BPE; train on it with data.path=OUT_DIR."""
+    with user_errors():
+        from theseus.data.bpe import tokenize as tokenize_corpus
+
+        result = tokenize_corpus(
+            corpus,
+            out_dir,
+            vocab_size=vocab_size,
+            tokenizer=tokenizer,
+            validation_fraction=validation_fraction,
+            overwrite=overwrite,
+        )
+    typer.echo(result.describe())
+
+
+@app.command()
+def generate(
+    run_dir: Annotated[Path, typer.Argument(help="run directory of `theseus train` (--out)")],
+    prompt: Annotated[
+        list[str] | None, typer.Option(help="a prompt to complete (repeatable)")
+    ] = None,
+    prompt_file: Annotated[
+        Path | None, typer.Option(help="a file of prompts, one per line (blank lines skipped)")
+    ] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="tokens to add to each prompt", min=1)] = 64,
+    temperature: Annotated[float, typer.Option(help="sampling temperature; 0 is greedy")] = 1.0,
+    top_k: Annotated[int | None, typer.Option(help="sample among the k likeliest tokens")] = None,
+    top_p: Annotated[
+        float | None, typer.Option(help="sample among the likeliest tokens of total mass p")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="sampling seed")] = 0,
+    num_samples: Annotated[int, typer.Option(help="completions per prompt", min=1)] = 1,
+    tokenizer: Annotated[
+        Path | None, typer.Option(help="tokenizer.json [default: the run's, else bytes]")
+    ] = None,
+    json_output: Annotated[
+        bool, typer.Option("--json", help="print prompts, completions, token ids and tokens/s")
+    ] = False,
+    job: Annotated[str, typer.Option(help="registered job that trained the run")] = (
+        "gpt/train/pretrain"
+    ),
+    tp: TP = None,
+    zero: Zero = None,
+    fsdp: FSDP = None,
+    cpu_devices: CPUDevices = None,
+    imports: Imports = None,
+) -> None:
+    """Complete prompts with a run's newest good checkpoint (KV cache; any layout)."""
+    use_cpu_devices(cpu_devices)
+    import json
+
+    with user_errors():
+        prompts = list(prompt or [])
+        if prompt_file is not None:
+            lines = prompt_file.read_text().splitlines()
+            prompts += [line for line in lines if line.strip()]
+        import_modules(imports)
+        from theseus.inference import generate as generate_text
+
+        result = generate_text(
+            run_dir,
+            prompts,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            num_samples=num_samples,
+            tokenizer=tokenizer,
+            policy_changes=sharding_changes(tp, zero, fsdp, None),
+            job=job,
+            log=lambda text: typer.echo(text, err=True),
+        )
+    if json_output:
+        typer.echo(json.dumps(result.to_json(), indent=2))
+        return
+    for item in result.completions:
+        typer.echo(f"--- prompt {item.prompt!r}, sample {item.sample}")
+        typer.echo(item.prompt + item.completion)
+    typer.echo(
+        f"--- {result.new_tokens} new tokens per sample, {result.tokens_per_s:,.0f} tokens/s, "
+        f"checkpoint step {result.checkpoint_step}, {result.policy}",
+        err=True,
+    )
