@@ -15,6 +15,7 @@ from theseus.cli import app
 from theseus.data import load_corpus
 from theseus.data.bpe import load_tokenizer, tokenize
 from theseus.inference import Sampling, load_generator
+from theseus.inference.sampling import next_tokens, sample_keys
 from theseus.model import GPT
 
 TEXT = "Beautiful is better than ugly.\nExplicit is better than implicit.\nSimple beats complex.\n"
@@ -174,7 +175,7 @@ def test_generate_cli_json_and_bad_input(run_dir, token_folder, tmp_path):
     for args, fragment in [
         ((tmp_path, "--prompt", "a"), "no checkpoints/ folder"),
         ((tmp_path / "empty", "--prompt", "a"), "no checkpoints in"),
-        ((run_dir, "--prompt", ""), "prompt 0 is empty"),
+        ((run_dir, "--prompt", "a", "--prompt", ""), "none of them empty"),
         ((run_dir, "--prompt", "x" * 48), "shorten the prompt"),
         ((run_dir, "--prompt", "a", "--temperature", -1), "temperature=-1.0"),
         ((run_dir, "--prompt", "a", "--top-p", 0), "top_p=0.0"),
@@ -184,3 +185,18 @@ def test_generate_cli_json_and_bad_input(run_dir, token_folder, tmp_path):
         result = invoke("generate", *args)
         assert result.exit_code == 2, (args, result.output)
         assert fragment in result.output and "Traceback" not in result.output, result.output
+
+
+def test_top_k_top_p_and_greedy_limit_the_choice():
+    logits = jnp.log(jnp.tile(jnp.array([0.5, 0.3, 0.15, 0.05]), (64, 1)))  # (rows, vocab)
+    keys = sample_keys(jnp.uint32(3), jnp.arange(64), jnp.zeros(64, jnp.int32))
+
+    def chosen(num_valid=4, **settings):
+        return set(np.asarray(next_tokens(logits, keys, Sampling(**settings).arrays(), num_valid)))
+
+    assert chosen(temperature=0) == {0}
+    assert chosen(temperature=1.0) == {0, 1, 2, 3}
+    assert chosen(temperature=1.0, top_k=2) == {0, 1}
+    assert chosen(temperature=1.0, top_p=0.6) == {0, 1}  # 0.5 < 0.6: the second is needed
+    assert chosen(temperature=1.0, top_p=0.5) == {0}
+    assert chosen(num_valid=3, temperature=1.0) == {0, 1, 2}

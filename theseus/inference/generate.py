@@ -75,6 +75,8 @@ class Generator:
                 f"{type(trainer).__name__} cannot generate: give it a decoder() method returning "
                 "an object with the interface of theseus.model.decode.Decoder"
             )
+        if jax.process_count() > 1:
+            raise ValueError("generation runs in one process; start it without --coordinator")
         self.trainer = trainer
         self.decoder = decoder()
         self.params = params
@@ -303,8 +305,10 @@ def generate(
     default to all of JAX's devices.
     """
     sampling = Sampling(temperature, top_k, top_p)  # checked before anything is loaded
-    if isinstance(prompts, str):
-        raise TypeError("prompts must be a list of strings, not one string")
+    if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
+        raise TypeError("prompts must be a list of strings")
+    if not prompts or not all(prompts):
+        raise ValueError("give one or more prompts, none of them empty (--prompt TEXT)")
     generator, step, meta = load_generator(
         run_dir, policy_changes=policy_changes, devices=devices, job=job, log=log
     )
