@@ -191,8 +191,10 @@ def test_top_k_top_p_and_greedy_limit_the_choice():
     logits = jnp.log(jnp.tile(jnp.array([0.5, 0.3, 0.15, 0.05]), (64, 1)))  # (rows, vocab)
     keys = sample_keys(jnp.uint32(3), jnp.arange(64), jnp.zeros(64, jnp.int32))
 
+    choose = jax.jit(next_tokens, static_argnums=3)  # one compile for every setting
+
     def chosen(num_valid=4, **settings):
-        return set(np.asarray(next_tokens(logits, keys, Sampling(**settings).arrays(), num_valid)))
+        return set(np.asarray(choose(logits, keys, Sampling(**settings).arrays(), num_valid)))
 
     assert chosen(temperature=0) == {0}
     assert chosen(temperature=1.0) == {0, 1, 2, 3}

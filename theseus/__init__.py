@@ -1,7 +1,8 @@
 """theseus: annotate a model once with logical axis names, train it under DP, TP, ZeRO or FSDP.
 
 ``theseus.chain``, ``theseus.quick``, ``theseus.register``, ``theseus.BaseTrainer``,
-``theseus.tokenize`` and ``theseus.generate`` load the training stack on first use, so ``import theseus`` (and the command line) stay light.
+``theseus.tokenize`` and ``theseus.generate`` load the training stack on first use, so
+``import theseus`` (and the command line) stay light.
 """
 
 from theseus.base.axis import Axis, ShardingPlan, ShardingPolicy, partition_spec
