@@ -25,6 +25,7 @@ from theseus.data.tokens import (
     TOKENIZED_RECORD,
     TOKENIZED_SPLITS,
     TOKENIZER_FILE,
+    _check_fraction,
     _walk_sorted,
     builtin_files,
     split_by_file,
@@ -80,6 +81,7 @@ def corpus_documents(
     """(train documents, validation documents, description), split as ``load_corpus`` splits
     the same bytes: by file for a folder of several files and for the built-in corpus
     (``corpus="builtin"``), the last ``validation_fraction`` of the bytes otherwise."""
+    _check_fraction(validation_fraction)
     if str(corpus) == BUILTIN:
         root, names = builtin_files()
         source = f"built-in: Python standard library source ({root}), {len(names)} files"
