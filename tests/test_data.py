@@ -1,5 +1,6 @@
 """Tests for theseus.data: corpus loading, the stateless sampler and validation batches."""
 
+import json
 import numpy as np
 import pytest
 
@@ -100,6 +101,38 @@ def test_bin_round_trip(tmp_path, dtype):
     np.testing.assert_array_equal(np.concatenate([corpus.train, corpus.validation]), tokens)
     assert corpus.vocab_size == tokens.max() + 1
     assert load_corpus(path, token_dtype=dtype, vocab_size=80000).vocab_size == 80000
+
+
+def test_bin_vocab_size_is_read_from_its_sidecar(tmp_path):
+    path = tmp_path / "tokens.bin"
+    tokens = np.arange(211) % 101
+    write_tokens(path, tokens, vocab_size=503)  # the tokenizer's vocabulary, above max + 1
+    assert json.loads((tmp_path / "tokens.bin.json").read_text()) == {
+        "vocab_size": 503,
+        "token_dtype": "uint16",
+        "num_tokens": 211,
+    }
+    assert load_corpus(path).vocab_size == 503  # recorded, not scanned (a scan gives 101)
+    (tmp_path / "tokens.bin.json").unlink()
+    assert load_corpus(path).vocab_size == 101  # a file from another tool is scanned
+    write_tokens(path, tokens)
+    tokens[:7].astype("uint16").tofile(path)  # the file changed without its sidecar
+    with pytest.raises(ValueError, match=r"tokens\.bin\.json.*211 uint16.*holds 7"):
+        load_corpus(path)
+    with pytest.raises(ValueError, match="above the largest token 100"):
+        write_tokens(path, tokens, vocab_size=100)
+
+
+def test_corpus_fingerprint_sees_size_and_content(tmp_path):
+    tokens = np.arange(40009) % 251
+    write_tokens(tmp_path / "a.bin", tokens)
+    same = load_corpus(tmp_path / "a.bin").fingerprint()
+    assert same == load_corpus(tmp_path / "a.bin").fingerprint()
+    tokens[0] = 7  # the first sample block starts at the first token
+    write_tokens(tmp_path / "b.bin", tokens)
+    assert load_corpus(tmp_path / "b.bin").fingerprint()["sample_crc32"] != same["sample_crc32"]
+    write_tokens(tmp_path / "c.bin", tokens[:-1])
+    assert load_corpus(tmp_path / "c.bin").fingerprint()["train_tokens"] != same["train_tokens"]
 
 
 def test_bin_with_partial_token_is_an_error(tmp_path):

@@ -15,6 +15,8 @@ from typing import Annotated, Any
 
 import typer
 
+from theseus.distributed import DEFAULT_HEARTBEAT_TIMEOUT_S
+
 app = typer.Typer(
     help="theseus: train annotated JAX models under DP, TP, ZeRO or FSDP.",
     no_args_is_help=True,
@@ -62,6 +64,18 @@ NumProcesses = Annotated[
 ProcessId = Annotated[
     int | None, typer.Option(help="this process's index, 0 .. num-processes - 1", min=0)
 ]
+Distributed = Annotated[
+    str,
+    typer.Option(
+        "--distributed",
+        help="auto: join the multi-process job that JAX detects (SLURM, Open MPI, Kubernetes, "
+        "Cloud TPU), or run alone when there is none; off: always run alone",
+    ),
+]
+HeartbeatTimeout = Annotated[
+    int,
+    typer.Option(help="seconds of silence after which a peer counts as dead and the job ends", min=1),
+]
 Imports = Annotated[
     list[str] | None,
     typer.Option("--import", help="Python module to import first (registers your own jobs)"),
@@ -78,29 +92,32 @@ def use_cpu_devices(count: int | None) -> None:
     jax.config.update("jax_num_cpu_devices", count)
 
 
-def start_distributed(
-    coordinator: str | None, num_processes: int | None, process_id: int | None
+def join_job(
+    mode: str,
+    coordinator: str | None,
+    num_processes: int | None,
+    process_id: int | None,
+    heartbeat_timeout: int,
+    cpu_devices: int | None,
+    out: Path | None,
 ) -> None:
-    """Join a multi-process job through JAX's distributed runtime (before any JAX operation)."""
-    if coordinator is None:
-        if num_processes is not None or process_id is not None:
-            fail("--num-processes and --process-id need --coordinator HOST:PORT")
-        return
-    if num_processes is None or process_id is None:
-        fail("--coordinator needs --num-processes and --process-id")
-    if process_id >= num_processes:
-        fail(f"--process-id {process_id} is not below --num-processes {num_processes}")
-    import jax
+    """Take this process's place in the job (before any JAX operation) and print the first line.
 
-    host = coordinator.rsplit(":", 1)[0]
-    loopback = host in ("127.0.0.1", "localhost", "[::1]")
-    jax.distributed.initialize(
-        coordinator_address=coordinator,
-        num_processes=num_processes,
-        process_id=process_id,
-        # On one machine the coordinator listens on loopback only.
-        coordinator_bind_address=coordinator if loopback else None,
-    )
+    A process of a multi-process job runs the command as a supervised worker (theseus/supervise.py)
+    and exits with its status here; the worker itself, or a single process, continues.
+    """
+    from theseus import distributed, supervise
+
+    with user_errors():
+        membership = distributed.resolve_membership(mode, coordinator, num_processes, process_id)
+    if membership.joins and not supervise.is_worker():
+        if out is None:
+            fail("a multi-process run needs --out DIR: every process must write the same run")
+        raise typer.Exit(supervise.supervise(sys.argv[1:], out, membership.process_id))
+    supervise.adopt_terminal()
+    use_cpu_devices(cpu_devices)
+    distributed.start(membership, heartbeat_timeout)
+    typer.echo(distributed.describe(membership))
 
 
 def fail(message: str) -> None:
@@ -180,10 +197,13 @@ def train(
     coordinator: Coordinator = None,
     num_processes: NumProcesses = None,
     process_id: ProcessId = None,
+    distributed: Distributed = "auto",
+    heartbeat_timeout: HeartbeatTimeout = DEFAULT_HEARTBEAT_TIMEOUT_S,
 ) -> None:
     """Train a job (the default GPT on built-in data unless data.path is given)."""
-    use_cpu_devices(cpu_devices)
-    start_distributed(coordinator, num_processes, process_id)
+    join_job(
+        distributed, coordinator, num_processes, process_id, heartbeat_timeout, cpu_devices, out
+    )
     extra = list(overrides or [])
     if steps is not None:
         extra.append(f"training.steps={steps}")
@@ -217,10 +237,13 @@ def run(
     coordinator: Coordinator = None,
     num_processes: NumProcesses = None,
     process_id: ProcessId = None,
+    distributed: Distributed = "auto",
+    heartbeat_timeout: HeartbeatTimeout = DEFAULT_HEARTBEAT_TIMEOUT_S,
 ) -> None:
     """Run an execution chain saved as YAML; sharding flags merge into its policy."""
-    use_cpu_devices(cpu_devices)
-    start_distributed(coordinator, num_processes, process_id)
+    join_job(
+        distributed, coordinator, num_processes, process_id, heartbeat_timeout, cpu_devices, out
+    )
     with user_errors():
         import_modules(imports)
         from theseus.execution import Chain
@@ -231,6 +254,35 @@ def run(
         results = chain.run(out, resume=resume, overwrite=overwrite)
     for result in results:
         echo_on_main(result.describe())
+
+
+@app.command(context_settings={"allow_interspersed_args": False})
+def launch(
+    command: Annotated[
+        list[str],
+        typer.Argument(
+            help="after --, the theseus command every process runs: train ... or run ...",
+            show_default=False,
+        ),
+    ],
+    processes: Annotated[
+        int, typer.Option("-n", "--processes", help="processes to start on this machine", min=1)
+    ],
+    cpu_devices_per_process: Annotated[
+        int | None, typer.Option(help="simulate this many CPU devices in each process", min=1)
+    ] = None,
+) -> None:
+    """Start P joined processes of one command on this machine (to try multi-process runs).
+
+    Output lines carry the process index; when one process fails, the others are stopped and
+    the launcher exits with its status. On a cluster, let the scheduler start the processes
+    (srun, mpirun) with `theseus train --distributed auto`.
+    """
+    with user_errors():
+        from theseus.launch import launch as launch_processes
+
+        status = launch_processes(command, processes, cpu_devices_per_process)
+    raise typer.Exit(status)
 
 
 @app.command()

@@ -212,7 +212,7 @@ def tokenize(
             encode_documents(bpe, docs, dtype, advance) for docs in (train_docs, validation_docs)
         ]
     for name, tokens in zip(TOKENIZED_SPLITS, splits, strict=True):
-        write_tokens(out / name, tokens, dtype)
+        write_tokens(out / name, tokens, dtype, vocab_size=size)
     bpe.save(str(out / TOKENIZER_FILE))
     result = TokenizedCorpus(
         out_dir=str(out),

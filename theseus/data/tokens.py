@@ -43,6 +43,30 @@ class Corpus:
     source: str
     tokenizer: Path | None = None  # tokenizer.json of a tokenized folder; None: byte or .bin
 
+    def fingerprint(self) -> dict[str, int]:
+        """Sizes and a CRC-32 of evenly spaced samples of both splits: equal on every process
+        that reads the same data, cheap for a memory-mapped file (a few pages are read)."""
+        crc = 0
+        for tokens in (self.train, self.validation):
+            step = max(1, tokens.size // _NUM_SAMPLES)
+            for start in range(0, tokens.size, step):
+                crc = zlib.crc32(np.ascontiguousarray(tokens[start : start + _SAMPLE]), crc)
+        return {
+            "train_tokens": int(self.train.size),
+            "validation_tokens": int(self.validation.size),
+            "vocab_size": int(self.vocab_size),
+            "sample_crc32": crc,
+        }
+
+
+_NUM_SAMPLES = 16
+_SAMPLE = 4096
+
+
+def sidecar_path(path: str | os.PathLike) -> Path:
+    """The JSON file beside a ``.bin`` token file that records its vocabulary size and length."""
+    return Path(f"{path}.json")
+
 
 def load_corpus(
     path: str | os.PathLike | None,
@@ -63,8 +87,9 @@ def load_corpus(
     - any other directory: the bytes of every non-hidden regular file below it, split by file
       (a tail split when it holds a single non-empty file).
     - a file ending in ``.bin``: pre-tokenized ``token_dtype`` tokens, memory-mapped,
-      with the last ``validation_fraction`` as validation. ``vocab_size`` defaults to
-      max token + 1 (one pass over the file); pass it to skip that pass.
+      with the last ``validation_fraction`` as validation. ``vocab_size`` defaults to the one
+      recorded beside the file by :func:`write_tokens` (``FILE.bin.json``), else to max token + 1
+      (one pass over the whole file, on every process).
     - any other file: its bytes, with the last ``validation_fraction`` as validation.
 
     ``seed`` salts which files go to validation in a by-file split; tail splits ignore it.
@@ -98,8 +123,18 @@ def load_corpus(
     )
 
 
-def write_tokens(path: str | os.PathLike, tokens: np.ndarray, dtype: str = "uint16") -> None:
-    """Write a 1-D token array as a raw ``.bin`` file that ``load_corpus`` memory-maps."""
+def write_tokens(
+    path: str | os.PathLike,
+    tokens: np.ndarray,
+    dtype: str = "uint16",
+    *,
+    vocab_size: int | None = None,
+) -> None:
+    """Write a 1-D token array as a raw ``.bin`` file that ``load_corpus`` memory-maps.
+
+    Beside it, ``FILE.bin.json`` records ``vocab_size`` (default: max token + 1), the dtype and
+    the token count, so that loading never scans the file.
+    """
     path = Path(path)
     if path.suffix != ".bin":
         raise ValueError(
@@ -117,7 +152,15 @@ def write_tokens(path: str | os.PathLike, tokens: np.ndarray, dtype: str = "uint
             f"tokens range over [{tokens.min()}, {tokens.max()}], outside [0, {limit}] of {dtype}; "
             "use dtype='uint32' for larger vocabularies"
         )
+    if vocab_size is None:
+        vocab_size = int(tokens.max()) + 1
+    if not isinstance(vocab_size, int) or vocab_size <= int(tokens.max()):
+        raise ValueError(
+            f"vocab_size={vocab_size!r} must be an int above the largest token {tokens.max()}"
+        )
     tokens.astype(dtype).tofile(path)
+    info = {"vocab_size": vocab_size, "token_dtype": dtype, "num_tokens": int(tokens.size)}
+    sidecar_path(path).write_text(json.dumps(info) + "\n")
 
 
 def tail_split(tokens: np.ndarray, validation_fraction: float) -> tuple[np.ndarray, np.ndarray]:
@@ -218,6 +261,8 @@ def _bin_corpus(
 ) -> Corpus:
     tokens = _memmap_tokens(path, token_dtype)
     if vocab_size is None:
+        vocab_size = _recorded_vocab_size(path, token_dtype, tokens.size)
+    if vocab_size is None:
         vocab_size = int(tokens.max()) + 1
     if not isinstance(vocab_size, int) or not 0 < vocab_size <= np.iinfo(np.int32).max:
         raise ValueError(f"vocab_size must be an int in [1, 2**31 - 1], got {vocab_size!r}")
@@ -270,6 +315,28 @@ def _tokenized_corpus(root: Path, vocab_size: int | None) -> Corpus:
         f"vocab {record_vocab}"
     )
     return Corpus(train, validation, record_vocab, source, tokenizer)
+
+
+def _recorded_vocab_size(path: Path, token_dtype: str, num_tokens: int) -> int | None:
+    """The vocabulary size that :func:`write_tokens` recorded beside ``path``, if any."""
+    sidecar = sidecar_path(path)
+    if not sidecar.is_file():
+        return None
+    try:
+        info = json.loads(sidecar.read_text())
+        recorded = (info["vocab_size"], info["token_dtype"], info["num_tokens"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(
+            f"cannot read {str(sidecar)!r} ({error}); delete it (the vocabulary size is then "
+            "found by scanning the file) or write the tokens again with write_tokens"
+        ) from None
+    if recorded[1:] != (token_dtype, num_tokens):
+        raise ValueError(
+            f"{str(sidecar)!r} describes {recorded[2]} {recorded[1]} tokens, but {str(path)!r} "
+            f"read as {token_dtype} holds {num_tokens}: pass data.token_dtype={recorded[1]} if "
+            "that is how it was written, or write the file and its sidecar again together"
+        )
+    return recorded[0]
 
 
 def _walk_sorted(root: Path, *, skip_dirs: frozenset[str]) -> list[str]:

@@ -17,6 +17,7 @@ from jax.experimental import multihost_utils
 from theseus import planner
 from theseus.checkpoint import Checkpointer, checkpoint_meta, restore_target
 from theseus.config import save_yaml
+from theseus.distributed import check_same_everywhere
 from theseus.data import Corpus, Sampler, load_corpus, validation_batches
 from theseus.training.base import BaseTrainer, TrainState
 from theseus.training.progress import Reporter
@@ -82,6 +83,7 @@ def load_data(trainer: BaseTrainer) -> Corpus:
         data.path, validation_fraction=data.validation_fraction, token_dtype=data.token_dtype
     )
     trainer.check_corpus(corpus)
+    check_same_everywhere("corpus", corpus.fingerprint())
     return corpus
 
 
