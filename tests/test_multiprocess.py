@@ -1,25 +1,65 @@
-"""Two processes of 4 CPU devices each, joined by JAX's distributed runtime on loopback, train
-with the numbers of one process of 8 devices (subprocesses with timeouts and their own port)."""
+"""Many processes on one machine, joined by JAX's distributed runtime on loopback: `theseus
+launch`, a SLURM-style environment detected by JAX itself, a killed peer, and checkpoints restored
+across process counts (1×8, 2×4, 4×2), all held to the losses of one uninterrupted process of 8
+devices. Subprocesses with timeouts and their own ports.
+
+The slow tests form one chain (module fixtures): the 1×8 reference, then a SLURM-style 2×4 run
+whose process 1 is killed; its checkpoint feeds the 2×4, 1×8 and 4×2 restores.
+"""
 
 import json
-import socket
+import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 
+import numpy as np
 import pytest
 from support import TINY_GPT, subprocess_env
 
-ARGS = ["--tp", "2", "--fsdp", *TINY_GPT, "training.steps=4"]
+from theseus.distributed import differing_processes, mismatch_message
+from theseus.launch import check_command, free_port
+from theseus.supervise import lost_processes, restart_command
+
+STEPS = 12
+ARGS = ["--tp", "2", "--fsdp", *TINY_GPT, f"training.steps={STEPS}", "checkpointing.keep=20"]
+TIMEOUT_S = 300
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# JAX's persistent compilation cache, shared by this module's runs: they compile the same few
+# programs (filled in by the fixture below).
+CACHE_ENV: dict[str, str] = {}
 
 
-def cli(*args):
-    return [sys.executable, "-m", "theseus.cli", "train", *map(str, args)]
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache(tmp_path_factory):
+    CACHE_ENV.update(
+        JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax-cache")),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+    )
+
+
+def child_env(**extra):
+    return {**subprocess_env(), **CACHE_ENV, **extra}
+
+
+def theseus(*args):
+    return [sys.executable, "-m", "theseus.cli", *map(str, args)]
+
+
+def run(argv, **env):
+    result = subprocess.run(
+        argv,
+        env=child_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result
 
 
 def losses(run_dir):
@@ -27,56 +67,190 @@ def losses(run_dir):
     return [(r["step"], r["loss"], r.get("val_loss")) for r in rows]
 
 
-@pytest.mark.slow
-def test_two_processes_match_one(tmp_path):
-    single = tmp_path / "single"
-    subprocess.run(
-        cli("--cpu-devices", 8, "--out", single, *ARGS),
-        env=subprocess_env(),
-        check=True,
-        capture_output=True,
-        timeout=600,
+def assert_same_losses(run_dir, reference, steps=range(1, STEPS + 1)):
+    got = {step: (loss, val) for step, loss, val in losses(run_dir)}
+    assert sorted(got) == list(steps)
+    for step, ref_loss, ref_val in losses(reference):
+        if step in got:
+            loss, val = got[step]
+            assert loss == pytest.approx(ref_loss, rel=1e-5), step
+            assert (val is None) == (ref_val is None), step
+            if val is not None:
+                assert val == pytest.approx(ref_val, rel=1e-5), step
+
+
+def resumable_copy(source, target, last_step):
+    """A copy of a run directory whose newest checkpoint is ``last_step``."""
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns("logs"))
+    for step_dir in (target / "checkpoints").iterdir():
+        if not step_dir.name.isdigit() or int(step_dir.name) > last_step:
+            shutil.rmtree(step_dir)
+    return target
+
+
+def slurm_env(process_id, port):
+    """What srun sets for task ``process_id`` of 2 on one node (the variables JAX reads)."""
+    return {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_STEP_NODELIST": "127.0.0.1",
+        "SLURM_NTASKS": "2",
+        "SLURM_PROCID": str(process_id),
+        "SLURM_LOCALID": str(process_id),
+        "JAX_COORDINATOR_PORT": str(port),
+        "JAX_COORDINATOR_BIND_ADDRESS": f"127.0.0.1:{port}",
+    }
+
+
+def start_slurm_task(process_id, port, out, *extra):
+    return subprocess.Popen(
+        theseus("train", "--cpu-devices", 4, "--distributed", "auto", "--out", out, *ARGS, *extra),
+        env=child_env(**slurm_env(process_id, port)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group: killed as a whole, like a lost node
     )
-    multi = tmp_path / "multi"
-    port = free_port()
-    processes = [
-        subprocess.Popen(
-            cli(
-                "--cpu-devices",
-                4,
-                "--out",
-                multi,
-                "--coordinator",
-                f"127.0.0.1:{port}",
-                "--num-processes",
-                2,
-                "--process-id",
-                index,
-                *ARGS,
-            ),
-            env=subprocess_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for index in range(2)
-    ]
+
+
+def finish(processes):
     outputs = []
     try:
         for process in processes:
-            outputs.append(process.communicate(timeout=600)[0])
+            outputs.append(process.communicate(timeout=TIMEOUT_S))
     finally:
         for process in processes:
-            process.kill()
-    assert [p.returncode for p in processes] == [0, 0], "\n".join(outputs)
-    run = json.loads((multi / "run.json").read_text())
-    assert run["num_processes"] == 2 and run["mesh_shape"] == {"batch": 4, "shard": 2}
-    assert "done:" in outputs[0] and "done:" not in outputs[1]  # only process 0 reports
-    got, want = losses(multi), losses(single)
-    assert [s for s, _, _ in got] == [1, 2, 3, 4]
-    for (_, loss, val), (_, ref_loss, ref_val) in zip(got, want, strict=True):
-        assert loss == pytest.approx(ref_loss, rel=1e-5)
-        assert (val is None) == (ref_val is None)
-        if val is not None:
-            assert val == pytest.approx(ref_val, rel=1e-5)
-    assert sorted(p.name for p in (multi / "checkpoints").iterdir()) == ["2", "4"]
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One process of 8 devices, uninterrupted: the losses every other layout must give."""
+    out = tmp_path_factory.mktemp("mp") / "reference"
+    run(theseus("train", "--cpu-devices", 8, "--out", out, *ARGS))
+    return out
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory, reference):
+    """A SLURM-style 2×4 run whose process 1 is killed after step 5; checks the survivor's end.
+
+    Returns the run directory, two copies of it taken right after the kill (for the 1×8 and 4×2
+    restores), process 0's stdout and stderr, and the seconds it took to end after the kill."""
+    base = tmp_path_factory.mktemp("mp")
+    out, port = base / "slurm", free_port()
+    processes = [start_slurm_task(i, port, out, "--heartbeat-timeout", 10) for i in range(2)]
+    try:
+        metrics = out / "metrics.jsonl"
+        deadline = time.monotonic() + TIMEOUT_S
+        while not (metrics.is_file() and '"step": 5' in metrics.read_text()):
+            assert all(p.poll() is None for p in processes), finish(processes)
+            assert time.monotonic() < deadline, "no step 5 in time"
+            time.sleep(0.1)
+        os.killpg(processes[1].pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        stdout, stderr = processes[0].communicate(timeout=90)
+        waited = time.monotonic() - killed_at
+    finally:
+        finish(processes)
+    copies = [resumable_copy(out, base / f"after-kill-{i}", STEPS) for i in range(2)]
+    return out, copies, stdout, stderr, waited
+
+
+@pytest.mark.slow
+def test_slurm_environment_joins_and_a_dead_peer_ends_the_job_cleanly(killed, reference):
+    out, _, stdout, stderr, waited = killed
+    assert stdout.startswith("processes: 0 of 2 (slurm cluster detected); 4 local cpu device(s)")
+    assert waited < 60, stderr
+    assert "process 1 of this job stopped responding" in stderr, stderr
+    assert "Traceback" not in stderr and "Check failure" not in stderr, stderr
+    assert f"{out}/checkpoints/" in stderr and "--resume" in stderr
+    assert (out / "logs" / "process-0.log").read_text().count("heartbeat") > 0
+    recorded = losses(out)
+    assert len(recorded) >= 5
+    assert_same_losses(out, reference, steps=range(1, len(recorded) + 1))
+
+
+@pytest.mark.slow
+def test_resume_after_a_dead_peer_gives_the_uninterrupted_losses(killed, reference):
+    out = killed[0]
+    port = free_port()
+    finished = finish([start_slurm_task(i, port, out, "--resume") for i in range(2)])
+    assert "done:" in finished[0][0], finished
+    assert_same_losses(out, reference)  # 2×4 → 2×4
+
+
+@pytest.mark.slow
+def test_two_process_checkpoint_restores_into_one_process(killed, reference):
+    out = killed[1][0]
+    run(theseus("train", "--cpu-devices", 8, "--out", out, "--resume", *ARGS))
+    assert_same_losses(out, reference)  # 2×4 → 1×8
+
+
+@pytest.mark.slow
+def test_two_process_checkpoint_restores_into_four_processes(killed, reference):
+    out = killed[1][1]
+    launch = ["launch", "-n", 4, "--cpu-devices-per-process", 2, "--"]
+    run(theseus(*launch, "train", "--out", out, "--resume", *ARGS))
+    assert_same_losses(out, reference)  # 2×4 → 4×2
+
+
+@pytest.mark.slow
+def test_launch_restores_one_process_checkpoint_into_two(tmp_path, reference):
+    """`theseus launch -n 2` gives the losses of one process of 8 devices, resuming that
+    process's checkpoint (1×8 → 2×4); the SLURM-style run above covers 2×4 from step 1."""
+    out = resumable_copy(reference, tmp_path / "from-one", 4)
+    launch = ["launch", "-n", 2, "--cpu-devices-per-process", 4, "--"]
+    result = run(theseus(*launch, "train", "--out", out, "--resume", *ARGS))
+    assert_same_losses(out, reference)
+    record = json.loads((out / "run.json").read_text())
+    assert record["num_processes"] == 2 and record["mesh_shape"] == {"batch": 4, "shard": 2}
+    lines = result.stdout.splitlines()
+    assert "[0] processes: 0 of 2 (coordinator 127.0.0.1:" in lines[0] + lines[1]
+    assert any(line.startswith("[0] resumed from step 4") for line in lines)
+    assert any(line.startswith("[0] done:") for line in lines)
+    assert all(line.startswith(("[0] ", "[1] ")) for line in lines)
+    assert not any(line.startswith("[1] done:") for line in lines)  # only process 0 reports
+    assert "Gloo" not in result.stdout  # native chatter stays in the logs
+    assert (out / "logs" / "process-1.log").is_file()
+
+
+# --- fast checks of the pieces ---------------------------------------------------------------
+
+
+def test_lost_processes_are_read_from_jax_reports():
+    heartbeat = (
+        "UNAVAILABLE: The following tasks are unhealthy (stopped sending heartbeats):\n1\n3\n"
+        "The tasks have crashed."
+    )
+    assert lost_processes(heartbeat) == [1, 3]
+    leader = "Either the leader task was preempted/died/restarted unexpectedly or ..."
+    assert lost_processes(leader) == [0]
+    assert lost_processes("Aborted") is None
+
+
+def test_restart_command_resumes_instead_of_overwriting():
+    argv = ["train", "--overwrite", "--out", "runs/a b", "model.n_layer=2"]
+    assert restart_command(argv, resume=True) == (
+        "theseus train --out 'runs/a b' model.n_layer=2 --resume"
+    )
+    fresh = restart_command(["train", "--resume", "--out", "runs/a"], resume=False)
+    assert fresh == "theseus train --out runs/a --overwrite"
+
+
+def test_corpus_mismatch_names_the_processes_that_differ():
+    rows = np.array([[90, 10, 7], [90, 10, 7], [91, 10, 7], [90, 10, 8]])
+    differing = differing_processes(rows)
+    assert differing == [2, 3]
+    message = mismatch_message("corpus", ["train_tokens", "validation", "crc"], rows, differing)
+    assert "process(es) [2, 3] differ from process 0" in message
+    assert "process 2: train_tokens 91, validation 10, crc 7" in message
+
+
+def test_launch_rejects_commands_it_cannot_start():
+    with pytest.raises(ValueError, match="starts one of the commands"):
+        check_command(["plan"], None)
+    with pytest.raises(ValueError, match="--process-id, --cpu-devices"):
+        check_command(["train", "--process-id", "1", "--cpu-devices=2"], 4)
+    check_command(["train", "--cpu-devices", "8"], None)
