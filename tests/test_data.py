@@ -1,6 +1,7 @@
 """Tests for theseus.data: corpus loading, the stateless sampler and validation batches."""
 
 import json
+
 import numpy as np
 import pytest
 

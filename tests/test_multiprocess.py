@@ -53,6 +53,7 @@ def theseus(*args):
 def run(argv, **env):
     result = subprocess.run(
         argv,
+        check=False,
         env=child_env(**env),
         capture_output=True,
         text=True,

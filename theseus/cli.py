@@ -69,12 +69,15 @@ Distributed = Annotated[
     typer.Option(
         "--distributed",
         help="auto: join the multi-process job that JAX detects (SLURM, Open MPI, Kubernetes, "
-        "Cloud TPU), or run alone when there is none; off: always run alone",
+        "Cloud TPU), or run alone when there is none; off: always run alone; or one of JAX's "
+        "cluster detection methods by name, e.g. mpi4py",
     ),
 ]
 HeartbeatTimeout = Annotated[
     int,
-    typer.Option(help="seconds of silence after which a peer counts as dead and the job ends", min=1),
+    typer.Option(
+        help="seconds of silence after which a peer counts as dead and the job ends", min=1
+    ),
 ]
 Imports = Annotated[
     list[str] | None,
@@ -101,7 +104,7 @@ def join_job(
     cpu_devices: int | None,
     out: Path | None,
 ) -> None:
-    """Take this process's place in the job (before any JAX operation) and print the first line.
+    """Take this process's place in the job (before any JAX operation).
 
     A process of a multi-process job runs the command as a supervised worker (theseus/supervise.py)
     and exits with its status here; the worker itself, or a single process, continues.
@@ -117,7 +120,6 @@ def join_job(
     supervise.adopt_terminal()
     use_cpu_devices(cpu_devices)
     distributed.start(membership, heartbeat_timeout)
-    typer.echo(distributed.describe(membership))
 
 
 def fail(message: str) -> None:

@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 
-DISTRIBUTED_MODES = ("auto", "off")
 DEFAULT_HEARTBEAT_TIMEOUT_S = 30
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
 
@@ -32,6 +31,7 @@ class Membership:
     num_processes: int
     process_id: int
     coordinator: str | None = None
+    method: str | None = None  # the detection method named by the user (None: JAX's choice)
 
     @property
     def joins(self) -> bool:
@@ -39,18 +39,44 @@ class Membership:
         return self.num_processes > 1
 
 
-def detect_cluster() -> Any | None:
-    """JAX's cluster environment this process runs in (a ``ClusterEnv`` class), or None.
+# The job this process joined through :func:`start`, if any.
+_joined: Membership | None = None
 
-    The same choice as ``jax.distributed.initialize()`` without arguments makes: the first
-    registered environment that is not opt-in and is present.
-    """
+
+def cluster_environments() -> dict[str, Any]:
+    """JAX's cluster environments (``ClusterEnv`` classes) by name, in JAX's order of detection."""
     from jax._src import clusters  # JAX's own detection; importing it does not start JAX
 
-    for env in clusters.ClusterEnv._cluster_types:
+    # Some environments have no name in some JAX versions (Kubernetes in 0.10): use the class's.
+    return {env.name or env.__name__: env for env in clusters.ClusterEnv._cluster_types}
+
+
+def detect_cluster() -> Any | None:
+    """JAX's cluster environment this process runs in, or None.
+
+    The same choice as ``jax.distributed.initialize()`` without arguments makes: the first
+    registered environment that is not opt-in (mpi4py is) and is present.
+    """
+    for env in cluster_environments().values():
         if not env.opt_in_only_method and env.is_env_present():
             return env
     return None
+
+
+def named_cluster(name: str) -> Any:
+    """The JAX cluster environment ``name`` (e.g. ``mpi4py``); ValueError when absent here."""
+    environments = cluster_environments()
+    if name not in environments:
+        raise ValueError(
+            f"--distributed must be auto, off or one of JAX's cluster detection methods "
+            f"{sorted(environments)}, got {name!r}"
+        )
+    if not environments[name].is_env_present():
+        raise ValueError(
+            f"--distributed {name}: JAX does not find a {name} environment in this process; "
+            "start it through that launcher, or use --distributed auto"
+        )
+    return environments[name]
 
 
 def resolve_membership(
@@ -59,20 +85,24 @@ def resolve_membership(
     num_processes: int | None,
     process_id: int | None,
 ) -> Membership:
-    """How this process takes part, from the CLI's flags; ValueError on contradictory input."""
-    if mode not in DISTRIBUTED_MODES:
-        raise ValueError(f"--distributed must be one of {DISTRIBUTED_MODES}, got {mode!r}")
+    """How this process takes part, from the CLI's flags; ValueError on contradictory input.
+
+    ``mode`` is ``auto`` (JAX's detection), ``off`` (never join) or the name of one of JAX's
+    cluster detection methods (``slurm``, ``ompi``, ``mpi4py``, ...).
+    """
     if coordinator is None:
         if num_processes is not None or process_id is not None:
             raise ValueError("--num-processes and --process-id need --coordinator HOST:PORT")
         if mode == "off":
             return Membership(None, 1, 0)
-        env = detect_cluster()
+        env = detect_cluster() if mode == "auto" else named_cluster(mode)
         if env is None:
             return Membership(None, 1, 0)
-        return Membership(env.name, env.get_process_count(), env.get_process_id())
-    if mode == "off":
-        raise ValueError("--distributed off contradicts --coordinator; drop one of them")
+        kind = env.name or env.__name__
+        method = None if mode == "auto" else env.name
+        return Membership(kind, env.get_process_count(), env.get_process_id(), method=method)
+    if mode != "auto":
+        raise ValueError(f"--distributed {mode} contradicts --coordinator; drop one of them")
     if num_processes is None or process_id is None:
         raise ValueError("--coordinator needs --num-processes and --process-id")
     if process_id >= num_processes:
@@ -87,6 +117,7 @@ def start(membership: Membership, heartbeat_timeout_s: int) -> None:
 
     A peer that sends no heartbeat for ``heartbeat_timeout_s`` seconds ends every process.
     """
+    global _joined
     if not membership.joins:
         return
     import jax
@@ -103,7 +134,7 @@ def start(membership: Membership, heartbeat_timeout_s: int) -> None:
         )
     else:
         jax.distributed.initialize(
-            cluster_detection_method=membership.kind,
+            cluster_detection_method=membership.method,
             heartbeat_timeout_seconds=heartbeat_timeout_s,
         )
     if (jax.process_count(), jax.process_index()) != (
@@ -115,20 +146,23 @@ def start(membership: Membership, heartbeat_timeout_s: int) -> None:
             f"{membership.kind} environment announced {membership.process_id} of "
             f"{membership.num_processes}"
         )
+    _joined = membership
 
 
-def describe(membership: Membership) -> str:
+def describe_processes() -> str:
     """The run's first line: cluster kind, process index and count, local devices."""
     import jax
 
     local = jax.local_devices()
     kinds = sorted({d.platform for d in local})
-    where = {
-        None: "no cluster detected",
-        "explicit": f"coordinator {membership.coordinator}",
-    }.get(membership.kind, f"{membership.kind} cluster detected")
+    if _joined is not None:
+        how = {"explicit": f"coordinator {_joined.coordinator}"}.get(
+            _joined.kind, f"{_joined.kind} cluster detected"
+        )
+    else:
+        how = "no cluster detected" if jax.process_count() == 1 else "started by the caller"
     return (
-        f"processes: {jax.process_index()} of {jax.process_count()} ({where}); "
+        f"processes: {jax.process_index()} of {jax.process_count()} ({how}); "
         f"{len(local)} local {'/'.join(kinds)} device(s) of {jax.device_count()}"
     )
 

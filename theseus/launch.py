@@ -33,7 +33,9 @@ class Worker:
 
     index: int
     process: subprocess.Popen
-    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=NUM_TAIL_LINES))
+    tail: collections.deque = field(
+        default_factory=lambda: collections.deque(maxlen=NUM_TAIL_LINES)
+    )
     reader: threading.Thread | None = None
 
 

@@ -61,7 +61,9 @@ def supervise(argv: list[str], run_dir: Path, process_id: int) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     terminal = (os.dup(1), os.dup(2))
     with open(path, "ab") as log:
-        log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} theseus {shlex.join(argv)}\n".encode())
+        log.write(
+            f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} theseus {shlex.join(argv)}\n".encode()
+        )
         log.flush()
         worker = subprocess.Popen(
             [sys.executable, "-m", "theseus.cli", *argv],

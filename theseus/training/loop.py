@@ -17,8 +17,8 @@ from jax.experimental import multihost_utils
 from theseus import planner
 from theseus.checkpoint import Checkpointer, checkpoint_meta, restore_target
 from theseus.config import save_yaml
-from theseus.distributed import check_same_everywhere
 from theseus.data import Corpus, Sampler, load_corpus, validation_batches
+from theseus.distributed import check_same_everywhere, describe_processes
 from theseus.training.base import BaseTrainer, TrainState
 from theseus.training.progress import Reporter
 
@@ -222,12 +222,14 @@ def train(
         if resume:
             state, meta = checkpointer.restore(None, restore_target(trainer))
             first_step, position = meta["step"] + 1, meta["data_position"]
+        else:
+            state, first_step, position = trainer.init_state(), 1, 0
+        log(describe_processes())  # the run's first line
+        if resume:
             log(
                 f"resumed from step {meta['step']} (saved under {meta['policy']} on mesh "
                 f"{meta['mesh_shape']}), data position {position}"
             )
-        else:
-            state, first_step, position = trainer.init_state(), 1, 0
         log(plan.describe())
         log(planner.one_line_plan(trainer))
         log(
