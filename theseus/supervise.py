@@ -55,7 +55,7 @@ def log_path(run_dir: Path, process_id: int) -> Path:
 def supervise(argv: list[str], run_dir: Path, process_id: int) -> int:
     """Run ``theseus ARGV`` as a worker; return the exit status this process should end with.
 
-    SIGTERM and SIGINT sent to the parent are passed on to the worker (which decides how to stop).
+    SIGTERM sent to the parent is passed on to the worker (which decides how to stop).
     """
     path = log_path(run_dir, process_id)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -74,8 +74,9 @@ def supervise(argv: list[str], run_dir: Path, process_id: int) -> int:
         )
     for fd in terminal:
         os.close(fd)
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda s, _frame: worker.send_signal(s))
+    # Ctrl-C reaches the worker from the terminal (same process group); SIGTERM is passed on.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda signum, _frame: worker.send_signal(signum))
     status = worker.wait()
     if status >= 0:
         return status  # the worker ended on its own and said why
