@@ -258,35 +258,6 @@ def run(
         echo_on_main(result.describe())
 
 
-@app.command(context_settings={"allow_interspersed_args": False})
-def launch(
-    command: Annotated[
-        list[str],
-        typer.Argument(
-            help="after --, the theseus command every process runs: train ... or run ...",
-            show_default=False,
-        ),
-    ],
-    processes: Annotated[
-        int, typer.Option("-n", "--processes", help="processes to start on this machine", min=1)
-    ],
-    cpu_devices_per_process: Annotated[
-        int | None, typer.Option(help="simulate this many CPU devices in each process", min=1)
-    ] = None,
-) -> None:
-    """Start P joined processes of one command on this machine (to try multi-process runs).
-
-    Output lines carry the process index; when one process fails, the others are stopped and
-    the launcher exits with its status. On a cluster, let the scheduler start the processes
-    (srun, mpirun) with `theseus train --distributed auto`.
-    """
-    with user_errors():
-        from theseus.launch import launch as launch_processes
-
-        status = launch_processes(command, processes, cpu_devices_per_process)
-    raise typer.Exit(status)
-
-
 @app.command()
 def configure(
     job: Annotated[str, typer.Argument(help="registered job name, see `theseus jobs`")],
@@ -466,8 +437,10 @@ def plan_command(
         raise typer.Exit(code=1)
 
 
-# `theseus tokenize` and `theseus generate` live in their own module and register themselves.
-import theseus.text_commands  # noqa: F401, I001 - registers the two commands
+# `theseus launch`, `theseus tokenize` and `theseus generate` live in their own modules and
+# register themselves.
+import theseus.launch_command  # noqa: I001 - registers `theseus launch`
+import theseus.text_commands  # noqa: F401 - registers the two commands
 
 
 if __name__ == "__main__":
