@@ -444,4 +444,8 @@ import theseus.text_commands  # noqa: F401 - registers the two commands
 
 
 if __name__ == "__main__":
-    sys.exit(app())
+    # As `python -m theseus.cli` this file is __main__; the command modules above registered
+    # their commands on the app of the imported module theseus.cli.
+    from theseus.cli import app as registered_app
+
+    sys.exit(registered_app())
