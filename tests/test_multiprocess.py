@@ -18,12 +18,14 @@ import time
 import numpy as np
 import pytest
 from support import TINY_GPT, subprocess_env
+from typer.testing import CliRunner
 
+from theseus.cli import app
 from theseus.distributed import differing_processes, mismatch_message
 from theseus.launch import check_command, free_port
 from theseus.supervise import lost_processes, restart_command
 
-STEPS = 12
+STEPS = 16  # room after step 5, where process 1 is killed, on a fast machine
 ARGS = ["--tp", "2", "--fsdp", *TINY_GPT, f"training.steps={STEPS}", "checkpointing.keep=20"]
 TIMEOUT_S = 300
 
@@ -255,3 +257,19 @@ def test_launch_rejects_commands_it_cannot_start():
     with pytest.raises(ValueError, match="--process-id, --cpu-devices"):
         check_command(["train", "--process-id", "1", "--cpu-devices=2"], 4)
     check_command(["train", "--cpu-devices", "8"], None)
+
+
+def test_distributed_flags_are_checked_before_anything_starts(tmp_path):
+    cases = [
+        (["--distributed", "bogus"], "JAX's cluster detection methods"),
+        (["--distributed", "slurm"], "JAX does not find a slurm environment"),
+        (["--distributed", "off", "--coordinator", "127.0.0.1:9"], "contradicts --coordinator"),
+        (["--coordinator", "127.0.0.1:9", "--num-processes", "2"], "needs --num-processes and"),
+    ]
+    for extra, fragment in cases:
+        result = CliRunner().invoke(app, ["train", "--out", str(tmp_path / "x"), *extra])
+        assert result.exit_code == 2 and fragment in result.output, result.output
+    joined = ["--coordinator", "127.0.0.1:9", "--num-processes", "2", "--process-id", "1"]
+    result = CliRunner().invoke(app, ["train", *joined])
+    assert result.exit_code == 2 and "a multi-process run needs --out" in result.output
+    assert not (tmp_path / "x").exists()
