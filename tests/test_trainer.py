@@ -133,14 +133,11 @@ def test_state_shards_follow_layouts(policy):
     assert params["wte"].sharding.is_fully_replicated == (not policy.fsdp)
 
 
-def test_fsdp_step_gathers_parameters():
-    trainer = GPTTrainer(config(2), ShardingPolicy(tp=2, fsdp=True))
-    state = trainer.abstract_state
-    batch_shape = (trainer.batch_plan.accumulation_steps, 8 // 2 * 2, trainer.seq_len + 1)
-    batch = jax.ShapeDtypeStruct(batch_shape, np.int32, sharding=trainer.batch_sharding)
-    hlo = trainer.train_step.lower(state, batch).compile().as_text()
-    assert "all-gather" in hlo
+def test_step_without_fsdp_gathers_no_parameters():
+    """(FSDP's gathers, one layer at a time: test_fsdp_gathers_one_layer_at_a_time_...)"""
     no_fsdp = GPTTrainer(config(2), ShardingPolicy(tp=2, zero=False))
+    batch_shape = (no_fsdp.batch_plan.accumulation_steps, 8 // 2 * 2, no_fsdp.seq_len + 1)
+    batch = jax.ShapeDtypeStruct(batch_shape, np.int32, sharding=no_fsdp.batch_sharding)
     hlo = no_fsdp.train_step.lower(no_fsdp.abstract_state, batch).compile().as_text()
     assert "all-gather" not in hlo
 
