@@ -34,6 +34,7 @@ import orbax.checkpoint as ocp
 
 from theseus.base.layout import path_str
 from theseus.training.base import BaseTrainer, TrainState
+from theseus.training.stops import CheckpointSaveError
 
 logger = logging.getLogger(__name__)
 
@@ -214,6 +215,7 @@ class Checkpointer:
         self.read_only = read_only
         self._log = log if log is not None else logger.warning
         self._bad_steps: set[int] = set()
+        self._saving: int | None = None  # the step whose save may still be running
         self.skipped: tuple[SkippedCheckpoint, ...] = ()
         if read_only and not self.directory.is_dir():
             raise CheckpointError(f"no checkpoints in {self.directory}: it is not a directory")
@@ -275,18 +277,23 @@ class Checkpointer:
             json.dumps(meta, allow_nan=False)
         except (TypeError, ValueError) as error:
             raise TypeError(f"checkpoint metadata must be plain JSON: {error}") from None
+        self.wait()  # a failure of the previous save is reported as that step's
         self._clear_way_for(step)
         payload = {
             "format_version": FORMAT_VERSION,
             "meta": meta,
             "fingerprints": fingerprints(state),
         }
-        started = self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                **{_STATE: ocp.args.StandardSave(state), _META: ocp.args.JsonSave(payload)}
-            ),
-        )
+        try:
+            started = self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    **{_STATE: ocp.args.StandardSave(state), _META: ocp.args.JsonSave(payload)}
+                ),
+            )
+        except Exception as error:  # noqa: BLE001 - OSError, or orbax's wrapping of it
+            raise self._save_error(step, error) from error
+        self._saving = step
         if not started:
             raise CheckpointError(
                 f"orbax declined to save step {step} in {self.directory} (steps there: "
@@ -309,8 +316,31 @@ class Checkpointer:
             self._bad_steps.discard(bad)
 
     def wait(self) -> None:
-        """Block until every pending save is committed (and raise its error, if any)."""
-        self._manager.wait_until_finished()
+        """Block until every pending save is committed; a failed one raises
+        :class:`CheckpointSaveError`."""
+        step, self._saving = self._saving, None
+        try:
+            self._manager.wait_until_finished()
+        except Exception as error:  # noqa: BLE001 - the background save's error, any type
+            raise self._save_error(step, error) from error
+
+    def _save_error(self, step: int | None, error: BaseException) -> CheckpointSaveError:
+        """Why a save failed, and what is left: orbax commits a step by renaming its temporary
+        directory, so a failed save leaves no step behind and removes none."""
+        try:
+            committed = self.all_steps()
+        except Exception:  # noqa: BLE001 - e.g. the directory itself was removed
+            committed = "unreadable"
+        return CheckpointSaveError(
+            f"cannot save checkpoint step {step} in {self.directory}: {_one_line(error)}. The "
+            f"run stopped; committed steps there ({committed or 'none'}) are unchanged. Free "
+            "space or fix the directory's permissions, then continue with --resume."
+        )
+
+    def reached_preemption(self, step: int) -> bool:
+        """Whether all processes agreed to stop and save at ``step`` after a preemption notice
+        (JAX's preemption sync point, through orbax; always False without jax.distributed)."""
+        return self._manager.reached_preemption(step)
 
     def close(self) -> None:
         """Wait for pending saves and release the manager's threads."""

@@ -51,6 +51,14 @@ CPUDevices = Annotated[
 Resume = Annotated[
     bool, typer.Option("--resume", help="continue from the newest good checkpoint in the run dir")
 ]
+AllowChanges = Annotated[
+    bool,
+    typer.Option(
+        "--allow-changes",
+        help="with --resume: accept settings that differ from the checkpoint's even where they "
+        "change the numbers (optimizer, schedule, data, seed, model, batch size)",
+    ),
+]
 Overwrite = Annotated[
     bool, typer.Option("--overwrite", help="replace a previous run in the output directory")
 ]
@@ -134,9 +142,13 @@ def user_errors() -> Iterator[None]:
     import pydantic
 
     from theseus.config import describe_validation_error
+    from theseus.training.stops import RunInterrupted
 
     try:
         yield
+    except RunInterrupted as error:  # stopped on purpose: a status of its own (see README)
+        typer.echo(f"stopped: {error}", err=True)
+        raise typer.Exit(code=error.exit_code) from None
     except pydantic.ValidationError as error:
         fail(describe_validation_error(error))
     except (ValueError, TypeError, FileNotFoundError, ModuleNotFoundError) as error:
@@ -194,6 +206,7 @@ def train(
         Path | None, typer.Option(help="run directory [default: runs/<time stamp>]")
     ] = None,
     resume: Resume = False,
+    allow_changes: AllowChanges = False,
     overwrite: Overwrite = False,
     imports: Imports = None,
     coordinator: Coordinator = None,
@@ -213,12 +226,15 @@ def train(
         extra.append(f"training.seed={seed}")
     if resume and out is None:
         fail("--resume needs --out: the run directory to continue")
+    if allow_changes and not resume:
+        fail("--allow-changes applies to --resume only: add --resume, or drop --allow-changes")
     out = out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     with user_errors():
         import_modules(imports)
         from theseus.execution import quick
 
-        session = quick(job, out, resume=resume, overwrite=overwrite).override(*extra)
+        options = {"resume": resume, "overwrite": overwrite, "allow_changes": allow_changes}
+        session = quick(job, out, **options).override(*extra)
         session.shard(**sharding_changes(tp, zero, fsdp, activation_checkpointing))
         summary = session()
     echo_on_main(summary.describe())
@@ -234,6 +250,7 @@ def run(
     activation_checkpointing: ActivationCheckpointing = None,
     cpu_devices: CPUDevices = None,
     resume: Resume = False,
+    allow_changes: AllowChanges = False,
     overwrite: Overwrite = False,
     imports: Imports = None,
     coordinator: Coordinator = None,
@@ -253,7 +270,7 @@ def run(
         chain = Chain.load(chain_file).shard(
             **sharding_changes(tp, zero, fsdp, activation_checkpointing)
         )
-        results = chain.run(out, resume=resume, overwrite=overwrite)
+        results = chain.run(out, resume=resume, overwrite=overwrite, allow_changes=allow_changes)
     for result in results:
         echo_on_main(result.describe())
 

@@ -51,6 +51,14 @@ class TrainingConfig(Section):
     validation_batches: int = pydantic.Field(
         4, gt=0, description="held-out batches (of batch_size examples) averaged per validation"
     )
+    nonfinite: Literal["stop", "skip"] = pydantic.Field(
+        "stop",
+        description="a step whose loss or gradient norm is not finite: stop the run, or skip "
+        "its update and go on",
+    )
+    max_skipped_steps: int = pydantic.Field(
+        5, gt=0, description="with nonfinite=skip, stop after this many skipped steps in a row"
+    )
 
 
 class OptimizationConfig(Section):

@@ -44,6 +44,7 @@ def run_trainer(
     *,
     resume: bool = False,
     overwrite: bool = False,
+    allow_changes: bool = False,
     source_dir: str | Path | None = None,
     log=print,
 ) -> Any:
@@ -51,7 +52,8 @@ def run_trainer(
     from theseus.training.loop import evaluate, train
 
     if job.action == "train":
-        return train(trainer, out_dir, resume=resume, overwrite=overwrite, log=log)
+        options = {"resume": resume, "overwrite": overwrite, "allow_changes": allow_changes}
+        return train(trainer, out_dir, **options, log=log)
     return evaluate(trainer, out_dir, source_dir=source_dir, log=log)
 
 
@@ -144,7 +146,13 @@ class Chain:
         return cls.from_dict(data, where=str(path))
 
     def run(
-        self, out_dir: str | Path, *, resume: bool = False, overwrite: bool = False, log=print
+        self,
+        out_dir: str | Path,
+        *,
+        resume: bool = False,
+        overwrite: bool = False,
+        allow_changes: bool = False,
+        log=print,
     ) -> list[Any]:
         """Run every step in order; returns each step's result."""
         out_dir = Path(out_dir)
@@ -163,6 +171,7 @@ class Chain:
                     directory,
                     resume=resume,
                     overwrite=overwrite,
+                    allow_changes=allow_changes,
                     source_dir=last_train_dir,
                     log=log,
                 )
@@ -190,6 +199,7 @@ class QuickSession:
         *,
         resume: bool = False,
         overwrite: bool = False,
+        allow_changes: bool = False,
         log=print,
     ):
         self.job = get_job(job_name)
@@ -198,6 +208,7 @@ class QuickSession:
         self.policy = ShardingPolicy()
         self.resume = resume
         self.overwrite = overwrite
+        self.allow_changes = allow_changes
         self.log = log
         self.trainer: BaseTrainer | None = None
 
@@ -234,6 +245,7 @@ class QuickSession:
             self.out_dir,
             resume=self.resume,
             overwrite=self.overwrite,
+            allow_changes=self.allow_changes,
             log=self.log,
         )
 

@@ -44,6 +44,7 @@ from theseus.config import (
 from theseus.data import Corpus
 from theseus.training import gathering
 from theseus.training.memory import MemoryFacts, device_bytes, shard_bytes
+from theseus.training.nonfinite import keep_if_finite
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -382,7 +383,8 @@ class BaseTrainer(abc.ABC):
             "grad_norm": optax.tree.norm(grads),
             "learning_rate": self.learning_rate()(state.step),
         }
-        return TrainState(params, opt_state, state.step + 1, rng), metrics
+        # A non-finite loss or gradient norm keeps the old parameters and optimizer state.
+        return keep_if_finite(state, TrainState(params, opt_state, state.step + 1, rng), metrics)
 
     @cached_property
     def train_step(self) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict]]:

@@ -20,7 +20,11 @@ from theseus.config import save_yaml
 from theseus.data import Corpus, Sampler, load_corpus, validation_batches
 from theseus.distributed import check_same_everywhere, describe_processes
 from theseus.training.base import BaseTrainer, TrainState
+from theseus.training.nonfinite import NonFiniteGuard, strict_json_row
+from theseus.training.preemption import PreemptionWatch
 from theseus.training.progress import Reporter
+from theseus.training.resume import check_resume, resume_changes, resume_history
+from theseus.training.stops import Preempted
 
 # Files a run writes: an output directory holding any of them holds a run.
 RUN_FILES = (
@@ -152,7 +156,12 @@ def prepare_run_dir(out_dir: Path, *, resume: bool, overwrite: bool) -> None:
 
 
 def write_run_record(
-    trainer: BaseTrainer, out_dir: Path, corpus: Corpus, state: TrainState, step_fn
+    trainer: BaseTrainer,
+    out_dir: Path,
+    corpus: Corpus,
+    state: TrainState,
+    step_fn,
+    resumes: list[dict],
 ) -> None:
     if not is_main_process():
         return
@@ -162,6 +171,7 @@ def write_run_record(
         "memory_per_device": asdict(trainer.memory_facts(state)),
         "compiled_step_memory_per_device": planner.compiled_memory(step_fn).to_json(),
         "data": corpus.source,
+        "resumes": resumes,
     }
     (out_dir / "run.json").write_text(json.dumps(record, indent=2) + "\n")
     save_yaml(trainer.config, out_dir / "config.yaml")
@@ -198,12 +208,15 @@ def train(
     *,
     resume: bool = False,
     overwrite: bool = False,
+    allow_changes: bool = False,
     log: Callable[[str], None] = print,
 ) -> RunSummary:
     """Train to ``training.steps``, writing run records, metrics and checkpoints to ``out_dir``.
 
     With ``resume``, continue from the newest good checkpoint there: same data position, RNG and
-    optimizer state, so the losses equal those of an uninterrupted run.
+    optimizer state, so the losses equal those of an uninterrupted run. Settings that would
+    change those numbers are refused unless ``allow_changes`` (see :mod:`theseus.training.resume`).
+    Raises a :class:`~theseus.training.stops.RunInterrupted` when the run stops early on purpose.
     """
     out_dir = Path(out_dir)
     training = trainer.config.training
@@ -222,10 +235,19 @@ def train(
         if resume:
             state, meta = checkpointer.restore(None, restore_target(trainer))
             first_step, position = meta["step"] + 1, meta["data_position"]
+            changes = resume_changes(
+                meta, trainer.config.model_dump(mode="json"), trainer.execution_facts()
+            )
+            check_resume(
+                changes, f"{out_dir} from step {meta['step']}", allow_changes=allow_changes
+            )
+            resumes = resume_history(out_dir / "run.json", meta["step"], changes)
         else:
-            state, first_step, position = trainer.init_state(), 1, 0
+            state, first_step, position, resumes = trainer.init_state(), 1, 0, []
         log(describe_processes())  # the run's first line
         if resume:
+            for change in changes:
+                log(f"resuming with a changed setting: {change.describe()}")
             log(
                 f"resumed from step {meta['step']} (saved under {meta['policy']} on mesh "
                 f"{meta['mesh_shape']}), data position {position}"
@@ -237,7 +259,7 @@ def train(
             f"mesh {trainer.topology.mesh_shape}; data {corpus.source}"
         )
         step_fn = planner.compile_train_step(trainer)  # once, ahead of time: the loop calls this
-        write_run_record(trainer, out_dir, corpus, state, step_fn)
+        write_run_record(trainer, out_dir, corpus, state, step_fn, resumes)
         initial_val_loss = trainer.validation_step(state.params, validation)
         metrics_path = out_dir / "metrics.jsonl"
         if is_main_process():
@@ -281,7 +303,12 @@ def _steps(
     position,
     log,
 ):
-    """The hot loop: dispatch step n, then read step n-1's metrics (already computed)."""
+    """The hot loop: dispatch step n, then read step n-1's metrics (already computed).
+
+    At a checkpoint step, step n's own metrics are read before its save (which waits for step n
+    anyway), so a state after a non-finite step is never saved. On a preemption notice the step
+    that all processes agreed on is saved, and the run stops.
+    """
     training = trainer.config.training
     plan = trainer.batch_plan
     tokens_per_step = plan.global_batch_size * plan.seq_len
@@ -289,23 +316,30 @@ def _steps(
     val_losses: list[float] = []
     start = time.perf_counter()
     pending = None
+    guard = NonFiniteGuard(
+        training.nonfinite, training.max_skipped_steps, lambda: _next_move(checkpointer)
+    )
     sink = open(metrics_path, "a") if is_main_process() else contextlib.nullcontext(None)
     with (
         sink as metrics_file,
         Reporter(first_step - 1, training.steps, trainer.config.logging, log) as reporter,
+        PreemptionWatch(checkpointer.reached_preemption) as preemption,
     ):
 
         def record(step: int, metrics: dict, val_loss) -> None:
-            row = {"step": step, **{k: float(v) for k, v in jax.device_get(metrics).items()}}
+            values = jax.device_get(metrics)
+            row = {"step": step, **{k: float(v) for k, v in values.items() if k != "skipped"}}
+            row["skipped"] = bool(values["skipped"])
             row["tokens"] = step * tokens_per_step
             if val_loss is not None:
                 row["val_loss"] = float(val_loss)
                 val_losses.append(row["val_loss"])
             losses.append(row["loss"])
             if metrics_file is not None:
-                metrics_file.write(json.dumps(row) + "\n")
+                metrics_file.write(json.dumps(strict_json_row(row), allow_nan=False) + "\n")
                 metrics_file.flush()
             reporter.update(row, tokens_per_step)
+            guard.check(row)
 
         for step in range(first_step, training.steps + 1):
             state, metrics = step_fn(state, train_batch(trainer, sampler, position))
@@ -314,14 +348,36 @@ def _steps(
             val_loss = None
             if step % training.validation_interval == 0 or last:
                 val_loss = trainer.validation_step(state.params, validation)
-            if step % trainer.config.checkpointing.interval == 0 or last:
-                checkpointer.save(step, state, checkpoint_meta(trainer, position, step))
+            preempted = preemption.reached(step)
             if pending is not None:
                 record(*pending)
             pending = (step, metrics, val_loss)
+            if preempted or step % trainer.config.checkpointing.interval == 0 or last:
+                record(*pending)
+                pending = None
+                checkpointer.save(step, state, checkpoint_meta(trainer, position, step))
+            if preempted and not last:
+                checkpointer.wait()
+                raise Preempted(
+                    f"preempted (SIGTERM): finished step {step} of {training.steps} and saved "
+                    f"it in {checkpointer.step_directory(step)}; continue with --resume"
+                )
         if pending is not None:
             record(*pending)
     return losses, val_losses, time.perf_counter() - start
+
+
+def _next_move(checkpointer: Checkpointer) -> str:
+    """What to do after a non-finite stop: the newest committed step (restore checks it)."""
+    checkpointer.wait()
+    step = checkpointer.latest_step()
+    fix = "lower the learning rate or tighten optimization.grad_clip"
+    if step is None:
+        return f"No checkpoint was saved before it: {fix} and start again with --overwrite."
+    return (
+        f"The newest good checkpoint is {checkpointer.step_directory(step)} (step {step}): {fix} "
+        "and continue from it with --resume --allow-changes."
+    )
 
 
 def evaluate(

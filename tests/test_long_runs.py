@@ -1,0 +1,246 @@
+"""Long runs that lose nothing: non-finite steps stop or are skipped, resuming with changed
+settings is checked, a failed save stops the run and keeps the committed checkpoints, and
+metrics.jsonl is strict JSON. (SIGTERM is tested with the SIGKILL test in test_cli.py and with two
+processes in test_multiprocess.py.)"""
+
+import json
+import os
+import shutil
+import subprocess
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from support import TINY_GPT
+from typer.testing import CliRunner
+
+from theseus.base.axis import ShardingPolicy
+from theseus.checkpoint import Checkpointer, restore_target
+from theseus.cli import app
+from theseus.config import apply_overrides
+from theseus.data import Sampler, load_corpus
+from theseus.training.base import TrainState
+from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
+from theseus.training.loop import train
+from theseus.training.resume import check_resume, resume_changes
+from theseus.training.stops import CheckpointSaveError, NonFiniteError
+
+DIVERGING = (
+    "optimization.learning_rate=1e4",
+    "optimization.warmup_steps=0",
+    "optimization.grad_clip=1e9",
+)
+
+
+def invoke(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def strict_rows(run_dir):
+    """metrics.jsonl read by a strict JSON parser (NaN and Infinity are errors)."""
+
+    def reject(token):
+        raise ValueError(f"non-standard JSON token {token}")
+
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line, parse_constant=reject) for line in lines]
+
+
+def config(*overrides):
+    return apply_overrides(GPTTrainerConfig(), [*TINY_GPT, *overrides])
+
+
+# --- non-finite steps --------------------------------------------------------------------------
+
+
+def test_diverging_run_stops_and_resumes_from_the_newest_good_checkpoint(tmp_path):
+    """The issue's run: the first non-finite step is 4; it stops there, exit 3, nothing saved
+    after step 2; a resume that lowers the learning rate is refused, then accepted with
+    --allow-changes, and --steps extends the run without it."""
+    out = tmp_path / "nan"
+    result = invoke("train", "--out", out, *TINY_GPT, *DIVERGING, "--steps", 10)
+    assert result.exit_code == 3, result.output
+    assert "Traceback" not in result.output
+    stopped = result.stderr
+    assert stopped.startswith("stopped: ") and stopped.count("\n") == 1  # one paragraph
+    assert "step 4: grad_norm is nan" in stopped
+    assert f"{out / 'checkpoints' / '2'} (step 2)" in stopped
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["2"]
+    rows = strict_rows(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # stopped within one step
+    assert rows[3]["grad_norm"] is None and rows[3]["skipped"] is True
+    assert not any(r["skipped"] for r in rows[:3])
+
+    lower = "optimization.learning_rate=1e-3"
+    refused = invoke("train", "--out", out, *TINY_GPT, *DIVERGING, lower, "--steps", 10, "--resume")
+    assert refused.exit_code == 2, refused.output
+    assert "optimization.learning_rate: 10000.0 -> 0.001" in refused.output
+    assert "--allow-changes" in refused.output
+
+    args = [*TINY_GPT, *DIVERGING, lower, "--resume"]
+    resumed = invoke("train", "--out", out, *args, "--allow-changes", "--steps", 10)
+    assert resumed.exit_code == 0, resumed.output
+    assert "resumed from step 2" in resumed.output
+    assert [r["step"] for r in strict_rows(out)] == list(range(1, 11))
+
+    extended = invoke("train", "--out", out, *args, "--steps", 13)
+    assert extended.exit_code == 0, extended.output
+    rows = strict_rows(out)
+    assert [r["step"] for r in rows] == list(range(1, 14))
+    assert all(not r["skipped"] and np.isfinite(r["loss"]) for r in rows[4:])
+    resumes = json.loads((out / "run.json").read_text())["resumes"]
+    assert [r["from_step"] for r in resumes] == [2, 10]
+    assert {"key": "optimization.learning_rate", "old": 1e4, "new": 1e-3} in resumes[0]["changes"]
+    assert resumes[1]["changes"] == [{"key": "training.steps", "old": 10, "new": 13}]
+
+
+class NaNOnChosenSteps(GPTTrainer):
+    """GPT whose loss is NaN on the batches of chosen steps (found by their tokens, so it does
+    not depend on the layout); its gradients stay finite, so only the loss is non-finite."""
+
+    bad_steps = (2, 4, 5)
+
+    def __init__(self, config, policy, topology=None):
+        super().__init__(config, policy, topology)
+        plan = self.batch_plan
+        sampler = Sampler(load_corpus(None).train, plan.seq_len, config.training.seed)
+        self.bad_microbatches = np.concatenate(
+            [
+                sampler.global_batch(
+                    (step - 1) * plan.global_batch_size,
+                    plan.accumulation_steps,
+                    plan.examples_per_microbatch,
+                )
+                for step in self.bad_steps
+            ]
+        )  # (bad steps × accumulation, examples, seq_len + 1)
+
+    def loss_fn(self, model, tokens, rng):
+        loss = super().loss_fn(model, tokens, rng)
+        bad = jnp.any(jnp.all(tokens[None] == self.bad_microbatches, axis=(1, 2)))
+        return jnp.where(bad, jnp.nan, loss)
+
+
+def test_skip_keeps_the_state_marks_the_step_and_stops_after_a_streak(tmp_path):
+    settings = ("training.nonfinite=skip", "training.max_skipped_steps=2", "training.steps=8")
+    trainer = NaNOnChosenSteps(
+        config(*settings, "checkpointing.interval=1", "checkpointing.keep=8"),
+        ShardingPolicy(tp=2, fsdp=True),
+    )
+    with pytest.raises(NonFiniteError, match="step 5: loss is nan") as stop:
+        train(trainer, tmp_path, log=lambda _: None)
+    assert "training.max_skipped_steps=2 steps in a row" in str(stop.value)
+    rows = strict_rows(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [r["skipped"] for r in rows] == [False, True, False, True, True]
+    assert rows[1]["loss"] is None and np.isfinite(rows[1]["grad_norm"])
+    with Checkpointer(tmp_path / "checkpoints", read_only=True) as checkpointer:
+        assert checkpointer.all_steps() == [1, 2, 3, 4]  # nothing saved at the stopping step
+        states = {s: checkpointer.restore(s, restore_target(trainer))[0] for s in (1, 2, 3, 4)}
+    for before, after in ((1, 2), (3, 4)):
+        same = (states[before].params, states[before].opt_state)
+        now = (states[after].params, states[after].opt_state)
+        for a, b in zip(jax.tree.leaves(same), jax.tree.leaves(now), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert int(states[after].step) == after  # the step counter goes on
+    changed = jax.tree.leaves(states[3].params)[0] != jax.tree.leaves(states[2].params)[0]
+    assert bool(jnp.any(changed))  # the good step after a skip trains
+
+
+# --- resuming with changed settings ------------------------------------------------------------
+
+
+def test_resume_changes_that_keep_the_numbers_are_accepted_and_others_refused():
+    saved = GPTTrainerConfig().model_dump(mode="json")
+    facts = {"policy": {"tp": 1}, "mesh_shape": {"batch": 8}, "num_devices": 8, "num_processes": 1}
+    meta = {"config": saved, **facts}
+    kept = apply_overrides(
+        GPTTrainerConfig(),
+        ["training.steps=500", "logging.log_interval=3", "checkpointing.interval=7"],
+    )
+    new_facts = {**facts, "policy": {"tp": 2}, "mesh_shape": {"batch": 2}, "num_devices": 4}
+    changes = resume_changes(meta, kept.model_dump(mode="json"), new_facts)
+    assert {c.key for c in changes} == {
+        "training.steps",
+        "logging.log_interval",
+        "checkpointing.interval",
+        "policy",
+        "mesh_shape",
+        "num_devices",
+    }
+    check_resume(changes, "run", allow_changes=False)  # all accepted
+    for override, old, new in [
+        ("optimization.learning_rate=0.001", "0.003", "0.001"),
+        ("training.seed=7", "0", "7"),
+        ("training.batch_size=64", "32", "64"),
+        ("model.n_layer=3", "4", "3"),
+        ("data.validation_fraction=0.2", "0.1", "0.2"),
+        ("optimization.warmup_steps=5", "20", "5"),
+    ]:
+        changed = apply_overrides(GPTTrainerConfig(), [override])
+        changes = resume_changes(meta, changed.model_dump(mode="json"), facts)
+        key = override.split("=")[0]
+        with pytest.raises(ValueError, match=f"{key}: {old} -> {new}.*--allow-changes"):
+            check_resume(changes, "run", allow_changes=False)
+        check_resume(changes, "run", allow_changes=True)
+
+
+# --- saves that fail ---------------------------------------------------------------------------
+
+
+def make_unwritable(directory):
+    """Stop writes into ``directory`` for whoever runs the tests: ``chattr +i`` for root (whom
+    permissions do not stop), ``chmod`` for others. Returns the undo, or None if it did not work."""
+    if os.geteuid() == 0:
+        if shutil.which("chattr") is None:
+            return None
+        subprocess.run(["chattr", "+i", str(directory)], check=False, capture_output=True)
+
+        def undo():
+            subprocess.run(["chattr", "-i", str(directory)], check=True)
+    else:
+        directory.chmod(0o555)
+
+        def undo():
+            directory.chmod(0o755)
+
+    try:
+        (directory / "probe").mkdir()
+    except OSError:
+        return undo
+    (directory / "probe").rmdir()
+    undo()
+    return None
+
+
+def test_failed_save_stops_the_run_and_keeps_committed_checkpoints(tmp_path):
+    trainer = GPTTrainer(
+        config("training.steps=6", "checkpointing.async_save=false", "logging.log_interval=1"),
+        ShardingPolicy(),
+    )
+    undo = []
+
+    def log(line):  # after step 2 is saved and step 4 is not: the directory turns read-only
+        if line.startswith("step 3/") and not undo:
+            restore_writes = make_unwritable(tmp_path / "checkpoints")
+            if restore_writes is None:
+                pytest.skip("cannot make a directory unwritable here (no chattr for root)")
+            undo.append(restore_writes)
+
+    try:
+        with pytest.raises(CheckpointSaveError) as failed:
+            train(trainer, tmp_path, log=log)
+    finally:
+        for restore_writes in undo:
+            restore_writes()
+    message = str(failed.value)
+    assert f"cannot save checkpoint step 4 in {tmp_path / 'checkpoints'}" in message
+    assert "Operation not permitted" in message or "Permission denied" in message
+    assert failed.value.exit_code == 5
+    with Checkpointer(tmp_path / "checkpoints") as checkpointer:
+        assert checkpointer.all_steps() == [2]
+        state, meta = checkpointer.restore(None, restore_target(trainer))
+    assert meta["step"] == 2 and checkpointer.skipped == ()
+    assert isinstance(state, TrainState)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2"]

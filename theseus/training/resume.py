@@ -1,0 +1,103 @@
+"""Resuming with changed settings: which changes keep a resumed run equal to one that never
+stopped, and which are refused unless the user accepts them (``--allow-changes``)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+# Keys (or key prefixes ending in ".") whose change keeps the numbers of the steps: how the same
+# global batch is split over devices, how long to train, what to validate, log and save, and what
+# to do about non-finite steps. Any other change (optimizer, schedule, data, seed, model, batch
+# size, dtype) makes the resumed run differ from an uninterrupted one.
+ACCEPTED = (
+    "training.steps",
+    "training.per_device_batch_size",
+    "training.validation_interval",
+    "training.validation_batches",
+    "training.nonfinite",
+    "training.max_skipped_steps",
+    "logging.",
+    "checkpointing.",
+)
+# Execution facts saved with a checkpoint that may differ on resume (restored into new layouts).
+EXECUTION_KEYS = ("policy", "mesh_shape", "num_devices", "num_processes")
+ABSENT = "<absent>"
+
+
+@dataclass(frozen=True)
+class Change:
+    """One setting that differs between a checkpoint and the resuming run."""
+
+    key: str
+    old: Any
+    new: Any
+
+    @property
+    def accepted(self) -> bool:
+        return self.key in EXECUTION_KEYS or any(
+            self.key == a or (a.endswith(".") and self.key.startswith(a)) for a in ACCEPTED
+        )
+
+    def describe(self) -> str:
+        return f"{self.key}: {self.old!r} -> {self.new!r}"
+
+
+def _flatten(tree: Mapping, prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping) and value:
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def config_diff(old: Mapping, new: Mapping) -> list[Change]:
+    """Every dotted key whose value differs between two nested configs, in sorted order."""
+    old_flat, new_flat = _flatten(old), _flatten(new)
+    return [
+        Change(key, old_flat.get(key, ABSENT), new_flat.get(key, ABSENT))
+        for key in sorted(old_flat.keys() | new_flat.keys())
+        if old_flat.get(key, ABSENT) != new_flat.get(key, ABSENT)
+    ]
+
+
+def resume_changes(saved_meta: Mapping, config: Mapping, facts: Mapping) -> list[Change]:
+    """Changes from a checkpoint's metadata to the resuming run's config (JSON form) and
+    execution facts."""
+    changes = config_diff(saved_meta.get("config", {}), config)
+    changes += [
+        Change(key, saved_meta.get(key, ABSENT), facts[key])
+        for key in EXECUTION_KEYS
+        if saved_meta.get(key, ABSENT) != facts[key]
+    ]
+    return changes
+
+
+def check_resume(changes: list[Change], where: str, *, allow_changes: bool) -> None:
+    """Refuse changes that break exactness unless ``allow_changes``."""
+    refused = [c for c in changes if not c.accepted]
+    if refused and not allow_changes:
+        raise ValueError(
+            f"resuming {where} with changed settings that make the run differ from one that "
+            "never stopped: "
+            + "; ".join(c.describe() for c in refused)
+            + ". Pass --allow-changes (allow_changes=True in Python) to accept them (run.json "
+            "records them), or resume with the saved values."
+        )
+
+
+def resume_history(run_json: Path, step: int, changes: list[Change]) -> list[dict]:
+    """The ``resumes`` list of ``run.json``: the earlier ones, then this resume from ``step``."""
+    earlier = []
+    if run_json.is_file():
+        try:
+            earlier = list(json.loads(run_json.read_text()).get("resumes", []))
+        except (json.JSONDecodeError, AttributeError, TypeError):
+            earlier = []
+    entry = {"from_step": step, "changes": [asdict(c) for c in changes]}
+    return [*earlier, entry]
