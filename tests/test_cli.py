@@ -175,8 +175,35 @@ def cli(*args):
     return [sys.executable, "-m", "theseus.cli", *[str(a) for a in args]]
 
 
+def interrupt(run_dir: Path, args: list, signum: int) -> subprocess.CompletedProcess:
+    """Start a run, send ``signum`` once it has saved step 10, and wait for it to end."""
+    process = subprocess.Popen(
+        cli("train", "--out", run_dir, *args),
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.time() + 300
+    try:
+        while time.time() < deadline:
+            steps = [int(p.name) for p in (run_dir / "checkpoints").glob("*") if p.name.isdigit()]
+            if steps and max(steps) >= 10:
+                break
+            assert process.poll() is None, "the run ended before it could be interrupted"
+            time.sleep(0.05)
+        process.send_signal(signum)
+        output = process.communicate(timeout=120)[0]
+    finally:
+        process.kill()
+    return subprocess.CompletedProcess(process.args, process.returncode, output)
+
+
 @pytest.mark.slow
-def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
+def test_sigkill_or_sigterm_then_resume_matches_uninterrupted(tmp_path):
+    """SIGKILL: resume from the newest committed step. SIGTERM (preemption): the current step
+    is finished and saved, exit status 4. Either way the resumed run equals an uninterrupted one
+    bit for bit."""
     args = [
         "--cpu-devices",
         "4",
@@ -196,38 +223,31 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
         capture_output=True,
         timeout=600,
     )
-    killed = tmp_path / "killed"
-    process = subprocess.Popen(
-        cli("train", "--out", killed, *args),
-        env=subprocess_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.time() + 300
-    try:
-        while time.time() < deadline:
-            steps = [int(p.name) for p in (killed / "checkpoints").glob("*") if p.name.isdigit()]
-            if steps and max(steps) >= 10:
-                break
-            assert process.poll() is None, "the run ended before it could be killed"
-            time.sleep(0.05)
-        process.send_signal(signal.SIGKILL)
-        process.wait(timeout=60)
-    finally:
-        process.kill()
-    assert process.returncode == -signal.SIGKILL
-    subprocess.run(
-        cli("train", "--out", killed, *args, "--resume"),
-        env=subprocess_env(),
-        check=True,
-        capture_output=True,
-        timeout=600,
-    )
 
     def losses(run_dir):
         rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
         return {r["step"]: (r["loss"], r.get("val_loss")) for r in rows}
 
-    full_losses, resumed_losses = losses(full), losses(killed)
-    assert sorted(resumed_losses) == list(range(1, 41))
-    assert resumed_losses == full_losses
+    for signum in (signal.SIGKILL, signal.SIGTERM):
+        run_dir = tmp_path / signum.name
+        ended = interrupt(run_dir, args, signum)
+        saved = max(int(p.name) for p in (run_dir / "checkpoints").glob("*") if p.name.isdigit())
+        if signum == signal.SIGKILL:
+            assert ended.returncode == -signal.SIGKILL
+        else:
+            assert ended.returncode == 4, ended.stdout
+            assert "Traceback" not in ended.stdout
+            message = f"stopped: preempted (SIGTERM): finished step {saved} of 40 and saved it"
+            assert message in ended.stdout
+            assert saved < 40 and sorted(losses(run_dir)) == list(range(1, saved + 1))
+        resumed = subprocess.run(
+            cli("train", "--out", run_dir, *args, "--resume"),
+            env=subprocess_env(),
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert resumed.returncode == 0, resumed.stderr
+        assert f"resumed from step {saved}" in resumed.stdout
+        assert losses(run_dir) == losses(full)

@@ -6,7 +6,9 @@ processes in test_multiprocess.py.)"""
 import json
 import os
 import shutil
+import signal
 import subprocess
+import time
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +25,7 @@ from theseus.data import Sampler, load_corpus
 from theseus.training.base import TrainState
 from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
 from theseus.training.loop import train
+from theseus.training.preemption import PreemptionWatch
 from theseus.training.resume import check_resume, resume_changes
 from theseus.training.stops import CheckpointSaveError, NonFiniteError
 
@@ -244,3 +247,22 @@ def test_failed_save_stops_the_run_and_keeps_committed_checkpoints(tmp_path):
     assert meta["step"] == 2 and checkpointer.skipped == ()
     assert isinstance(state, TrainState)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2"]
+
+
+# --- preemption ----------------------------------------------------------------------------------
+
+
+def test_one_process_preemption_flag_and_second_sigterm_default():
+    """One process: SIGTERM sets the flag; a second SIGTERM is left to the default action (ends
+    the process at once, like SIGKILL, whose resume test_cli covers); the handler is removed after
+    the run."""
+    before = signal.getsignal(signal.SIGTERM)
+    with PreemptionWatch(lambda step: pytest.fail("no sync point with one process")) as watch:
+        assert not watch.reached(1)
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.time() + 10
+        while not watch.reached(2) and time.time() < deadline:
+            time.sleep(0.01)
+        assert watch.reached(2)
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    assert signal.getsignal(signal.SIGTERM) == before
