@@ -99,7 +99,7 @@ def test_diverging_run_stops_and_resumes_from_the_newest_good_checkpoint(tmp_pat
 
 
 class NaNOnChosenSteps(GPTTrainer):
-    """GPT whose loss is NaN on the batches of chosen steps (found by their tokens, so it does
+    """GPT whose loss is NaN on the examples of chosen steps (found by their tokens, so it does
     not depend on the layout); its gradients stay finite, so only the loss is non-finite."""
 
     bad_steps = (2, 4, 5)
@@ -108,21 +108,17 @@ class NaNOnChosenSteps(GPTTrainer):
         super().__init__(config, policy, topology)
         plan = self.batch_plan
         sampler = Sampler(load_corpus(None).train, plan.seq_len, config.training.seed)
-        self.bad_microbatches = np.concatenate(
+        self.bad_examples = np.concatenate(
             [
-                sampler.global_batch(
-                    (step - 1) * plan.global_batch_size,
-                    plan.accumulation_steps,
-                    plan.examples_per_microbatch,
-                )
+                sampler.global_batch((step - 1) * plan.global_batch_size, 1, 16)[0]
                 for step in self.bad_steps
             ]
-        )  # (bad steps × accumulation, examples, seq_len + 1)
+        )  # (bad steps × examples, seq_len + 1)
 
-    def loss_fn(self, model, tokens, rng):
+    def loss_fn(self, model, tokens, rng):  # tokens: (examples, seq_len + 1)
         loss = super().loss_fn(model, tokens, rng)
-        bad = jnp.any(jnp.all(tokens[None] == self.bad_microbatches, axis=(1, 2)))
-        return jnp.where(bad, jnp.nan, loss)
+        same = jnp.all(tokens[:, None, :] == self.bad_examples[None], axis=-1)
+        return jnp.where(jnp.any(same), jnp.nan, loss)
 
 
 def test_skip_keeps_the_state_marks_the_step_and_stops_after_a_streak(tmp_path):
