@@ -1,7 +1,7 @@
 """Many processes on one machine, joined by JAX's distributed runtime on loopback: `theseus
-launch`, a SLURM-style environment detected by JAX itself, a killed peer, and checkpoints restored
-across process counts (1×8, 2×4, 4×2), all held to the losses of one uninterrupted process of 8
-devices. Subprocesses with timeouts and their own ports.
+launch`, a SLURM-style environment detected by JAX itself, a killed peer, SIGTERM to one process
+(preemption), and checkpoints restored across process counts (1×8, 2×4, 4×2), all held to the
+losses of one uninterrupted process of 8 devices. Subprocesses with timeouts and their own ports.
 
 The slow tests form one chain (module fixtures): the 1×8 reference, then a SLURM-style 2×4 run
 whose process 1 is killed; its checkpoint feeds the 2×4, 1×8 and 4×2 restores.
@@ -9,6 +9,7 @@ whose process 1 is killed; its checkpoint feeds the 2×4, 1×8 and 4×2 restores
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -173,6 +174,44 @@ def test_slurm_environment_joins_and_a_dead_peer_ends_the_job_cleanly(killed, re
     recorded = losses(out)
     assert len(recorded) >= 5
     assert_same_losses(out, reference, steps=range(1, len(recorded) + 1))
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_process_stops_both_at_one_step_and_resume_is_exact(
+    tmp_path, killed, reference
+):
+    """SIGTERM to process 1 alone: both processes finish the same step (JAX's preemption sync
+    point), save it and exit with status 4. --resume then gives bit for bit the losses of the
+    killed 2×4 run, uninterrupted up to its kill after step 5, and the 1×8 losses to 1e-5."""
+    out, port = tmp_path / "preempted", free_port()
+    processes = [start_slurm_task(i, port, out) for i in range(2)]
+    try:
+        # Once both processes joined (the run directory exists), before or in the first steps:
+        # JAX's notifier looks for SIGTERM once a second, and a fast machine runs 16 steps in
+        # about that, so a later signal could come after the end.
+        deadline = time.monotonic() + TIMEOUT_S
+        while not (out / "checkpoints").is_dir():
+            assert all(p.poll() is None for p in processes), finish(processes)
+            assert time.monotonic() < deadline, "the run did not start in time"
+            time.sleep(0.05)
+        processes[1].send_signal(signal.SIGTERM)  # to its supervisor, which passes it on
+    finally:
+        outputs = finish(processes)
+    assert [p.returncode for p in processes] == [4, 4], outputs
+    pattern = rf"stopped: preempted \(SIGTERM\): finished step (\d+) of {STEPS}"
+    stops = {int(re.search(pattern, stderr).group(1)) for _, stderr in outputs}
+    assert len(stops) == 1, outputs  # the same step on both processes
+    stop = stops.pop()
+    assert max(int(p.name) for p in (out / "checkpoints").iterdir()) == stop
+    assert [step for step, _, _ in losses(out)] == list(range(1, stop + 1))
+
+    port = free_port()
+    resumed = finish([start_slurm_task(i, port, out, "--resume") for i in range(2)])
+    assert f"resumed from step {stop}" in resumed[0][0], resumed
+    assert "done:" in resumed[0][0], resumed
+    uninterrupted = losses(killed[0])[:5]  # the killed run's steps 1-5, before its kill
+    assert stop < 5 and losses(out)[:5] == uninterrupted  # bit for bit
+    assert_same_losses(out, reference)
 
 
 @pytest.mark.slow
