@@ -7,9 +7,9 @@ process and agrees on a step with the others, and
 ``jax.experimental.multihost_utils.reached_preemption_sync_point`` (which orbax's
 ``CheckpointManager.reached_preemption`` wraps) turns true at that step on all of them. It exists
 only when ``jax.distributed`` is initialized; a single process instead keeps a flag set by a
-SIGTERM handler. After the first SIGTERM the default action is back: a second one ends the
-process at once, and the checkpoint being written is then left uncommitted (ignored, removed on
-the next start) while the previous ones stay intact.
+SIGTERM handler; after the first SIGTERM the default action is back, so a second one ends the
+process at once (JAX's notifier ignores further ones). A save cut short that way is never
+committed (ignored, removed on the next start) and the previous checkpoints stay intact.
 """
 
 from __future__ import annotations
