@@ -52,12 +52,7 @@ Resume = Annotated[
     bool, typer.Option("--resume", help="continue from the newest good checkpoint in the run dir")
 ]
 AllowChanges = Annotated[
-    bool,
-    typer.Option(
-        "--allow-changes",
-        help="with --resume: accept settings that differ from the checkpoint's even where they "
-        "change the numbers (optimizer, schedule, data, seed, model, batch size)",
-    ),
+    bool, typer.Option("--allow-changes", help="with --resume: accept settings that change numbers")
 ]
 Overwrite = Annotated[
     bool, typer.Option("--overwrite", help="replace a previous run in the output directory")
