@@ -339,7 +339,9 @@ class BaseTrainer(abc.ABC):
 
     @cached_property
     def accumulating_replicas(self) -> int:
-        return gathering.accumulating_replicas(self.layouts.storage, self.topology.replicas)
+        return gathering.accumulating_replicas(
+            self.layouts.storage, self.topology.replicas, self.batch_plan.accumulation_steps
+        )
 
     @cached_property
     def accumulator_layout(self) -> Any:

@@ -52,12 +52,14 @@ def entry_layout(layouts: Layouts, per_layer_paths: frozenset[str]) -> Any:
     )
 
 
-def accumulating_replicas(storage_layout: Any, replicas: int) -> int:
+def accumulating_replicas(storage_layout: Any, replicas: int, accumulation_steps: int) -> int:
     """Replicas keeping their own partial gradient sum between microbatches: all of them when
-    storage leaves parameters whole across ``batch``, else 1."""
+    storage leaves parameters whole across ``batch`` and there is more than one microbatch,
+    else 1 (one microbatch reduces once per step anyway, without the replica dimension's extra
+    gradient copy and step time)."""
     storage = jax.tree.leaves(storage_layout, is_leaf=is_sharding)
     split = any(Axis.BATCH in jax.tree.leaves(tuple(s.spec)) for s in storage)
-    return 1 if split else replicas
+    return 1 if split or accumulation_steps == 1 else replicas
 
 
 def accumulator_layout(storage_layout: Any, mesh: Mesh, replicas: int) -> Any:
