@@ -62,14 +62,16 @@ def _slice(sharding: NamedSharding) -> NamedSharding:
 
 def _layer_shardings(leaves: list, layouts: LayerLayouts) -> list[tuple | None]:
     """Per leaf, the (storage, compute) sharding of one layer when it is a parameter array the
-    trainer knows, else None (an array computed by the model: nothing to gather)."""
+    trainer knows whose layouts differ, else None (nothing to gather)."""
     shardings = []
     for leaf in leaves:
         if id(leaf) not in layouts.compute:
             shardings.append(None)
             continue
         layouts.gathered.add(id(leaf))
-        shardings.append((_slice(layouts.storage[id(leaf)]), _slice(layouts.compute[id(leaf)])))
+        storage, compute = layouts.storage[id(leaf)], layouts.compute[id(leaf)]
+        same = storage.spec == compute.spec  # nothing to move (no FSDP): leave XLA free
+        shardings.append(None if same else (_slice(storage), _slice(compute)))
     return shardings
 
 
