@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 from theseus.cli import app
 from theseus.distributed import differing_processes, mismatch_message
 from theseus.launch import check_command, free_port
-from theseus.supervise import lost_processes, restart_command
+from theseus.supervise import lost_processes, report_uncaught, restart_command
 
 STEPS = 16  # room after step 5, where process 1 is killed, on a fast machine
 ARGS = ["--tp", "2", "--fsdp", *TINY_GPT, f"training.steps={STEPS}", "checkpointing.keep=20"]
@@ -270,6 +270,37 @@ def test_lost_processes_are_read_from_jax_reports():
     leader = "Either the leader task was preempted/died/restarted unexpectedly or ..."
     assert lost_processes(leader) == [0]
     assert lost_processes("Aborted") is None
+
+
+def test_a_jax_runtime_error_waits_in_the_log_for_the_runtimes_verdict():
+    """A failed collective (a JAX runtime error) goes to the log and waits for JAX's runtime to
+    end the worker; when it does not, the error is shown as any other, which is shown at once."""
+    import io
+
+    import jax
+
+    shown = []
+    for error, wait_s in [
+        (jax.errors.JaxRuntimeError("Connection reset by peer"), 0.2),
+        (ZeroDivisionError("a bug"), 60),
+    ]:
+        log = io.StringIO()
+        started = time.monotonic()
+        report_uncaught(
+            type(error),
+            error,
+            None,
+            log=log,
+            wait_s=wait_s,
+            show=lambda kind, e, tb: shown.append(e),
+        )
+        waited = time.monotonic() - started
+        assert shown[-1] is error
+        if isinstance(error, ZeroDivisionError):
+            assert log.getvalue() == "" and waited < 1
+        else:
+            assert "JaxRuntimeError: Connection reset by peer" in log.getvalue()
+            assert waited >= wait_s
 
 
 def test_restart_command_resumes_instead_of_overwriting():

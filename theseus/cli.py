@@ -120,7 +120,7 @@ def join_job(
         if out is None:
             fail("a multi-process run needs --out DIR: every process must write the same run")
         raise typer.Exit(supervise.supervise(sys.argv[1:], out, membership.process_id))
-    supervise.adopt_terminal()
+    supervise.set_up_worker(heartbeat_timeout)
     use_cpu_devices(cpu_devices)
     distributed.start(membership, heartbeat_timeout)
 

@@ -5,8 +5,18 @@ stack trace, after the heartbeat timeout); Python cannot catch that. So each pro
 multi-process ``theseus train`` or ``theseus run`` is a worker child of this parent (which never
 imports JAX). The worker's file descriptor 2, where JAX's C++ logs and abort traces go, is the
 log file ``RUN_DIR/logs/process-N.log``, and so is fd 1 (gloo's messages); its Python
-``sys.stdout`` and ``sys.stderr`` (progress, error paragraphs, tracebacks) stay on the terminal. When the worker dies of a signal, the parent prints one paragraph: which
-process stopped responding, the newest committed checkpoint, and the command that resumes.
+``sys.stdout`` and ``sys.stderr`` (progress, error paragraphs, tracebacks) stay on the terminal.
+When the worker dies of a signal, the parent prints one paragraph: which process stopped
+responding, the newest committed checkpoint, and the command that resumes.
+
+A dead peer often reaches a survivor first as a Python exception (a collective fails with
+"Connection reset by peer") rather than as the runtime's abort; which comes first is a race. So a
+worker's uncaught ``jax.errors.JaxRuntimeError`` goes, with its traceback, to the log, and the
+worker waits for the runtime's verdict: when a peer is gone, the runtime aborts the worker
+within the heartbeat timeout and the parent prints the same paragraph as above. When no abort
+comes in ``heartbeat timeout + RUNTIME_VERDICT_GRACE_S`` seconds, no peer is lost: the error is
+shown on the terminal as any other (later by that wait), and the worker exits with status 1.
+Other exceptions (bugs, user errors) are shown at once, as in a single process.
 """
 
 from __future__ import annotations
@@ -19,33 +29,71 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
+from types import TracebackType
+from typing import TextIO
 
 # Set in a worker's environment: the file descriptors of the terminal's stdout and stderr.
 WORKER_ENV = "THESEUS_WORKER_TERMINAL_FDS"
 EXIT_PEER_LOST = 1
 _TAIL_BYTES = 64 * 1024
+# Seconds past the heartbeat timeout for JAX's runtime to notice a lost peer and end the worker.
+RUNTIME_VERDICT_GRACE_S = 15
 
 
 def is_worker() -> bool:
     return WORKER_ENV in os.environ
 
 
-def adopt_terminal() -> None:
+def set_up_worker(heartbeat_timeout_s: int) -> None:
     """In a worker: Python's stdout and stderr go to the terminal; fds 1 and 2 (native code:
-    JAX's C++ logs, gloo's messages, abort traces) stay on the log file."""
+    JAX's C++ logs, gloo's messages, abort traces) stay on the log file. A JAX runtime error
+    waits there for the runtime's verdict on the peers (see the module's docstring)."""
     fds = os.environ.pop(WORKER_ENV, None)
     if fds is None:
         return
+    log = os.fdopen(os.dup(2), "w", buffering=1)
     # Libraries' Python log records (orbax's background errors when a peer is gone) join the
     # native detail in the log file; the terminal gets theseus's own messages.
-    logging.basicConfig(
-        stream=os.fdopen(os.dup(2), "w", buffering=1),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    logging.basicConfig(stream=log, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     out_fd, err_fd = map(int, fds.split(","))
     sys.stdout = os.fdopen(out_fd, "w", buffering=1)
     sys.stderr = os.fdopen(err_fd, "w", buffering=1)
+    previous = sys.excepthook  # typer's, which shows the traceback
+
+    def hook(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
+        wait_s = heartbeat_timeout_s + RUNTIME_VERDICT_GRACE_S
+        report_uncaught(kind, error, tb, log=log, wait_s=wait_s, show=previous)
+
+    sys.excepthook = hook
+
+
+def is_runtime_error(error: BaseException) -> bool:
+    """Whether ``error`` came from JAX's runtime (a failed collective, among others)."""
+    jax_errors = sys.modules.get("jax.errors")
+    return jax_errors is not None and isinstance(error, jax_errors.JaxRuntimeError)
+
+
+def report_uncaught(
+    kind: type[BaseException],
+    error: BaseException,
+    tb: TracebackType | None,
+    *,
+    log: TextIO,
+    wait_s: float,
+    show: Callable[[type[BaseException], BaseException, TracebackType | None], None],
+) -> None:
+    """A worker's uncaught exception: a JAX runtime error goes to ``log`` and waits ``wait_s``
+    seconds for the runtime to end the process (a lost peer); then, or at once for any other
+    error, ``show`` puts it on the terminal."""
+    if is_runtime_error(error):
+        traceback.print_exception(kind, error, tb, file=log)
+        print(f"theseus: waiting up to {wait_s} s for JAX's runtime to report lost peers", file=log)
+        log.flush()
+        time.sleep(wait_s)
+    show(kind, error, tb)
 
 
 def log_path(run_dir: Path, process_id: int) -> Path:
