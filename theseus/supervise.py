@@ -72,8 +72,11 @@ def set_up_worker(heartbeat_timeout_s: int) -> None:
 
 def is_runtime_error(error: BaseException) -> bool:
     """Whether ``error`` came from JAX's runtime (a failed collective, among others)."""
-    jax_errors = sys.modules.get("jax.errors")
-    return jax_errors is not None and isinstance(error, jax_errors.JaxRuntimeError)
+    if "jax" not in sys.modules:
+        return False  # JAX never ran here: not its error
+    from jax.errors import JaxRuntimeError
+
+    return isinstance(error, JaxRuntimeError)
 
 
 def report_uncaught(
