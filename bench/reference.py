@@ -294,8 +294,14 @@ def build(model: Model, sharding: Sharding, opt: Optimizer = Optimizer()) -> Ste
         return State(params, opt_state, jnp.zeros((), jnp.int32))
 
     abstract = jax.eval_shape(partial(init_params, model), jax.random.key(0))
-    with jax.set_mesh(mesh):
-        opt_layout = jax.jit(init).lower(abstract).compile().output_shardings.opt_state
+    opt_layout = optax.tree_map_params(  # moments in the update layout, counters replicated
+        tx,
+        lambda _, sharding: sharding,
+        jax.eval_shape(tx.init, abstract),
+        lay.update,
+        transform_non_params=lambda _: replicated,
+        is_leaf=lambda x: isinstance(x, NamedSharding),
+    )
     state_layout = State(lay.storage, opt_layout, replicated)
 
     def step(state: State, batch):  # batch: (accumulation, examples, seq + 1)

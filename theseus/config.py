@@ -93,6 +93,12 @@ class LoggingConfig(Section):
 
     log_interval: int = pydantic.Field(10, gt=0, description="print a metrics line this often")
     progress_bar: bool = pydantic.Field(True, description="show a progress bar with ETA")
+    tensorboard: bool = pydantic.Field(
+        False, description="write TensorBoard events to OUT/tensorboard (needs tensorboardX)"
+    )
+    peak_tflops: float | None = pydantic.Field(
+        None, gt=0, description="peak TFLOP/s per device for MFU; None: the built-in table"
+    )
 
 
 class CheckpointingConfig(Section):

@@ -171,6 +171,10 @@ class BaseTrainer(abc.ABC):
             f"{type(self).__name__} has no default sequence length; set training.seq_len"
         )
 
+    def flops_per_token(self) -> float | None:
+        """Training FLOPs (forward and backward) per token, for MFU; None: XLA counts them."""
+        return None
+
     def check_corpus(self, corpus: Corpus) -> None:
         """Reject data the model cannot read (e.g. token ids beyond its vocabulary)."""
         del corpus  # any data is fine unless a subclass says otherwise

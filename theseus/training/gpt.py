@@ -12,6 +12,7 @@ from theseus.data import Corpus
 from theseus.model import GPT, GPT_PLAN, GPTConfig
 from theseus.model.gpt_decode import GPTDecoder
 from theseus.training.base import BaseTrainer, TrainerConfig
+from theseus.training.flops import gpt_flops_per_token
 
 
 class GPTTrainerConfig(TrainerConfig):
@@ -49,6 +50,17 @@ class GPTTrainer(BaseTrainer):
 
     def default_seq_len(self) -> int:
         return self.config.model.block_size
+
+    def flops_per_token(self) -> float:
+        m = self.config.model
+        return gpt_flops_per_token(
+            n_layer=m.n_layer,
+            n_embd=m.n_embd,
+            n_attn=m.n_attn,
+            n_mlp=m.n_mlp,
+            vocab_size=m.vocab_size,
+            seq_len=self.seq_len,
+        )
 
     def check_corpus(self, corpus: Corpus) -> None:
         vocab = self.config.model.vocab_size

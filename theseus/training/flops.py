@@ -1,0 +1,183 @@
+"""Model FLOPs per token and the accelerator peaks that turn throughput into MFU.
+
+Model FLOPs count the matmuls a training step needs (forward and backward), not what an
+implementation happens to run: recomputation under activation checkpointing and the optimizer
+update are left out, as in the PaLM paper's MFU. A trainer that defines ``flops_per_token()``
+(GPT does, analytically) gives its own count; any other model gets XLA's: ``cost_analysis()`` of
+the loss gradient of one microbatch, lowered for one device with every ``lax.scan`` unrolled
+first. Unrolling is needed because XLA's cost analysis counts a loop body once, whatever its trip
+count (measured: the compiled step of the 4-layer default GPT with 2 accumulation steps reports
+1/7 of its FLOPs). The lowered module is counted rather than the compiled one because compiling
+an unrolled model is slow (25 s for 12 layers 768 wide on 2 cores, against under 1 s to lower)
+and the two counts agree within 1% (measured on that model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core
+
+if TYPE_CHECKING:
+    from theseus.training.base import BaseTrainer
+
+
+@dataclass(frozen=True)
+class FlopsCount:
+    """Training FLOPs per token and how they were counted."""
+
+    per_token: float
+    method: str
+
+
+def count_flops(trainer: BaseTrainer) -> FlopsCount:
+    """The trainer's own ``flops_per_token()`` when it gives one, else XLA's count."""
+    own = trainer.flops_per_token()
+    if own is not None:
+        return FlopsCount(float(own), f"{type(trainer).__name__}.flops_per_token()")
+    return FlopsCount(
+        xla_flops_per_token(trainer),
+        "XLA cost_analysis() of one microbatch's loss gradient, loops unrolled",
+    )
+
+
+def xla_flops_per_token(trainer: BaseTrainer) -> float:
+    """FLOPs per token of forward and backward as XLA counts them, on one device (lowered only;
+    nothing is allocated or compiled)."""
+    plan = trainer.batch_plan
+    tokens = jax.ShapeDtypeStruct((plan.per_device_batch_size, plan.seq_len + 1), jnp.int32)
+    rng = jax.ShapeDtypeStruct((2,), jnp.uint32)
+    grad = jax.value_and_grad(trainer._loss)
+    closed = jax.make_jaxpr(grad)(trainer.abstract_state.params, tokens, rng)
+    unrolled = jax.jit(lambda *args: _eval_unrolled(closed.jaxpr, closed.consts, args))
+    leaves = jax.tree.leaves((trainer.abstract_state.params, tokens, rng))
+    flops = float(unrolled.lower(*leaves).cost_analysis()["flops"])
+    return flops / (plan.per_device_batch_size * plan.seq_len)
+
+
+def _eval_unrolled(jaxpr: core.Jaxpr, consts: Any, args: Any) -> list:
+    """Evaluate ``jaxpr`` with every scan unrolled into straight-line code and calls inlined.
+    Sharding constraints are dropped: the count is for one device holding everything."""
+    env: dict = {}
+
+    def read(var):
+        return var.val if isinstance(var, core.Literal) else env[var]
+
+    for var, value in zip(jaxpr.constvars, consts, strict=True):
+        env[var] = value
+    for var, value in zip(jaxpr.invars, args, strict=True):
+        env[var] = value
+    for eqn in jaxpr.eqns:
+        inputs = [read(v) for v in eqn.invars]
+        outputs = _eval_eqn(eqn, inputs)
+        for var, value in zip(eqn.outvars, outputs, strict=True):
+            env[var] = value
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _eval_eqn(eqn: core.JaxprEqn, inputs: list) -> list:
+    name = eqn.primitive.name
+    if name == "scan":
+        return _scan_unrolled(eqn.params, inputs)
+    if name == "sharding_constraint":
+        return inputs
+    inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    if isinstance(inner, core.ClosedJaxpr):  # jit, checkpoint, custom_jvp_call, ...
+        return _eval_unrolled(inner.jaxpr, inner.consts, inputs)
+    if isinstance(inner, core.Jaxpr) and not inner.constvars:
+        return _eval_unrolled(inner, [], inputs)
+    params = eqn.primitive.get_bind_params(eqn.params)
+    outputs = eqn.primitive.bind(*inputs, **params)
+    return list(outputs) if eqn.primitive.multiple_results else [outputs]
+
+
+def _scan_unrolled(params: dict, inputs: list) -> list:
+    body: core.ClosedJaxpr = params["jaxpr"]
+    num_consts, num_carry, length = params["num_consts"], params["num_carry"], params["length"]
+    consts, carry = inputs[:num_consts], inputs[num_consts : num_consts + num_carry]
+    xs = inputs[num_consts + num_carry :]
+    ys = []
+    steps = range(length - 1, -1, -1) if params["reverse"] else range(length)
+    for i in steps:
+        out = _eval_unrolled(body.jaxpr, body.consts, [*consts, *carry, *(x[i] for x in xs)])
+        carry, y = out[:num_carry], out[num_carry:]
+        ys.append(y)
+    if params["reverse"]:
+        ys.reverse()
+    stacked = [jnp.stack(column) for column in zip(*ys, strict=True)] if ys else []
+    return [*carry, *stacked]
+
+
+def gpt_flops_per_token(
+    *, n_layer: int, n_embd: int, n_attn: int, n_mlp: int, vocab_size: int, seq_len: int
+) -> int:
+    """Training FLOPs per token of GPT-2: ``6 N + 12 L T n_attn``.
+
+    ``N = L (4 n_embd n_attn + 2 n_embd n_mlp) + vocab n_embd`` counts the weights that multiply
+    activations: per layer the q, k, v and output projections and the MLP, and the output head
+    (tied to the embedding; the lookup and the position table cost nothing). Each such weight does
+    one multiply-add (2 FLOPs) per token forward and two backward (input and weight gradients): 6
+    FLOPs. Attention's ``q kᵀ`` and ``probs v`` are ``2 T n_attn`` multiply-adds per token and
+    layer forward, over all ``T`` keys of a sequence since the causal mask skips no work: 3 × 2 × 2
+    = 12 FLOPs each for training. Biases, LayerNorm, softmax and the loss are left out; XLA's count
+    of the default GPT agrees within 10% (tested).
+    """
+    weights = n_layer * (4 * n_embd * n_attn + 2 * n_embd * n_mlp) + vocab_size * n_embd
+    return 6 * weights + 12 * n_layer * seq_len * n_attn
+
+
+# --- peak FLOP/s ---------------------------------------------------------------------------------
+
+# Dense (no sparsity) peak TFLOP/s per chip, by compute dtype. Float32 matmuls run at JAX's default
+# precision, which is TF32 on NVIDIA GPUs and bfloat16 passes on TPUs
+# (https://docs.jax.dev/en/latest/201/precision.html), so those peaks apply to "float32".
+# Sources: NVIDIA H100 and H200 product pages (SXM: 989 bf16, 495 TF32; H100 PCIe: 756, 378;
+# H200 NVL: 835, 418), https://www.nvidia.com/en-us/data-center/h100/ and .../h200/; NVIDIA A100
+# datasheet (312 bf16, 156 TF32), https://www.nvidia.com/en-us/data-center/a100/; Google Cloud TPU
+# system architecture pages (v4 275, v5e 197, v5p 459, v6e 918 bf16),
+# https://cloud.google.com/tpu/docs/v4 (and /v5e, /v5p, /v6e).
+# Matched in order against ``device.device_kind`` (lower-case substrings); first match wins.
+PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
+    ("h100 pcie", {"bfloat16": 756.0, "float32": 378.0}),
+    ("h100", {"bfloat16": 989.4, "float32": 494.7}),
+    ("h200 nvl", {"bfloat16": 835.0, "float32": 417.5}),
+    ("h200", {"bfloat16": 989.4, "float32": 494.7}),
+    ("a100", {"bfloat16": 312.0, "float32": 156.0}),
+    ("tpu v4", {"bfloat16": 275.0, "float32": 275.0}),
+    ("tpu v5 lite", {"bfloat16": 197.0, "float32": 197.0}),
+    ("tpu v5e", {"bfloat16": 197.0, "float32": 197.0}),
+    ("tpu v5p", {"bfloat16": 459.0, "float32": 459.0}),
+    ("tpu v5", {"bfloat16": 459.0, "float32": 459.0}),
+    ("tpu v6 lite", {"bfloat16": 918.0, "float32": 918.0}),
+    ("tpu v6e", {"bfloat16": 918.0, "float32": 918.0}),
+)
+
+
+@dataclass(frozen=True)
+class Peak:
+    """Peak FLOP/s of one device, or None with the reason MFU cannot be given."""
+
+    device_kind: str
+    flops_per_s: float | None
+    source: str
+
+
+def device_peak(device: jax.Device, dtype: str, override_tflops: float | None = None) -> Peak:
+    """The peak of ``device`` for compute ``dtype`` ("float32" or "bfloat16"): the user's
+    ``override_tflops`` first, then :data:`PEAK_TFLOPS`; unknown devices (CPU among them) get
+    None rather than an invented figure."""
+    kind = device.device_kind
+    if override_tflops is not None:
+        return Peak(kind, override_tflops * 1e12, "--peak-tflops")
+    for pattern, peaks in PEAK_TFLOPS:
+        if pattern in kind.lower():
+            return Peak(kind, peaks[dtype] * 1e12, f"table entry {pattern!r} ({dtype})")
+    return Peak(
+        kind,
+        None,
+        f"no peak FLOP/s known for device kind {kind!r} ({device.platform}); pass "
+        "--peak-tflops (logging.peak_tflops) to report MFU",
+    )
