@@ -78,8 +78,8 @@ def timed(step, state, batch, steps: int) -> tuple[object, float]:
 def bench_one(model_name, hyper, policy_name, args, log) -> Row:
     import jax
     import numpy as np
-
     import reference
+
     from theseus.base.axis import ShardingPolicy
     from theseus.config import apply_overrides
     from theseus.planner import compile_train_step, compiled_memory

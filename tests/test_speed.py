@@ -2,15 +2,12 @@
 and the GPU benchmark's CPU behaviour."""
 
 import importlib.util
-import json
 import os
-import struct
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from support import TINY_GPT
 
 from theseus.base.axis import ShardingPolicy
 from theseus.config import apply_overrides
