@@ -222,6 +222,8 @@ def test_resume_onto_other_policy_continues_with_matching_numbers(tmp_path):
 
 def test_plot_writes_png(tmp_path):
     rows = [{"step": s, "tokens": 100 * s, "loss": 5.0 / s} for s in range(1, 11)]
+    for row in rows[1:]:  # the throughput panel
+        row.update(step_time_s=0.5, tokens_per_s=200.0, mfu=0.4)
     rows[4]["val_loss"] = 1.2
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     path = plot_losses(tmp_path)

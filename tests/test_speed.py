@@ -3,6 +3,7 @@ and the GPU benchmark's CPU behaviour."""
 
 import importlib.util
 import os
+import struct
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,6 +14,7 @@ from theseus.base.axis import ShardingPolicy
 from theseus.config import apply_overrides
 from theseus.training.flops import FlopsCount, device_peak, xla_flops_per_token
 from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
+from theseus.training.tensorboard import TensorBoardWriter
 from theseus.training.throughput import Speedometer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,3 +65,40 @@ def test_gpu_bench_refuses_cpu_and_dry_runs(capsys, monkeypatch):
     assert gpu.main(["--dry-run", "--policies", "tp=2+FSDP"]) == 0
     table = capsys.readouterr().out
     assert "| tiny | tp=2+FSDP |" in table and "theseus / hand-written" in table
+
+
+def read_events(directory: Path) -> dict[str, dict[int, object]]:
+    """Every summary value of the TensorBoard event files under ``directory``: tag -> step ->
+    value (TFRecord framing: length, its CRC, the Event proto, its CRC)."""
+    from tensorboardX.proto import event_pb2
+
+    values: dict[str, dict[int, object]] = {}
+    for path in sorted(directory.glob("events.out.tfevents.*")):
+        data, offset = path.read_bytes(), 0
+        while offset < len(data):
+            (length,) = struct.unpack_from("<Q", data, offset)
+            event = event_pb2.Event.FromString(data[offset + 12 : offset + 12 + length])
+            offset += 12 + length + 4
+            for value in event.summary.value:
+                kind = value.WhichOneof("value")
+                got = value.simple_value if kind == "simple_value" else value.tensor
+                values.setdefault(value.tag, {})[event.step] = got
+    return values
+
+
+def test_tensorboard_writer_writes_scalars_and_config(tmp_path):
+    writer = TensorBoardWriter(tmp_path, {"training": {"steps": 3}})
+    for step in (1, 2, 3):
+        writer.write({"step": step, "loss": 1.0 / step, "skipped": False, "grad_norm": None})
+    writer.close()
+    events = read_events(tmp_path / "tensorboard")
+    assert events["loss"] == pytest.approx({1: 1.0, 2: 0.5, 3: 1 / 3})
+    assert "skipped" not in events and "grad_norm" not in events
+    (config,) = events["config/text_summary"].values()
+    assert b"steps: 3" in config.string_val[0]
+
+
+def test_tensorboard_without_tensorboardx_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)
+    with pytest.raises(ValueError, match=r"pip install 'theseus\[tensorboard\]'"):
+        TensorBoardWriter(tmp_path, {})

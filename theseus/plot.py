@@ -1,4 +1,5 @@
-"""``theseus plot RUN_DIR``: training and validation loss against step and tokens."""
+"""``theseus plot RUN_DIR``: training and validation loss against step and tokens, and the
+throughput (tokens/s, and MFU when recorded) against step."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 
 
 def plot_losses(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Write ``loss.png`` (train and validation loss, by step and by tokens) and return its path."""
+    """Write ``loss.png`` (train and validation loss by step and by tokens; tokens/s and MFU by
+    step when the rows have them) and return its path."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -32,7 +34,9 @@ def plot_losses(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
     rows = read_metrics(run_dir)
     validation = [r for r in rows if "val_loss" in r]
-    figure, axes = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
+    timed = [r for r in rows if r.get("tokens_per_s") is not None]
+    panels = 3 if timed else 2
+    figure, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4), constrained_layout=True)
     for ax, x_key, label in ((axes[0], "step", "step"), (axes[1], "tokens", "tokens seen")):
         ax.plot([r[x_key] for r in rows], [r["loss"] for r in rows], label="train", lw=1)
         if validation:
@@ -46,8 +50,24 @@ def plot_losses(run_dir: str | Path, out: str | Path | None = None) -> Path:
         ax.set_ylabel("loss")
         ax.grid(alpha=0.3)
         ax.legend()
+    if timed:
+        plot_throughput(axes[2], timed)
     figure.suptitle(f"theseus run {Path(run_dir).resolve().name}")
     out = Path(out) if out is not None else Path(run_dir) / "loss.png"
     figure.savefig(out, dpi=110)
     plt.close(figure)
     return out
+
+
+def plot_throughput(ax, rows: list[dict]) -> None:
+    """Tokens/s by step; MFU on a second axis when the rows have it."""
+    steps = [r["step"] for r in rows]
+    ax.plot(steps, [r["tokens_per_s"] for r in rows], lw=1, color="tab:green")
+    ax.set_xlabel("step")
+    ax.set_ylabel("tokens/s")
+    ax.grid(alpha=0.3)
+    with_mfu = [r for r in rows if r.get("mfu") is not None]
+    if with_mfu:
+        mfu_axis = ax.twinx()
+        mfu_axis.plot([r["step"] for r in with_mfu], [100 * r["mfu"] for r in with_mfu], lw=1)
+        mfu_axis.set_ylabel("MFU (%)")

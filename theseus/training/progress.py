@@ -1,9 +1,9 @@
-"""Progress of a run on the main process: a rich progress bar (step, loss, tokens/s, ETA) and a
-metrics line every ``logging.log_interval`` steps. Other processes stay silent."""
+"""Progress of a run on the main process: a rich progress bar (step, loss, step time, tokens/s,
+MFU when known, ETA) and a metrics line every ``logging.log_interval`` steps. Other processes stay
+silent."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import jax
@@ -30,7 +30,6 @@ class Reporter:
         self.config = config
         self.main = jax.process_index() == 0
         self.log = log if self.main else (lambda _: None)
-        self.start = time.perf_counter()
         self.first_done = first_done
         self.progress: Progress | None = None
         if self.main and config.progress_bar:
@@ -58,11 +57,11 @@ class Reporter:
         if self.progress is not None:
             self.progress.stop()
 
-    def update(self, row: dict, tokens_per_step: int) -> None:
+    def update(self, row: dict) -> None:
+        """Show a ``metrics.jsonl`` row (its speed from ``step_time_s``, ``tokens_per_s`` and
+        ``mfu``)."""
         step = row["step"]
-        elapsed = time.perf_counter() - self.start
-        tokens_per_second = (step - self.first_done) * tokens_per_step / max(elapsed, 1e-9)
-        status = f"loss {row['loss']:.4f} {tokens_per_second:,.0f} tok/s"
+        status = f"loss {row['loss']:.4f} {speed(row)}"
         if self.progress is not None:
             self.progress.update(self.task, completed=step, status=status)
         interval = self.config.log_interval
@@ -70,5 +69,11 @@ class Reporter:
             val = f" val_loss {row['val_loss']:.4f}" if "val_loss" in row else ""
             self.log(
                 f"step {step}/{self.total} loss {row['loss']:.4f}{val} "
-                f"lr {row['learning_rate']:.2e} {tokens_per_second:,.0f} tokens/s"
+                f"lr {row['learning_rate']:.2e} {speed(row)}"
             )
+
+
+def speed(row: dict) -> str:
+    """``123 ms/step 45,678 tokens/s MFU 41.2%`` (MFU only when the row has it)."""
+    text = f"{row['step_time_s'] * 1e3:,.0f} ms/step {row['tokens_per_s']:,.0f} tokens/s"
+    return text + (f" MFU {row['mfu']:.1%}" if "mfu" in row else "")
