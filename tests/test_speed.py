@@ -2,18 +2,22 @@
 and the GPU benchmark's CPU behaviour."""
 
 import importlib.util
+import json
 import os
 import struct
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from support import TINY_GPT
 
 from theseus.base.axis import ShardingPolicy
 from theseus.config import apply_overrides
 from theseus.training.flops import FlopsCount, device_peak, xla_flops_per_token
 from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
+from theseus.training.loop import train
 from theseus.training.tensorboard import TensorBoardWriter
 from theseus.training.throughput import Speedometer
 
@@ -87,10 +91,9 @@ def read_events(directory: Path) -> dict[str, dict[int, object]]:
 
 
 def test_tensorboard_writer_writes_scalars_and_config(tmp_path):
-    writer = TensorBoardWriter(tmp_path, {"training": {"steps": 3}})
-    for step in (1, 2, 3):
-        writer.write({"step": step, "loss": 1.0 / step, "skipped": False, "grad_norm": None})
-    writer.close()
+    with TensorBoardWriter(tmp_path, {"training": {"steps": 3}}) as writer:
+        for step in (1, 2, 3):
+            writer.write({"step": step, "loss": 1.0 / step, "skipped": False, "grad_norm": None})
     events = read_events(tmp_path / "tensorboard")
     assert events["loss"] == pytest.approx({1: 1.0, 2: 0.5, 3: 1 / 3})
     assert "skipped" not in events and "grad_norm" not in events
@@ -102,3 +105,36 @@ def test_tensorboard_without_tensorboardx_is_a_clear_error(tmp_path, monkeypatch
     monkeypatch.setitem(sys.modules, "tensorboardX", None)
     with pytest.raises(ValueError, match=r"pip install 'theseus\[tensorboard\]'"):
         TensorBoardWriter(tmp_path, {})
+
+
+def test_run_records_speed_and_tensorboard_events(tmp_path):
+    overrides = [
+        *TINY_GPT,
+        "training.steps=4",
+        "checkpointing.interval=4",
+        "logging.tensorboard=true",
+    ]
+    trainer = GPTTrainer(apply_overrides(GPTTrainerConfig(), overrides), ShardingPolicy(tp=2))
+    start = time.perf_counter()
+    summary = train(trainer, tmp_path, log=lambda _: None)
+    wall = time.perf_counter() - start
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    run = json.loads((tmp_path / "run.json").read_text())
+
+    tokens_per_step = trainer.batch_plan.global_batch_size * trainer.batch_plan.seq_len
+    for row in rows:
+        assert row["tokens_per_s"] == pytest.approx(tokens_per_step / row["step_time_s"])
+        assert "mfu" not in row  # CPU: no known peak, and run.json says so
+    assert "no peak FLOP/s known for device kind 'cpu'" in run["mfu_absent_because"]
+    assert run["flops_per_token"] == trainer.flops_per_token() and run["device_kind"] == "cpu"
+    # Step times add up to the loop's wall time (they telescope from its start to the last
+    # read); the run's wall time holds the compile on top of that.
+    total = sum(row["step_time_s"] for row in rows)
+    assert total <= summary.seconds <= 1.1 * total
+    assert wall - total >= run["compile_time_s"] > 0
+
+    events = read_events(tmp_path / "tensorboard")
+    expected = {row["step"]: row["loss"] for row in rows}
+    assert events["loss"] == pytest.approx(expected, rel=1e-6)  # float32 in the events
+    assert events["tokens_per_s"].keys() == expected.keys()
+    assert events["val_loss"] == pytest.approx({r["step"]: r["val_loss"] for r in rows[1::2]})

@@ -22,9 +22,12 @@ from theseus.distributed import check_same_everywhere, describe_processes
 from theseus.training.base import BaseTrainer, TrainState
 from theseus.training.nonfinite import NonFiniteGuard, strict_json_row
 from theseus.training.preemption import PreemptionWatch
+from theseus.training.flops import count_flops
 from theseus.training.progress import Reporter
 from theseus.training.resume import check_resume, resume_changes, resume_history
 from theseus.training.stops import Preempted
+from theseus.training.tensorboard import TensorBoardWriter
+from theseus.training.throughput import Speedometer, StepClock, speedometer
 
 # Files a run writes: an output directory holding any of them holds a run.
 RUN_FILES = (
@@ -162,11 +165,13 @@ def write_run_record(
     state: TrainState,
     step_fn,
     resumes: list[dict],
+    speed: dict,
 ) -> None:
     if not is_main_process():
         return
     record = {
         **trainer.execution_facts(),
+        **speed,
         "num_params": trainer.num_params,
         "memory_per_device": asdict(trainer.memory_facts(state)),
         "compiled_step_memory_per_device": planner.compiled_memory(step_fn).to_json(),
@@ -226,6 +231,9 @@ def train(
     sampler = Sampler(corpus.train, plan.seq_len, training.seed)
     validation = validation_array(trainer, corpus)
     prepare_run_dir(out_dir, resume=resume, overwrite=overwrite)
+    tensorboard = contextlib.nullcontext(None)
+    if trainer.config.logging.tensorboard and is_main_process():
+        tensorboard = TensorBoardWriter(out_dir, trainer.config.model_dump(mode="json"))
 
     ckpt = trainer.config.checkpointing
     checkpointer = Checkpointer(
@@ -258,8 +266,12 @@ def train(
             f"model: {trainer.num_params:,} parameters; policy {trainer.policy.describe()}; "
             f"mesh {trainer.topology.mesh_shape}; data {corpus.source}"
         )
+        compile_start = time.perf_counter()
         step_fn = planner.compile_train_step(trainer)  # once, ahead of time: the loop calls this
-        write_run_record(trainer, out_dir, corpus, state, step_fn, resumes)
+        compile_time_s = time.perf_counter() - compile_start
+        speed = speedometer(trainer, count_flops(trainer))
+        facts = {"compile_time_s": compile_time_s, **speed.facts()}
+        write_run_record(trainer, out_dir, corpus, state, step_fn, resumes, facts)
         initial_val_loss = trainer.validation_step(state.params, validation)
         metrics_path = out_dir / "metrics.jsonl"
         if is_main_process():
@@ -276,6 +288,8 @@ def train(
             first_step,
             position,
             log,
+            speed,
+            tensorboard,
         )
         checkpointer.wait()
     losses, val_losses, seconds = result
@@ -302,6 +316,8 @@ def _steps(
     first_step,
     position,
     log,
+    speed: Speedometer,
+    tensorboard,
 ):
     """The hot loop: dispatch step n, then read step n-1's metrics (already computed).
 
@@ -315,6 +331,7 @@ def _steps(
     losses: list[float] = []
     val_losses: list[float] = []
     start = time.perf_counter()
+    clock = StepClock()
     pending = None
     guard = NonFiniteGuard(
         training.nonfinite, training.max_skipped_steps, lambda: _next_move(checkpointer)
@@ -324,12 +341,14 @@ def _steps(
         sink as metrics_file,
         Reporter(first_step - 1, training.steps, trainer.config.logging, log) as reporter,
         PreemptionWatch(checkpointer.reached_preemption) as preemption,
+        tensorboard as events,
     ):
 
         def record(step: int, metrics: dict, val_loss) -> None:
             values = jax.device_get(metrics)
             row = {"step": step, **{k: float(v) for k, v in values.items() if k != "skipped"}}
             row["skipped"] = bool(values["skipped"])
+            row.update(speed.rates(clock.lap()))  # device_get returned when the step finished
             row["tokens"] = step * tokens_per_step
             if val_loss is not None:
                 row["val_loss"] = float(val_loss)
@@ -338,7 +357,9 @@ def _steps(
             if metrics_file is not None:
                 metrics_file.write(json.dumps(strict_json_row(row), allow_nan=False) + "\n")
                 metrics_file.flush()
-            reporter.update(row, tokens_per_step)
+            if events is not None:
+                events.write(row)
+            reporter.update(row)
             guard.check(row)
 
         for step in range(first_step, training.steps + 1):

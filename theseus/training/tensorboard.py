@@ -34,5 +34,8 @@ class TensorBoardWriter:
             if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
                 self.writer.add_scalar(key, value, global_step=step)
 
-    def close(self) -> None:
+    def __enter__(self) -> TensorBoardWriter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
         self.writer.close()
