@@ -173,7 +173,6 @@ class BaseTrainer(abc.ABC):
 
     def flops_per_token(self) -> float | None:
         """Training FLOPs (forward and backward) per token, for MFU; None: XLA counts them."""
-        return None
 
     def check_corpus(self, corpus: Corpus) -> None:
         """Reject data the model cannot read (e.g. token ids beyond its vocabulary)."""
