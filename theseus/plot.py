@@ -62,12 +62,14 @@ def plot_losses(run_dir: str | Path, out: str | Path | None = None) -> Path:
 def plot_throughput(ax, rows: list[dict]) -> None:
     """Tokens/s by step; MFU on a second axis when the rows have it."""
     steps = [r["step"] for r in rows]
-    ax.plot(steps, [r["tokens_per_s"] for r in rows], lw=1, color="tab:green")
+    lines = ax.plot(steps, [r["tokens_per_s"] for r in rows], lw=1, color="tab:green")
     ax.set_xlabel("step")
-    ax.set_ylabel("tokens/s")
+    ax.set_ylabel("tokens/s", color="tab:green")
     ax.grid(alpha=0.3)
     with_mfu = [r for r in rows if r.get("mfu") is not None]
     if with_mfu:
         mfu_axis = ax.twinx()
-        mfu_axis.plot([r["step"] for r in with_mfu], [100 * r["mfu"] for r in with_mfu], lw=1)
-        mfu_axis.set_ylabel("MFU (%)")
+        mfu = [100 * r["mfu"] for r in with_mfu]
+        lines += mfu_axis.plot([r["step"] for r in with_mfu], mfu, "--", lw=1, color="tab:red")
+        mfu_axis.set_ylabel("MFU (%)", color="tab:red")
+    ax.legend(lines, ["tokens/s", "MFU"][: len(lines)])
