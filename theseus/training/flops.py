@@ -52,63 +52,46 @@ def xla_flops_per_token(trainer: BaseTrainer) -> float:
     rng = jax.ShapeDtypeStruct((2,), jnp.uint32)
     grad = jax.value_and_grad(trainer._loss)
     closed = jax.make_jaxpr(grad)(trainer.abstract_state.params, tokens, rng)
-    unrolled = jax.jit(lambda *args: _eval_unrolled(closed.jaxpr, closed.consts, args))
+    unrolled = core.jaxpr_as_fun(_unrolled(closed))
     leaves = jax.tree.leaves((trainer.abstract_state.params, tokens, rng))
-    flops = float(unrolled.lower(*leaves).cost_analysis()["flops"])
+    flops = float(jax.jit(unrolled).lower(*leaves).cost_analysis()["flops"])
     return flops / (plan.per_device_batch_size * plan.seq_len)
 
 
-def _eval_unrolled(jaxpr: core.Jaxpr, consts: Any, args: Any) -> list:
-    """Evaluate ``jaxpr`` with every scan unrolled into straight-line code and calls inlined.
-    Sharding constraints are dropped: the count is for one device holding everything."""
-    env: dict = {}
+def _unrolled(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
+    """``closed`` with every scan, at any depth, fully unrolled (``unroll=length`` lowers to
+    straight-line code) and sharding constraints removed: the count is for one device holding
+    everything."""
+    return closed.replace(jaxpr=_unrolled_jaxpr(closed.jaxpr))
+
+
+def _unrolled_jaxpr(jaxpr: core.Jaxpr) -> core.Jaxpr:
+    renamed: dict = {}  # outputs of removed constraints -> their inputs
 
     def read(var):
-        return var.val if isinstance(var, core.Literal) else env[var]
+        return var if isinstance(var, core.Literal) else renamed.get(var, var)
 
-    for var, value in zip(jaxpr.constvars, consts, strict=True):
-        env[var] = value
-    for var, value in zip(jaxpr.invars, args, strict=True):
-        env[var] = value
+    eqns = []
     for eqn in jaxpr.eqns:
-        inputs = [read(v) for v in eqn.invars]
-        outputs = _eval_eqn(eqn, inputs)
-        for var, value in zip(eqn.outvars, outputs, strict=True):
-            env[var] = value
-    return [read(v) for v in jaxpr.outvars]
+        invars = [read(v) for v in eqn.invars]
+        if eqn.primitive.name == "sharding_constraint":
+            renamed.update(zip(eqn.outvars, invars, strict=True))
+            continue
+        params = {key: _unrolled_param(value) for key, value in eqn.params.items()}
+        if eqn.primitive.name == "scan":
+            params["unroll"] = params["length"]
+        eqns.append(eqn.replace(invars=invars, params=params))
+    return jaxpr.replace(eqns=eqns, outvars=[read(v) for v in jaxpr.outvars])
 
 
-def _eval_eqn(eqn: core.JaxprEqn, inputs: list) -> list:
-    name = eqn.primitive.name
-    if name == "scan":
-        return _scan_unrolled(eqn.params, inputs)
-    if name == "sharding_constraint":
-        return inputs
-    inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-    if isinstance(inner, core.ClosedJaxpr):  # jit, checkpoint, custom_jvp_call, ...
-        return _eval_unrolled(inner.jaxpr, inner.consts, inputs)
-    if isinstance(inner, core.Jaxpr) and not inner.constvars:
-        return _eval_unrolled(inner, [], inputs)
-    params = eqn.primitive.get_bind_params(eqn.params)
-    outputs = eqn.primitive.bind(*inputs, **params)
-    return list(outputs) if eqn.primitive.multiple_results else [outputs]
-
-
-def _scan_unrolled(params: dict, inputs: list) -> list:
-    body: core.ClosedJaxpr = params["jaxpr"]
-    num_consts, num_carry, length = params["num_consts"], params["num_carry"], params["length"]
-    consts, carry = inputs[:num_consts], inputs[num_consts : num_consts + num_carry]
-    xs = inputs[num_consts + num_carry :]
-    ys = []
-    steps = range(length - 1, -1, -1) if params["reverse"] else range(length)
-    for i in steps:
-        out = _eval_unrolled(body.jaxpr, body.consts, [*consts, *carry, *(x[i] for x in xs)])
-        carry, y = out[:num_carry], out[num_carry:]
-        ys.append(y)
-    if params["reverse"]:
-        ys.reverse()
-    stacked = [jnp.stack(column) for column in zip(*ys, strict=True)] if ys else []
-    return [*carry, *stacked]
+def _unrolled_param(value: Any) -> Any:
+    if isinstance(value, core.ClosedJaxpr):
+        return _unrolled(value)
+    if isinstance(value, core.Jaxpr):
+        return _unrolled_jaxpr(value)
+    if isinstance(value, tuple) and value and isinstance(value[0], core.ClosedJaxpr):
+        return tuple(_unrolled(branch) for branch in value)  # cond branches
+    return value
 
 
 def gpt_flops_per_token(
