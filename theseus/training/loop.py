@@ -20,9 +20,9 @@ from theseus.config import save_yaml
 from theseus.data import Corpus, Sampler, load_corpus, validation_batches
 from theseus.distributed import check_same_everywhere, describe_processes
 from theseus.training.base import BaseTrainer, TrainState
+from theseus.training.flops import count_flops
 from theseus.training.nonfinite import NonFiniteGuard, strict_json_row
 from theseus.training.preemption import PreemptionWatch
-from theseus.training.flops import count_flops
 from theseus.training.progress import Reporter
 from theseus.training.resume import check_resume, resume_changes, resume_history
 from theseus.training.stops import Preempted
