@@ -65,6 +65,7 @@ def test_help_explains_flags():
         "--cpu-devices",
         "--steps",
         "--seed",
+        "--peak-tflops",
         "--out",
         "--resume",
         "--overwrite",
@@ -101,6 +102,7 @@ def test_bad_sharding_and_config(tmp_path):
         (["training.batch_size=30"], ["batch_size=30", "per_device_batch_size=2", "8 replicas"]),
         (["training.bogus=1"], ["unknown config key 'training.bogus'", "accepted keys"]),
         (["--job", "nope/train"], ["unknown job 'nope/train'"]),
+        (["--peak-tflops", "0"], ["logging.peak_tflops=0.0", "greater than 0"]),
     ]
     for extra, fragments in cases:
         assert_user_error(invoke("train", "--out", out, *TINY, *extra), *fragments)

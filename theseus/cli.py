@@ -197,6 +197,9 @@ def train(
     cpu_devices: CPUDevices = None,
     steps: Annotated[int | None, typer.Option(help="optimizer steps (training.steps)")] = None,
     seed: Annotated[int | None, typer.Option(help="seed of init and data order")] = None,
+    peak_tflops: Annotated[
+        float | None, typer.Option(help="peak TFLOP/s per device, for MFU (logging.peak_tflops)")
+    ] = None,
     out: Annotated[
         Path | None, typer.Option(help="run directory [default: runs/<time stamp>]")
     ] = None,
@@ -219,6 +222,8 @@ def train(
         extra.append(f"training.steps={steps}")
     if seed is not None:
         extra.append(f"training.seed={seed}")
+    if peak_tflops is not None:
+        extra.append(f"logging.peak_tflops={peak_tflops}")
     if resume and out is None:
         fail("--resume needs --out: the run directory to continue")
     if allow_changes and not resume:
