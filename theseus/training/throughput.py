@@ -7,8 +7,9 @@ completions: the device's step time while the device is the bottleneck (the host
 in that read), and the true time per step when the host is. This adds nothing to the loop: no
 ``block_until_ready``, no extra transfer. JAX offers no completion callback that would timestamp
 on the device side without a host thread waiting. The first step is timed from the start of the
-loop; an interval that holds a validation also holds its time (the device runs it between the two
-steps), so the sum of ``step_time_s`` is the loop's wall time up to the last read.
+loop. An interval that holds a validation also holds its time (the device runs it between the two
+steps), and one that follows a checkpoint save holds the save's wait for its step's arrays; the
+sum of ``step_time_s`` is the loop's wall time up to the last read (the last save comes after).
 """
 
 from __future__ import annotations
