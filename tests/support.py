@@ -7,14 +7,17 @@ from theseus.model import GPTConfig
 from theseus.training.gpt import GPTTrainerConfig
 
 # n_embd and n_mlp divide by 8 (tp=8 and FSDP over 8 devices); other dims differ from them.
+# Dropout is on: per-example keys must make its masks the same under every layout.
 EQUIVALENCE_MODEL = GPTConfig(
-    vocab_size=256, block_size=24, n_layer=3, n_head=4, n_embd=40, mlp_ratio=4
+    vocab_size=256, block_size=24, n_layer=3, n_head=4, n_embd=40, mlp_ratio=4, dropout=0.1
 )
 EQUIVALENCE_BATCH = 32
 
-# A GPT small enough to compile in seconds; 16 examples split over any of the 8 devices.
+# A GPT small enough to compile in seconds; 16 examples split over any of the 8 devices; with
+# dropout, so that resumed and multi-process runs also show per-example keys at work.
 TINY_GPT = (
     "model.n_layer=2",
+    "model.dropout=0.1",
     "model.n_embd=32",
     "model.n_head=4",
     "model.block_size=16",

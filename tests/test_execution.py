@@ -14,7 +14,8 @@ from theseus.data import write_tokens
 from theseus.execution import Chain, chain, quick
 from theseus.jobs import all_jobs, get_job
 from theseus.plot import plot_losses
-from theseus.training.gpt import GPTTrainerConfig
+from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
+from theseus.training.loop import evaluate
 
 TINY = (*TINY_GPT, "training.steps=6", "checkpointing.keep=5")
 
@@ -122,6 +123,16 @@ def test_chain_runs_train_then_evaluate(tmp_path):
     assert saved["step"] == 6
     # Same parameters, same held-out batches, same layouts: the same validation loss.
     assert eval_result.val_loss == pytest.approx(train_result.final_val_loss, rel=1e-6)
+    # Validation is deterministic although the model has dropout: the same checkpoint evaluated
+    # again, and under another policy, gives the same number.
+    assert built.steps[1].config.model.dropout == 0.1
+    trainer = GPTTrainer(built.steps[1].config, ShardingPolicy(zero=False))
+    first, second = (
+        evaluate(trainer, tmp_path / name, source_dir=train_dir, log=lambda _: None)
+        for name in ("first", "second")
+    )
+    assert first.val_loss == second.val_loss
+    assert first.val_loss == pytest.approx(eval_result.val_loss, rel=1e-5)
 
 
 # --- quick session -------------------------------------------------------------------------

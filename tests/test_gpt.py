@@ -37,8 +37,8 @@ EXPECTED_NAMES = {
 }
 
 
-def _with_params(params, **options) -> GPT:
-    model = GPT(CONFIG, rngs=nnx.Rngs(0), **options)
+def _with_params(params, dropout: float = 0.0, **options) -> GPT:
+    model = GPT(CONFIG.model_copy(update={"dropout": dropout}), rngs=nnx.Rngs(0), **options)
     nnx.update(model, params)
     return model
 
@@ -49,8 +49,11 @@ def _loss(model: GPT, tokens: jax.Array) -> jax.Array:
 
 
 @partial(jax.jit, static_argnums=0)
-def _merged_forward(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array) -> jax.Array:
-    return nnx.merge(graphdef, params)(tokens)
+def _merged_forward(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, keys=None):
+    """Logits; in training mode (dropout on) when per-example ``keys`` are given."""
+    if keys is None:
+        return nnx.merge(graphdef, params)(tokens)
+    return nnx.merge(graphdef, params)(tokens, keys, deterministic=False)
 
 
 @partial(jax.jit, static_argnums=0)
@@ -58,8 +61,8 @@ def _merged_loss_and_grads(graphdef: nnx.GraphDef, params: nnx.State, tokens: ja
     return jax.value_and_grad(lambda p: _loss(nnx.merge(graphdef, p), tokens))(params)
 
 
-def _forward(model: GPT, tokens: jax.Array) -> jax.Array:
-    return _merged_forward(*nnx.split(model), tokens)
+def _forward(model: GPT, tokens: jax.Array, keys: jax.Array | None = None) -> jax.Array:
+    return _merged_forward(*nnx.split(model), tokens, keys)
 
 
 def _loss_and_grads(model: GPT, tokens: jax.Array) -> tuple[jax.Array, nnx.State]:
@@ -138,6 +141,8 @@ def _reference_logits(params: dict, tokens: jax.Array, n_head: int) -> jax.Array
         ({"mlp_ratio": 2.0}, "mlp_ratio"),
         ({"block_size": True}, "block_size"),
         ({"n_embd": 30, "n_head": 4}, "n_embd"),
+        ({"dropout": 1.0}, "dropout"),
+        ({"dropout": -0.1}, "dropout"),
     ],
 )
 def test_config_rejects_invalid_values(changes, field):
@@ -279,6 +284,20 @@ def test_tensor_parallel_forward_matches_single_device(model, tokens, logits):
     assert shardings["blocks"]["attn_q"]["kernel"].spec == P(None, None, "shard")
     sharded_logits = _merged_forward(graphdef, jax.device_put(params, shardings), tokens)
     np.testing.assert_allclose(sharded_logits, logits, rtol=1e-5, atol=1e-5)
+
+
+def test_dropout_masks_belong_to_examples(model, tokens, logits):
+    """Dropout draws from each example's key alone: an example's logits do not depend on the rest
+    of the batch; deterministic calls (the default) ignore dropout, and training needs keys."""
+    dropping = _with_params(nnx.state(model, nnx.Param), dropout=0.3)
+    keys = jax.vmap(jax.random.key)(jnp.arange(BATCH))  # (batch,)
+    both = _forward(dropping, tokens, keys)  # (batch, seq, vocab)
+    alone = _forward(dropping, tokens[1:], keys[1:])
+    np.testing.assert_allclose(alone, both[1:], rtol=1e-5, atol=1e-5)
+    assert np.abs(both - logits).max() > 0.01
+    np.testing.assert_array_equal(_forward(dropping, tokens), logits)
+    with pytest.raises(ValueError, match="needs one key per example"):
+        dropping(tokens, deterministic=False)
 
 
 # --- dense --------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Every policy trains GPT to the numbers of one device; layouts and memory match the plan."""
+"""Every policy trains GPT (with dropout) to the numbers of one device; layouts and memory match
+the plan."""
 
 import functools
 import math
@@ -74,13 +75,31 @@ def run(trainer: GPTTrainer):
     return np.array(losses), jax.device_get(state.params), val, state
 
 
+def with_dropout(dropout: float):
+    return MODEL.model_copy(update={"dropout": dropout})
+
+
 @functools.cache
-def reference():
+def reference(dropout: float = MODEL.dropout):
     one_device = Topology.new(ShardingPolicy(), devices=jax.devices()[:1])
-    trainer = GPTTrainer(config(GLOBAL_BATCH), ShardingPolicy(), one_device)
+    trainer = GPTTrainer(config(GLOBAL_BATCH, with_dropout(dropout)), ShardingPolicy(), one_device)
     assert trainer.batch_plan.accumulation_steps == 1
     losses, params, val, _ = run(trainer)
     return losses, params, val
+
+
+def assert_matches_one_device(trainer: GPTTrainer):
+    """Losses within 1e-5 relative over three steps, parameters within 1e-4, validation 1e-5."""
+    losses, params, val, state = run(trainer)
+    ref_losses, ref_params, ref_val = reference(trainer.config.model.dropout)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert losses[-1] < losses[0]
+    for (path, got), want in zip(
+        jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(ref_params), strict=True
+    ):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0, err_msg=str(path))
+    np.testing.assert_allclose(val, ref_val, rtol=1e-5)
+    assert int(state.step) == STEPS
 
 
 @pytest.mark.parametrize("accumulation", [1, 4])
@@ -90,16 +109,17 @@ def test_policy_matches_one_device(policy, accumulation):
     trainer = GPTTrainer(config(GLOBAL_BATCH // (replicas * accumulation)), policy)
     assert trainer.batch_plan.accumulation_steps == accumulation
     assert trainer.batch_plan.global_batch_size == GLOBAL_BATCH
-    losses, params, val, state = run(trainer)
-    ref_losses, ref_params, ref_val = reference()
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert losses[-1] < losses[0]
-    for (path, got), want in zip(
-        jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(ref_params), strict=True
-    ):
-        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0, err_msg=str(path))
-    np.testing.assert_allclose(val, ref_val, rtol=1e-5)
-    assert int(state.step) == STEPS
+    assert trainer.config.model.dropout == 0.1
+    assert_matches_one_device(trainer)
+
+
+def test_deterministic_model_matches_one_device():
+    """Without dropout as well; and dropout changes the losses, so the tests above can fail."""
+    trainer = GPTTrainer(config(2, with_dropout(0.0)), ShardingPolicy(tp=2, fsdp=True))
+    assert trainer.batch_plan.accumulation_steps == 4
+    assert_matches_one_device(trainer)
+    dropout_losses, deterministic_losses = reference()[0], reference(0.0)[0]
+    assert np.abs(dropout_losses / deterministic_losses - 1).max() > 1e-3
 
 
 def shard_shapes(array):
@@ -229,12 +249,7 @@ def test_activation_checkpointing_matches_one_device():
     batch = jax.ShapeDtypeStruct(batch_shape, np.int32, sharding=trainer.batch_sharding)
     jaxpr = str(jax.make_jaxpr(trainer._train_step)(trainer.abstract_state, batch))
     assert "remat" in jaxpr or "checkpoint" in jaxpr
-    losses, params, val, _ = run(trainer)
-    ref_losses, ref_params, ref_val = reference()
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    np.testing.assert_allclose(val, ref_val, rtol=1e-5)
-    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
-        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    assert_matches_one_device(trainer)  # the recomputed layers draw the same dropout masks
 
 
 def compiled_step(policy, *overrides):

@@ -1,7 +1,7 @@
-"""A user's own NNX model (not GPT), with its own logical names and plan, registered as a job
-and trained through quick() under {tp=2, fsdp} with the losses of one device: one that gathers
-all its parameters at once, and one whose stacked layers run through theseus.scan_layers and
-are gathered one layer at a time."""
+"""A user's own NNX model (not GPT), with its own logical names, plan and dropout, registered as
+a job and trained through quick() under {tp=2, fsdp} with the losses of one device: one that
+gathers all its parameters at once, and one whose stacked layers run through theseus.scan_layers
+and are gathered one layer at a time."""
 
 import json
 from typing import ClassVar
@@ -24,6 +24,7 @@ class BigramConfig(Section):
     vocab: int = 256
     width: int = 24
     hidden: int = 40
+    dropout: float = 0.2
 
 
 class BigramMLP(nnx.Module):
@@ -38,10 +39,16 @@ class BigramMLP(nnx.Module):
         self.up = param((config.width, config.hidden), ("features", "hidden"))
         self.up_bias = nnx.Param(jnp.zeros((config.hidden,)))  # unannotated: replicated
         self.down = param((config.hidden, config.vocab), ("hidden", "symbols"))
+        self.dropout = nnx.Dropout(config.dropout)
 
-    def __call__(self, tokens):
-        x = self.embed[...][tokens]  # (examples, seq, width)
+    def __call__(self, tokens, keys, *, train):
+        return self.head(self.embed[...][tokens], keys, train)
+
+    def head(self, x, keys, train):
+        """Hidden layer with dropout, projected back: (examples, seq, width) -> (..., vocab)."""
         h = jax.nn.relu(x @ self.up[...] + self.up_bias[...])  # (examples, seq, hidden)
+        # One key per example: each example's mask is the same under every layout.
+        h = jax.vmap(lambda h, key: self.dropout(h, deterministic=not train, rngs=key))(h, keys)
         return h @ self.down[...]  # (examples, seq, vocab)
 
 
@@ -59,6 +66,10 @@ class BigramTrainer(theseus.BaseTrainer):
 
     def build_model(self, rngs):
         return BigramMLP(self.config.model, rngs)
+
+    def loss_fn(self, model, tokens, keys, *, train):
+        logits = model(tokens[:, :-1], keys.examples, train=train)
+        return theseus.next_token_loss(logits, tokens[:, 1:])
 
     def default_seq_len(self):
         return 16
@@ -78,15 +89,13 @@ class StackedBigram(BigramMLP):
         shape = (self.depth, config.width, config.hidden)
         self.mix = nnx.Param(init(rngs.params(), shape), eager_sharding=False)
 
-    def __call__(self, tokens):
+    def __call__(self, tokens, keys, *, train):
         x = self.embed[...][tokens]  # (examples, seq, width)
 
         def layer(mix, x):  # mix: (width, hidden), one layer's slice
             return x + jnp.tanh(x @ mix) @ mix.T  # (examples, seq, width)
 
-        x = theseus.scan_layers(layer, x, self.mix)
-        h = jax.nn.relu(x @ self.up[...] + self.up_bias[...])  # (examples, seq, hidden)
-        return h @ self.down[...]  # (examples, seq, vocab)
+        return self.head(theseus.scan_layers(layer, x, self.mix), keys, train)
 
 
 @theseus.register("bigram/stacked", "a bigram MLP with stacked, scanned layers (test model)")

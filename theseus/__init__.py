@@ -19,6 +19,8 @@ _LAZY = {
     "scan_layers": "theseus.base.layer_scan",
     "generate": "theseus.inference",
     "tokenize": "theseus.data.bpe",
+    "next_token_loss": "theseus.training.base",
+    "Keys": "theseus.training.keys",
 }
 
 __all__ = ["Axis", "ShardingPlan", "ShardingPolicy", "Topology", "partition_spec", *_LAZY]

@@ -19,7 +19,16 @@ from jax.typing import DTypeLike
 from theseus.base.axis import Axis, ShardingPlan
 from theseus.base.layer_scan import scan_layers
 from theseus.config import Section
-from theseus.model.layers import causal_attention, dense, layer_norm, linear
+from theseus.model.layers import (
+    apply_dropout,
+    causal_attention,
+    dense,
+    dropout,
+    fold_in,
+    keep_masks,
+    layer_norm,
+    linear,
+)
 
 # TP splits the attention width and the MLP width over `shard`; everything else is whole on each
 # TP device. Heads are contiguous slices of n_attn, so each device holds whole heads when tp
@@ -58,6 +67,8 @@ class GPTConfig(Section):
             also be a multiple of ``tp``, so each device holds whole heads.
         n_embd: width of the residual stream.
         mlp_ratio: MLP hidden width as a multiple of ``n_embd``.
+        dropout: dropout rate in training where GPT-2 applies it (embeddings, attention
+            probabilities, the attention and MLP branches into the residual stream); in [0, 1).
     """
 
     vocab_size: pydantic.StrictInt = pydantic.Field(256, gt=0, description="token ids")
@@ -66,6 +77,7 @@ class GPTConfig(Section):
     n_head: pydantic.StrictInt = pydantic.Field(4, gt=0, description="attention heads")
     n_embd: pydantic.StrictInt = pydantic.Field(128, gt=0, description="residual width")
     mlp_ratio: pydantic.StrictInt = pydantic.Field(4, gt=0, description="MLP width / n_embd")
+    dropout: float = pydantic.Field(0.0, ge=0, lt=1, description="dropout rate in training")
 
     @pydantic.model_validator(mode="after")
     def _heads_divide_width(self) -> GPTConfig:
@@ -151,22 +163,38 @@ class Blocks(nnx.Module):
         self.mlp_proj = stacked_linear(n_mlp, n_embd, ("n_mlp", "n_embd"), std=residual_std)
 
 
-def block(layer: dict, x: jax.Array, *, n_head: int, compute_dtype: jnp.dtype) -> jax.Array:
+def block(
+    layer: dict,
+    x: jax.Array,
+    keys: jax.Array | None,
+    *,
+    n_head: int,
+    compute_dtype: jnp.dtype,
+    dropout_rate: float,
+) -> jax.Array:
     """One pre-LayerNorm transformer block.
 
     ``layer`` holds one layer's arrays (a slice of ``Blocks``' state as a pure dict); ``x`` is the
     float32 residual stream ``(batch, seq, n_embd)``. Sublayers compute in ``compute_dtype`` and
-    their outputs are added to the residual stream in float32.
+    their outputs are added to the residual stream in float32. With this layer's per-example
+    ``keys`` (batch,), attention probabilities and both residual branches are dropped out.
     """
+    _, seq, n_embd = x.shape
+    shapes = [(n_head, seq, seq), (seq, n_embd), (seq, n_embd)]  # one draw of bits per example
+    probs_keep, attn_keep, mlp_keep = keep_masks(keys, dropout_rate, shapes)
     h = layer_norm(x, **layer["ln1"], dtype=compute_dtype)  # (batch, seq, n_embd)
     q = linear(h, **layer["attn_q"])  # (batch, seq, n_attn)
     k = linear(h, **layer["attn_k"])  # (batch, seq, n_attn)
     v = linear(h, **layer["attn_v"])  # (batch, seq, n_attn)
-    attended = causal_attention(q, k, v, n_head)  # (batch, seq, n_attn)
-    x = x + linear(attended, **layer["attn_out"]).astype(jnp.float32)  # (batch, seq, n_embd)
+    attended = causal_attention(
+        q, k, v, n_head, dropout_rate=dropout_rate, keep=probs_keep
+    )  # (batch, seq, n_attn)
+    branch = apply_dropout(linear(attended, **layer["attn_out"]), attn_keep, dropout_rate)
+    x = x + branch.astype(jnp.float32)  # (batch, seq, n_embd)
     h = layer_norm(x, **layer["ln2"], dtype=compute_dtype)  # (batch, seq, n_embd)
     h = jax.nn.gelu(linear(h, **layer["mlp_fc"]), approximate=True)  # (batch, seq, n_mlp)
-    return x + linear(h, **layer["mlp_proj"]).astype(jnp.float32)  # (batch, seq, n_embd)
+    branch = apply_dropout(linear(h, **layer["mlp_proj"]), mlp_keep, dropout_rate)
+    return x + branch.astype(jnp.float32)  # (batch, seq, n_embd)
 
 
 class GPT(nnx.Module):
@@ -186,6 +214,9 @@ class GPT(nnx.Module):
     Parameters are float32 master weights; ``compute_dtype`` is the dtype of matmuls and of the
     activations between them, while LayerNorm statistics, softmax, the residual stream and the
     logits stay float32. ``remat=True`` recomputes each layer in the backward pass.
+
+    Dropout (``GPTConfig.dropout``) applies only to calls with ``deterministic=False``, with one
+    key per example: each example's masks are the same whatever the batch or its layout.
     """
 
     plan = GPT_PLAN
@@ -203,6 +234,7 @@ class GPT(nnx.Module):
         self.n_head = config.n_head
         self.compute_dtype = jnp.dtype(compute_dtype)
         self.remat = remat
+        self.dropout = config.dropout
         embedding = nnx.initializers.normal(0.02)
         self.wte = _param(rngs, (config.vocab_size, config.n_embd), ("vocab", "n_embd"), embedding)
         self.wpe = _param(
@@ -211,17 +243,44 @@ class GPT(nnx.Module):
         self.blocks = Blocks(config, rngs=rngs)
         self.ln_f = LayerNorm(config.n_embd, rngs=rngs)
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        """Float32 logits ``(batch, seq, vocab)`` of int ``tokens`` ``(batch, seq)``."""
+    def __call__(
+        self, tokens: jax.Array, keys: jax.Array | None = None, *, deterministic: bool = True
+    ) -> jax.Array:
+        """Float32 logits ``(batch, seq, vocab)`` of int ``tokens`` ``(batch, seq)``.
+
+        ``deterministic=False`` (training) applies dropout with the per-example ``keys``
+        ``(batch,)``, which it then needs; evaluation and generation keep the default True.
+        """
         _, seq = tokens.shape
         if seq > self.block_size:
             raise ValueError(
                 f"sequence length {seq} exceeds GPTConfig.block_size={self.block_size}."
             )
+        if deterministic or self.dropout == 0.0:
+            keys = None
+        elif keys is None:
+            raise ValueError(
+                f"GPT with dropout {self.dropout} called with deterministic=False needs one "
+                "key per example: pass keys (batch,), e.g. Keys.examples in a loss_fn"
+            )
         wte = self.wte[...]  # (vocab, n_embd)
         x = wte[tokens] + self.wpe[...][:seq]  # (batch, seq, n_embd) float32 residual stream
-        layer_step = partial(block, n_head=self.n_head, compute_dtype=self.compute_dtype)
-        x = scan_layers(layer_step, x, self.blocks, remat=self.remat)  # gathered per layer
+        x = dropout(x, self.dropout, fold_in(keys, 0))  # layer i draws from fold_in(keys, i + 1)
+        layer_step = partial(
+            block,
+            n_head=self.n_head,
+            compute_dtype=self.compute_dtype,
+            dropout_rate=self.dropout,
+        )
+
+        def one_layer(inputs, x):
+            layer, index = inputs
+            return layer_step(layer, x, fold_in(keys, index + 1))
+
+        layers = nnx.to_pure_dict(nnx.state(self.blocks))  # arrays of shape (n_layer, ...)
+        num_layers = jax.tree.leaves(layers)[0].shape[0]
+        layers = (layers, jnp.arange(num_layers))  # each layer's weights and its index
+        x = scan_layers(one_layer, x, layers, remat=self.remat)  # gathered per layer
         h = layer_norm(x, **nnx.to_pure_dict(nnx.state(self.ln_f)), dtype=self.compute_dtype)
         return dense(h, wte, jnp.float32, transposed=True)  # (batch, seq, vocab)
 

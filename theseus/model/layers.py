@@ -6,6 +6,9 @@ compute dtype) and accumulate in float32; LayerNorm statistics and softmax are f
 
 from __future__ import annotations
 
+import itertools
+import math
+from collections.abc import Sequence
 from functools import partial
 
 import jax
@@ -72,9 +75,55 @@ def layer_norm(
     return (normalized * scale + bias).astype(dtype)
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, n_head: int) -> jax.Array:
+def fold_in(keys: jax.Array | None, data: int | jax.Array) -> jax.Array | None:
+    """``jax.random.fold_in`` of every key of ``keys`` (examples,) with the same ``data``: an
+    independent stream per dropout site or layer. None stays None (no randomness)."""
+    if keys is None:
+        return None
+    return jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, data)
+
+
+def keep_masks(
+    keys: jax.Array | None, rate: float, shapes: Sequence[tuple[int, ...]]
+) -> tuple[jax.Array | None, ...]:
+    """Dropout keep masks ``(examples, *shape)``, one for each of ``shapes``, from one draw of
+    random bits per key of ``keys`` (examples,): an example's masks depend on its key alone, so
+    they are the same under every layout. An element is kept with probability ``1 - rate``.
+    All None (no dropout) when ``keys`` is None (evaluation) or ``rate`` is 0."""
+    if keys is None or rate == 0.0:
+        return (None,) * len(shapes)
+    sizes = [math.prod(shape) for shape in shapes]
+    bits = jax.vmap(lambda key: jax.random.bits(key, (sum(sizes),), jnp.uint32))(keys)
+    keep = bits >= jnp.uint32(int(rate * 2**32))  # (examples, sum(sizes))
+    parts = jnp.split(keep, list(itertools.accumulate(sizes))[:-1], axis=1)
+    return tuple(part.reshape(len(keys), *shape) for part, shape in zip(parts, shapes, strict=True))
+
+
+def apply_dropout(x: jax.Array, keep: jax.Array | None, rate: float) -> jax.Array:
+    """Inverted dropout: ``x`` where ``keep``, scaled by ``1 / (1 - rate)``, else 0; ``x`` itself
+    when ``keep`` is None."""
+    if keep is None:
+        return x
+    return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))
+
+
+def dropout(x: jax.Array, rate: float, keys: jax.Array | None) -> jax.Array:
+    """Inverted dropout of ``x`` (examples, ...) with one key per example, ``keys`` (examples,)."""
+    return apply_dropout(x, keep_masks(keys, rate, [x.shape[1:]])[0], rate)
+
+
+def causal_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    n_head: int,
+    *,
+    dropout_rate: float = 0.0,
+    keep: jax.Array | None = None,
+) -> jax.Array:
     """Causal multi-head attention of ``(batch, seq, n_attn)`` projections, in ``q.dtype`` with
-    float32 scores and softmax. Heads are contiguous slices of ``n_attn``."""
+    float32 scores and softmax. Heads are contiguous slices of ``n_attn``. With a ``keep`` mask
+    ``(batch, n_head, seq, seq)``, the attention probabilities are dropped out."""
     batch, seq, n_attn = q.shape
     head_dim = n_attn // n_head
     q, k, v = (t.reshape(batch, seq, n_head, head_dim) for t in (q, k, v))
@@ -83,5 +132,6 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, n_head: int) -> j
     causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))  # (seq, seq): query attends to key <= it
     scores = jnp.where(causal, scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)  # (batch, n_head, seq, seq)
+    probs = apply_dropout(probs, keep, dropout_rate)
     out = jnp.einsum("bhqk,bkhd->bqhd", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(batch, seq, n_attn).astype(q.dtype)  # (batch, seq, n_attn)

@@ -43,6 +43,7 @@ from theseus.config import (
 )
 from theseus.data import Corpus
 from theseus.training import gathering
+from theseus.training.keys import Keys, example_keys, step_key, validation_keys
 from theseus.training.memory import MemoryFacts, device_bytes, shard_bytes
 from theseus.training.nonfinite import keep_if_finite
 
@@ -61,7 +62,7 @@ class TrainerConfig(Section):
 
 @struct.dataclass
 class TrainState:
-    """Everything a step changes: float32 parameters, optimizer state, step counter and RNG key."""
+    """Float32 params, optimizer state, step counter and the run's fixed key (see keys.py)."""
 
     params: Any
     opt_state: Any
@@ -178,9 +179,10 @@ class BaseTrainer(abc.ABC):
         """Reject data the model cannot read (e.g. token ids beyond its vocabulary)."""
         del corpus  # any data is fine unless a subclass says otherwise
 
-    def loss_fn(self, model: nnx.Module, tokens: jax.Array, rng: jax.Array) -> jax.Array:
-        """Mean next-token loss of ``tokens`` (examples, seq_len + 1); override for other tasks."""
-        del rng
+    def loss_fn(self, model: nnx.Module, tokens: jax.Array, keys: Keys, *, train: bool):
+        """Mean next-token loss of ``tokens`` (examples, seq_len + 1); override for other tasks.
+        Draw randomness from ``keys`` (see ``Keys``); ``train`` is False in validation."""
+        del keys, train
         return next_token_loss(model(tokens[:, :-1]), tokens[:, 1:])
 
     # --- derived facts -----------------------------------------------------------------------
@@ -319,11 +321,10 @@ class BaseTrainer(abc.ABC):
         """(accumulation, examples, seq_len + 1): examples over ``batch``, shared by ``shard``."""
         return NamedSharding(self.mesh, P(None, Axis.BATCH, None))
 
-    def _loss(
-        self, params: Any, tokens: jax.Array, rng: jax.Array, gathered: set[str] | None = None
-    ) -> jax.Array:
+    def _loss(self, params, tokens, keys: Keys, train: bool, gathered: set[str] | None = None):
         """``loss_fn`` with the layouts installed for :func:`theseus.scan_layers`."""
-        model_loss = lambda p: self.loss_fn(nnx.merge(self.graphdef, p), tokens, rng)
+        model = lambda p: nnx.merge(self.graphdef, p)
+        model_loss = lambda p: self.loss_fn(model(p), tokens, keys, train=train)
         return gathering.loss_with_layouts(model_loss, params, self.layouts, gathered)
 
     @cached_property
@@ -332,7 +333,11 @@ class BaseTrainer(abc.ABC):
         (:func:`theseus.scan_layers`); found by tracing the loss once, abstractly."""
         found: set[str] = set()
         shape = (self.batch_plan.per_device_batch_size, self.seq_len + 1)
-        loss = lambda p, t: self._loss(p, t, jax.random.PRNGKey(0), found)
+
+        def loss(params, tokens):
+            key, keys = validation_keys(1, shape[0])  # traced: nothing allocated
+            return self._loss(params, tokens, Keys(keys[0], key), True, found)
+
         jax.eval_shape(loss, self.abstract_state.params, jax.ShapeDtypeStruct(shape, jnp.int32))
         return frozenset(found)
 
@@ -354,18 +359,20 @@ class BaseTrainer(abc.ABC):
 
     def _train_step(self, state: TrainState, batch: jax.Array) -> tuple[TrainState, dict]:
         constrain = jax.lax.with_sharding_constraint
-        rng, step_rng = jax.random.split(state.rng)
         num_micro, examples, width = batch.shape
         replicas = self.accumulating_replicas
         batch = batch.reshape(num_micro, replicas, examples // replicas, width)
+        key = step_key(state.rng, state.step)
+        # (accumulation, replicas, examples / replicas): each key travels with its example.
+        all_keys = example_keys(key, num_micro, examples).reshape(batch.shape[:3])
 
-        def replica_grads(tokens, micro_rng):  # tokens: (examples / replicas, seq_len + 1)
+        def replica_grads(tokens, keys):  # tokens: (examples / replicas, seq_len + 1)
             params = constrain(state.params, self.entry_layout)
-            loss, grads = jax.value_and_grad(self._loss)(params, tokens, micro_rng)
+            loss, grads = jax.value_and_grad(self._loss)(params, tokens, Keys(keys, key), True)
             return loss, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
 
         spmd_axis = Axis.BATCH if replicas > 1 else None
-        replica_grads = jax.vmap(replica_grads, in_axes=(0, None), spmd_axis_name=spmd_axis)
+        replica_grads = jax.vmap(replica_grads, in_axes=(0, 0), spmd_axis_name=spmd_axis)
 
         def microbatch(grad_sum, inputs):
             losses, grads = replica_grads(*inputs)  # (replicas,), (replicas, *parameter)
@@ -373,9 +380,8 @@ class BaseTrainer(abc.ABC):
             return grad_sum, losses.mean()
 
         zeros = jax.tree.map(lambda p: jnp.zeros((replicas, *p.shape), jnp.float32), state.params)
-        micro_rngs = jax.random.split(step_rng, num_micro)
         grad_sum, losses = jax.lax.scan(
-            microbatch, constrain(zeros, self.accumulator_layout), (batch, micro_rngs)
+            microbatch, constrain(zeros, self.accumulator_layout), (batch, all_keys)
         )
         # The one reduction across replicas of the step, straight into the update layout.
         mean = jax.tree.map(lambda g: g.sum(0) / (num_micro * replicas), grad_sum)
@@ -389,7 +395,9 @@ class BaseTrainer(abc.ABC):
             "learning_rate": self.learning_rate()(state.step),
         }
         # A non-finite loss or gradient norm keeps the old parameters and optimizer state.
-        return keep_if_finite(state, TrainState(params, opt_state, state.step + 1, rng), metrics)
+        return keep_if_finite(
+            state, TrainState(params, opt_state, state.step + 1, state.rng), metrics
+        )
 
     @cached_property
     def train_step(self) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict]]:
@@ -405,12 +413,13 @@ class BaseTrainer(abc.ABC):
 
     def _validation_loss(self, params: Any, batches: jax.Array) -> jax.Array:
         params = jax.lax.with_sharding_constraint(params, self.entry_layout)
-        rng = jax.random.PRNGKey(0)
+        key, keys = validation_keys(*batches.shape[:2])  # keys (num_batches, examples)
 
-        def one(total, tokens):
-            return total + self._loss(params, tokens, rng), None
+        def one(total, inputs):
+            tokens, batch_keys = inputs
+            return total + self._loss(params, tokens, Keys(batch_keys, key), False), None
 
-        total, _ = jax.lax.scan(one, jnp.zeros((), jnp.float32), batches)
+        total, _ = jax.lax.scan(one, jnp.zeros((), jnp.float32), (batches, keys))
         return total / batches.shape[0]
 
     @cached_property

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+import jax
 import pydantic
 from flax import nnx
 
@@ -11,8 +12,9 @@ from theseus.base.axis import ShardingPlan
 from theseus.data import Corpus
 from theseus.model import GPT, GPT_PLAN, GPTConfig
 from theseus.model.gpt_decode import GPTDecoder
-from theseus.training.base import BaseTrainer, TrainerConfig
+from theseus.training.base import BaseTrainer, TrainerConfig, next_token_loss
 from theseus.training.flops import gpt_flops_per_token
+from theseus.training.keys import Keys
 
 
 class GPTTrainerConfig(TrainerConfig):
@@ -47,6 +49,11 @@ class GPTTrainer(BaseTrainer):
     def decoder(self) -> GPTDecoder:
         """Cached decoding for ``theseus generate`` (see theseus.model.decode)."""
         return GPTDecoder(self.config.model, self.compute_dtype)
+
+    def loss_fn(self, model: GPT, tokens: jax.Array, keys: Keys, *, train: bool) -> jax.Array:
+        """Next-token loss; dropout (``model.dropout``) in training only, one key per example."""
+        logits = model(tokens[:, :-1], keys.examples, deterministic=not train)
+        return next_token_loss(logits, tokens[:, 1:])
 
     def default_seq_len(self) -> int:
         return self.config.model.block_size
