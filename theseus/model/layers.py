@@ -6,8 +6,6 @@ compute dtype) and accumulate in float32; LayerNorm statistics and softmax are f
 
 from __future__ import annotations
 
-import itertools
-import math
 from collections.abc import Sequence
 from functools import partial
 
@@ -86,17 +84,23 @@ def fold_in(keys: jax.Array | None, data: int | jax.Array) -> jax.Array | None:
 def keep_masks(
     keys: jax.Array | None, rate: float, shapes: Sequence[tuple[int, ...]]
 ) -> tuple[jax.Array | None, ...]:
-    """Dropout keep masks ``(examples, *shape)``, one for each of ``shapes``, from one draw of
-    random bits per key of ``keys`` (examples,): an example's masks depend on its key alone, so
-    they are the same under every layout. An element is kept with probability ``1 - rate``.
-    All None (no dropout) when ``keys`` is None (evaluation) or ``rate`` is 0."""
+    """Dropout keep masks ``(examples, *shape)``, one for each of ``shapes``, drawn from the keys
+    ``(examples,)``: an example's masks depend on its key alone, so they are the same under every
+    layout. Each mask is drawn in its own shape (so it shards like the activation it masks);
+    an element is kept with probability ``1 - rate``. All None (no dropout) when ``keys`` is
+    None (evaluation) or ``rate`` is 0."""
     if keys is None or rate == 0.0:
         return (None,) * len(shapes)
-    sizes = [math.prod(shape) for shape in shapes]
-    bits = jax.vmap(lambda key: jax.random.bits(key, (sum(sizes),), jnp.uint32))(keys)
-    keep = bits >= jnp.uint32(int(rate * 2**32))  # (examples, sum(sizes))
-    parts = jnp.split(keep, list(itertools.accumulate(sizes))[:-1], axis=1)
-    return tuple(part.reshape(len(keys), *shape) for part, shape in zip(parts, shapes, strict=True))
+    if len(shapes) > 1:
+        keys = jax.vmap(jax.random.split, in_axes=(0, None))(keys, len(shapes))  # (examples, n)
+    else:
+        keys = keys[:, None]  # (examples, 1)
+    threshold = jnp.uint32(int(rate * 2**32))
+    return tuple(
+        jax.vmap(lambda key, shape=shape: jax.random.bits(key, shape, jnp.uint32))(keys[:, i])
+        >= threshold
+        for i, shape in enumerate(shapes)
+    )
 
 
 def apply_dropout(x: jax.Array, keep: jax.Array | None, rate: float) -> jax.Array:
