@@ -43,7 +43,7 @@ from theseus.config import (
 )
 from theseus.data import Corpus
 from theseus.training import gathering
-from theseus.training.keys import Keys, example_keys, step_key, validation_keys
+from theseus.training.keys import Keys, step_keys, validation_keys
 from theseus.training.memory import MemoryFacts, device_bytes, shard_bytes
 from theseus.training.nonfinite import keep_if_finite
 
@@ -180,8 +180,7 @@ class BaseTrainer(abc.ABC):
         del corpus  # any data is fine unless a subclass says otherwise
 
     def loss_fn(self, model: nnx.Module, tokens: jax.Array, keys: Keys, *, train: bool):
-        """Mean next-token loss of ``tokens`` (examples, seq_len + 1); override for other tasks.
-        Draw randomness from ``keys`` (see ``Keys``); ``train`` is False in validation."""
+        """Mean next-token loss (override for other tasks); ``train`` is False in validation."""
         del keys, train
         return next_token_loss(model(tokens[:, :-1]), tokens[:, 1:])
 
@@ -323,8 +322,7 @@ class BaseTrainer(abc.ABC):
 
     def _loss(self, params, tokens, keys: Keys, train: bool, gathered: set[str] | None = None):
         """``loss_fn`` with the layouts installed for :func:`theseus.scan_layers`."""
-        model = lambda p: nnx.merge(self.graphdef, p)
-        model_loss = lambda p: self.loss_fn(model(p), tokens, keys, train=train)
+        model_loss = lambda p: self.loss_fn(nnx.merge(self.graphdef, p), tokens, keys, train=train)
         return gathering.loss_with_layouts(model_loss, params, self.layouts, gathered)
 
     @cached_property
@@ -333,11 +331,7 @@ class BaseTrainer(abc.ABC):
         (:func:`theseus.scan_layers`); found by tracing the loss once, abstractly."""
         found: set[str] = set()
         shape = (self.batch_plan.per_device_batch_size, self.seq_len + 1)
-
-        def loss(params, tokens):
-            key, keys = validation_keys(1, shape[0])  # traced: nothing allocated
-            return self._loss(params, tokens, Keys(keys[0], key), True, found)
-
+        loss = lambda p, t: self._loss(p, t, validation_keys(shape[:1]), True, found)  # traced
         jax.eval_shape(loss, self.abstract_state.params, jax.ShapeDtypeStruct(shape, jnp.int32))
         return frozenset(found)
 
@@ -362,13 +356,11 @@ class BaseTrainer(abc.ABC):
         num_micro, examples, width = batch.shape
         replicas = self.accumulating_replicas
         batch = batch.reshape(num_micro, replicas, examples // replicas, width)
-        key = step_key(state.rng, state.step)
-        # (accumulation, replicas, examples / replicas): each key travels with its example.
-        all_keys = example_keys(key, num_micro, examples).reshape(batch.shape[:3])
+        rng = step_keys(state.rng, state.step, batch.shape[:3])  # one key per example, and step
 
-        def replica_grads(tokens, keys):  # tokens: (examples / replicas, seq_len + 1)
+        def replica_grads(tokens, rows):  # (examples / replicas, seq_len + 1), their keys
             params = constrain(state.params, self.entry_layout)
-            loss, grads = jax.value_and_grad(self._loss)(params, tokens, Keys(keys, key), True)
+            loss, grads = jax.value_and_grad(self._loss)(params, tokens, Keys(rows, rng.step), True)
             return loss, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
 
         spmd_axis = Axis.BATCH if replicas > 1 else None
@@ -381,7 +373,7 @@ class BaseTrainer(abc.ABC):
 
         zeros = jax.tree.map(lambda p: jnp.zeros((replicas, *p.shape), jnp.float32), state.params)
         grad_sum, losses = jax.lax.scan(
-            microbatch, constrain(zeros, self.accumulator_layout), (batch, all_keys)
+            microbatch, constrain(zeros, self.accumulator_layout), (batch, rng.examples)
         )
         # The one reduction across replicas of the step, straight into the update layout.
         mean = jax.tree.map(lambda g: g.sum(0) / (num_micro * replicas), grad_sum)
@@ -413,13 +405,12 @@ class BaseTrainer(abc.ABC):
 
     def _validation_loss(self, params: Any, batches: jax.Array) -> jax.Array:
         params = jax.lax.with_sharding_constraint(params, self.entry_layout)
-        key, keys = validation_keys(*batches.shape[:2])  # keys (num_batches, examples)
+        keys = validation_keys(batches.shape[:2])  # examples: (num_batches, examples)
 
-        def one(total, inputs):
-            tokens, batch_keys = inputs
-            return total + self._loss(params, tokens, Keys(batch_keys, key), False), None
+        def one(total, inputs):  # (examples, seq_len + 1), (examples,)
+            return total + self._loss(params, inputs[0], Keys(inputs[1], keys.step), False), None
 
-        total, _ = jax.lax.scan(one, jnp.zeros((), jnp.float32), (batches, keys))
+        total, _ = jax.lax.scan(one, jnp.zeros((), jnp.float32), (batches, keys.examples))
         return total / batches.shape[0]
 
     @cached_property

@@ -11,6 +11,8 @@ own, derived the same way from a fixed key with the held-out set's global exampl
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -23,8 +25,9 @@ class Keys:
     """The random keys one loss evaluation receives (typed keys, ``jax.random.key``).
 
     Attributes:
-        examples: ``(examples,)``, one key per example of the microbatch: per-example randomness
-            (dropout masks) drawn from it is the same under every layout.
+        examples: ``(examples,)``, one key per example of the microbatch (in ``loss_fn``; a step
+            holds them for its whole batch): per-example randomness such as dropout masks drawn
+            from it is the same under every layout.
         step: one key for the whole step, shared by all its microbatches and replicas.
     """
 
@@ -32,26 +35,25 @@ class Keys:
     step: jax.Array
 
 
-def step_key(run_key: jax.Array, step: jax.Array) -> jax.Array:
-    """The key of training step ``step`` (steps done before it) of the run keyed ``run_key``.
-
-    ``run_key`` is the raw ``uint32[2]`` key a :class:`TrainState` stores (checkpointed).
-    """
-    return jax.random.fold_in(jax.random.wrap_key_data(run_key), step)
-
-
-def example_keys(key: jax.Array, num_microbatches: int, examples: int) -> jax.Array:
-    """Keys ``(num_microbatches, examples)``: element ``[a, j]`` is ``fold_in(key, a * examples
-    + j)``, the key of the example at that global index of a (microbatch-major) batch."""
-    index = jnp.arange(num_microbatches * examples).reshape(num_microbatches, examples)
-    return jax.vmap(jax.vmap(jax.random.fold_in, (None, 0)), (None, 0))(key, index)
+def example_keys(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Keys of ``shape``, a (microbatch-major) batch's leading dims: the element at row-major
+    index ``i`` is ``fold_in(key, i)``, the key of the example at global index ``i``. Any
+    reshape of the batch that keeps row-major order (e.g. into replicas) keeps each key with its
+    example."""
+    index = jnp.arange(math.prod(shape))  # (examples of the whole batch,)
+    return jax.vmap(jax.random.fold_in, (None, 0))(key, index).reshape(shape)
 
 
-def validation_keys(num_batches: int, examples: int) -> tuple[jax.Array, jax.Array]:
-    """The fixed step key of validation and its example keys ``(num_batches, examples)``.
+def step_keys(run_key: jax.Array, step: jax.Array, shape: tuple[int, ...]) -> Keys:
+    """The keys of training step ``step`` (steps done before it): ``fold_in(run_key, step)`` and
+    its example keys of ``shape``. ``run_key`` is the raw ``uint32[2]`` key of a TrainState."""
+    key = jax.random.fold_in(jax.random.wrap_key_data(run_key), step)
+    return Keys(example_keys(key, shape), key)
 
-    Validation is deterministic (``train=False``); a model that draws randomness there anyway gets
-    the same numbers every time and under every layout.
-    """
+
+def validation_keys(shape: tuple[int, ...]) -> Keys:
+    """The keys of the held-out set, example keys of ``shape`` and a fixed step key. Validation
+    is deterministic (``train=False``); a model that draws randomness there anyway gets the
+    same numbers every time and under every layout."""
     key = jax.random.key(VALIDATION_SEED)
-    return key, example_keys(key, num_batches, examples)
+    return Keys(example_keys(key, shape), key)
