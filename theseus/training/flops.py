@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core
 
+from theseus.training.keys import validation_keys
+
 if TYPE_CHECKING:
     from theseus.training.base import BaseTrainer
 
@@ -49,11 +51,11 @@ def xla_flops_per_token(trainer: BaseTrainer) -> float:
     nothing is allocated or compiled)."""
     plan = trainer.batch_plan
     tokens = jax.ShapeDtypeStruct((plan.per_device_batch_size, plan.seq_len + 1), jnp.int32)
-    rng = jax.ShapeDtypeStruct((2,), jnp.uint32)
-    grad = jax.value_and_grad(trainer._loss)
-    closed = jax.make_jaxpr(grad)(trainer.abstract_state.params, tokens, rng)
+    keys = lambda: validation_keys((plan.per_device_batch_size,))  # traced: training's shapes
+    grad = jax.value_and_grad(lambda params, t: trainer._loss(params, t, keys(), True))
+    closed = jax.make_jaxpr(grad)(trainer.abstract_state.params, tokens)
     unrolled = core.jaxpr_as_fun(_unrolled(closed))
-    leaves = jax.tree.leaves((trainer.abstract_state.params, tokens, rng))
+    leaves = jax.tree.leaves((trainer.abstract_state.params, tokens))
     flops = float(jax.jit(unrolled).lower(*leaves).cost_analysis()["flops"])
     return flops / (plan.per_device_batch_size * plan.seq_len)
 
