@@ -51,7 +51,7 @@ GB = 1e9
 def compiled(policy, overrides: list[str]):
     """(seconds, CompiledMemory with collectives) of the GPT train step on this process."""
     from theseus.config import apply_overrides
-    from theseus.planner import plan
+    from theseus.plan import plan
     from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
 
     config = apply_overrides(GPTTrainerConfig(), overrides)

@@ -82,7 +82,6 @@ def bench_one(model_name, hyper, policy_name, args, log) -> Row:
 
     from theseus.base.axis import ShardingPolicy
     from theseus.config import apply_overrides
-    from theseus.planner import compile_train_step, compiled_memory
     from theseus.training.flops import device_peak
     from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
 
@@ -99,9 +98,9 @@ def bench_one(model_name, hyper, policy_name, args, log) -> Row:
     config = apply_overrides(GPTTrainerConfig(), overrides)
     trainer = GPTTrainer(config, ShardingPolicy(tp=tp, zero=zero, fsdp=fsdp))
     start = time.perf_counter()
-    step = compile_train_step(trainer)
+    memory = trainer.compile()
+    step = memory.executable
     compile_s = time.perf_counter() - start
-    memory = compiled_memory(step)
     state = trainer.init_state()
     plan = trainer.batch_plan
     shape = (plan.accumulation_steps, plan.examples_per_microbatch, plan.seq_len + 1)

@@ -65,7 +65,7 @@ def main() -> None:
 
     from theseus.base.axis import ShardingPolicy
     from theseus.config import apply_overrides
-    from theseus.planner import format_bytes, plan
+    from theseus.plan import format_bytes, plan
     from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
 
     config = apply_overrides(GPTTrainerConfig(), BIG)

@@ -64,7 +64,6 @@ class Contender:
 def theseus_contender(policy_name: str, dtype: str):
     from theseus.base.axis import ShardingPolicy
     from theseus.config import apply_overrides
-    from theseus.planner import compile_train_step
     from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
 
     tp, zero, fsdp = POLICIES[policy_name]
@@ -72,11 +71,10 @@ def theseus_contender(policy_name: str, dtype: str):
     overrides += [f"training.{k}={v}" for k, v in BATCH.items()] + [f"training.dtype={dtype}"]
     config = apply_overrides(GPTTrainerConfig(), overrides)
     trainer = GPTTrainer(config, ShardingPolicy(tp=tp, zero=zero, fsdp=fsdp))
-    plan = trainer.batch_plan
-    shape = (plan.accumulation_steps, plan.examples_per_microbatch, plan.seq_len + 1)
+    shape = trainer.batch_plan.shape
     tokens = np.random.default_rng(0).integers(0, MODEL["vocab_size"], shape, dtype=np.int32)
     batch = jax.device_put(tokens, trainer.batch_sharding)
-    return trainer, compile_train_step(trainer), trainer.init_state(), batch, tokens
+    return trainer, trainer.compile().executable, trainer.init_state(), batch, tokens
 
 
 def reference_contender(policy_name: str, dtype: str, params, tokens):

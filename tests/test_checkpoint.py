@@ -17,12 +17,11 @@ from theseus.checkpoint import (
     Checkpointer,
     CheckpointError,
     IncompatibleCheckpointError,
-    checkpoint_meta,
     fingerprints,
-    restore_target,
 )
 from theseus.data import Sampler, load_corpus
 from theseus.training.base import TrainState
+from theseus.training.checkpointing import checkpoint_meta, restore_target
 from theseus.training.gpt import GPTTrainer
 
 MODEL = EQUIVALENCE_MODEL

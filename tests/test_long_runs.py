@@ -18,7 +18,8 @@ from support import TINY_GPT
 from typer.testing import CliRunner
 
 from theseus.base.axis import ShardingPolicy
-from theseus.checkpoint import Checkpointer, restore_target
+from theseus.checkpoint import Checkpointer
+from theseus.training.checkpointing import restore_target
 from theseus.cli import app
 from theseus.config import apply_overrides
 from theseus.data import Sampler, load_corpus

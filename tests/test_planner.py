@@ -14,16 +14,16 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from theseus import planner
+import theseus.plan as planner
 from theseus.base.axis import Axis, ShardingPlan, ShardingPolicy
 from theseus.base.layout import LayoutError
+from theseus.base.memory import device_bytes
 from theseus.base.topology import Topology
 from theseus.cli import app
 from theseus.collectives import OPS
 from theseus.config import apply_overrides, save_yaml
 from theseus.jobs import register_job
 from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
-from theseus.training.memory import device_bytes
 
 DP, ZERO, FSDP = ShardingPolicy(zero=False), ShardingPolicy(), ShardingPolicy(fsdp=True)
 REPO = Path(__file__).resolve().parents[1]
@@ -284,7 +284,7 @@ def compiled_plan(policy: ShardingPolicy) -> planner.Plan:
     return planner.plan(GPTTrainer, gpt(*WIDE), policy, 8, compile=True, alternatives=False)
 
 
-@pytest.mark.parametrize("policy", [DP, ZERO, FSDP], ids=planner.policy_name)
+@pytest.mark.parametrize("policy", [DP, ZERO, FSDP], ids=lambda policy: policy.name)
 def test_totals_and_compiled_arguments_equal_a_real_run_at_8_devices(policy):
     plan = compiled_plan(policy)
     assert [option.policy for option in plan.options] == [policy]
@@ -296,14 +296,14 @@ def test_totals_and_compiled_arguments_equal_a_real_run_at_8_devices(policy):
     assert plan.totals.optimizer == device_bytes(state.opt_state, device)
     # The accumulator is float32 and parameter-shaped in the storage layout, as the params are.
     assert plan.totals.grad_accumulator == measured_params
-    assert trainer.memory_facts().predicted_bytes == plan.totals.params + plan.totals.optimizer
+    assert trainer.memory().persistent == plan.totals.params + plan.totals.optimizer
 
     # The closed-form ZeRO model, exactly the replicated leaves' bytes (and 8 bytes of Adam and
     # schedule counters) apart.
     psi, n = trainer.num_params, 8
     closed = {"DP": 16 * psi, "ZeRO": 8 * psi + 8 * psi / n, "FSDP": 16 * psi / n}
     cf = plan.closed_form
-    assert cf.kind == planner.policy_name(policy) and cf.psi == psi and cf.replicas == n
+    assert cf.kind == policy.name and cf.psi == psi and cf.replicas == n
     assert cf.predicted_bytes == pytest.approx(closed[cf.kind], abs=1e-6)
     replicated = sum(
         math.prod(leaf.shape)
@@ -332,7 +332,7 @@ def test_totals_and_compiled_arguments_equal_a_real_run_at_8_devices(policy):
 
 
 def test_compiled_peak_fsdp_below_zero_below_dp():
-    peaks = {planner.policy_name(p): compiled_plan(p).compiled.peak for p in (DP, ZERO, FSDP)}
+    peaks = {p.name: compiled_plan(p).compiled.peak for p in (DP, ZERO, FSDP)}
     assert peaks["FSDP"] < peaks["ZeRO"] < peaks["DP"], peaks
 
 

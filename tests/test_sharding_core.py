@@ -18,6 +18,7 @@ from theseus.base.layout import (
     optimizer_layout,
     resolve_layouts,
 )
+from theseus.base.preflight import BatchPlan
 from theseus.base.topology import Topology
 
 ATTN_PLAN = ShardingPlan(tp=[("n_embd", None), ("n_attn", Axis.SHARD)])
@@ -160,10 +161,15 @@ def test_topology_orders_given_devices():
     assert tuple(topology.mesh.devices.shape) == (2, 2)
 
 
+def global_batch_size(topology: Topology, per_device_batch_size: int, accumulation: int) -> int:
+    plan = BatchPlan(per_device_batch_size, topology.replicas, accumulation, seq_len=16)
+    return plan.global_batch_size
+
+
 def test_batch_accounting():
     topology = Topology.new(ShardingPolicy(tp=2))
-    assert topology.global_batch_size(per_device_batch_size=2, accumulation_steps=8) == 64
-    assert Topology.new(ShardingPolicy(tp=4)).global_batch_size(2, 8) == 32
+    assert global_batch_size(topology, per_device_batch_size=2, accumulation=8) == 64
+    assert global_batch_size(Topology.new(ShardingPolicy(tp=4)), 2, 8) == 32
 
 
 # --- layouts -------------------------------------------------------------------------------

@@ -11,12 +11,11 @@ from support import EQUIVALENCE_BATCH, EQUIVALENCE_MODEL, equivalence_config
 
 from theseus.base.axis import ShardingPolicy
 from theseus.base.layout import LayoutError
+from theseus.base.preflight import plan_batch
 from theseus.base.topology import Topology
 from theseus.collectives import count_collectives, loop_bodies_with
 from theseus.config import apply_overrides
 from theseus.data import Sampler, load_corpus, validation_batches
-from theseus.planner import compiled_memory
-from theseus.training.base import plan_batch
 from theseus.training.gpt import GPTTrainer
 
 MODEL = EQUIVALENCE_MODEL
@@ -176,16 +175,16 @@ def replicated_bytes(trainer):
 @pytest.mark.parametrize("policy", POLICIES, ids=lambda p: f"tp{p.tp}-zero{p.zero}-fsdp{p.fsdp}")
 def test_measured_memory_matches_layouts(policy):
     trainer = GPTTrainer(config(4 * policy.tp // 1 if policy.tp < 8 else 32), policy)
-    facts = trainer.memory_facts(trainer.init_state())
-    assert facts.measured_bytes / facts.predicted_bytes == pytest.approx(1.0, abs=0.02)
+    measured = trainer.measured_memory(trainer.init_state())
+    assert measured.persistent / trainer.memory().persistent == pytest.approx(1.0, abs=0.02)
 
 
 def test_fsdp_memory_is_an_eighth_plus_replicated_leaves():
     one_device = Topology.new(ShardingPolicy(), devices=jax.devices()[:1])
     single = GPTTrainer(config(GLOBAL_BATCH), ShardingPolicy(), one_device)
-    single_bytes = single.memory_facts(single.init_state()).measured_bytes
+    single_bytes = single.measured_memory(single.init_state()).persistent
     fsdp = GPTTrainer(config(4), ShardingPolicy(fsdp=True))
-    fsdp_bytes = fsdp.memory_facts(fsdp.init_state()).measured_bytes
+    fsdp_bytes = fsdp.measured_memory(fsdp.init_state()).persistent
     replicated = replicated_bytes(fsdp)
     expected = (single_bytes - replicated) / 8 + replicated
     assert fsdp_bytes == pytest.approx(expected, rel=0.02)
@@ -254,7 +253,7 @@ def test_activation_checkpointing_matches_one_device():
 
 def compiled_step(policy, *overrides):
     cfg = apply_overrides(config(1), ["model.n_embd=192", "model.n_head=4", *overrides])
-    return compiled_memory(GPTTrainer(cfg, policy))
+    return GPTTrainer(cfg, policy).compile()
 
 
 def test_fsdp_gathers_one_layer_at_a_time_inside_the_layer_loop():
@@ -282,7 +281,7 @@ def test_gradients_cross_batch_once_per_step(policy):
     tiny = ("model.n_layer=2", "model.n_embd=32", "training.batch_size=64")
     trainer = GPTTrainer(apply_overrides(config(1), list(tiny)), policy)
     assert trainer.batch_plan.accumulation_steps == 8
-    found = count_collectives(compiled_memory(trainer).executable.as_text())
+    found = count_collectives(trainer.compile().executable.as_text())
     gradient_bytes = 4 * trainer.num_params
     reduced = found["all-reduce"].bytes + found["reduce-scatter"].bytes
     assert reduced == pytest.approx(gradient_bytes, rel=0.05), (reduced, gradient_bytes)

@@ -16,7 +16,7 @@ from flax import nnx
 import theseus
 from theseus.base.topology import Topology
 from theseus.config import Section, apply_overrides
-from theseus.planner import plan
+from theseus.plan import plan
 from theseus.training.loop import train
 
 

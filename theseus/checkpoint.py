@@ -1,11 +1,12 @@
 """Checkpoints of a run directory: orbax, restored straight into the target layouts.
 
-A checkpoint is one step directory holding two items: ``state`` (the :class:`TrainState`, each
-array written by the devices that hold its shards) and ``meta`` (JSON: the caller's metadata —
-policy, mesh shape, config, data position, see :func:`checkpoint_meta` — plus a fingerprint of
-every array). Restoring takes a target pytree of ``jax.ShapeDtypeStruct`` with shardings
-(:func:`restore_target`), so each device reads only its own shard from disk: a run saved under one
-policy or device count resumes under another, and no array is ever whole on one device.
+A checkpoint is one step directory holding two items: ``state`` (any pytree of arrays, e.g. a
+``TrainState``; each array written by the devices that hold its shards) and ``meta`` (JSON: the
+caller's metadata — for a training run policy, mesh shape, config and data position, see
+``theseus.training.checkpointing`` — plus a fingerprint of every array). Restoring takes a target
+pytree of ``jax.ShapeDtypeStruct`` with shardings, so each device reads only its own shard from
+disk: a run saved under one policy or device count resumes under another, and no array is ever
+whole on one device.
 
 Robustness: orbax writes a step into a temporary directory and renames it on commit, so an
 interrupted save leaves no step behind (temporary directories are ignored and removed when a
@@ -33,7 +34,6 @@ import orbax.checkpoint as ocp
 
 from theseus.base.layout import path_str
 from theseus.fingerprints import fingerprints
-from theseus.training.base import BaseTrainer, TrainState
 from theseus.training.stops import CheckpointSaveError
 
 logger = logging.getLogger(__name__)
@@ -58,31 +58,6 @@ class SkippedCheckpoint:
 
     step: int
     reason: str
-
-
-def restore_target(trainer: BaseTrainer) -> TrainState:
-    """The trainer's abstract state with its state layout: where restored arrays must land."""
-    return jax.tree.map(
-        lambda value, sharding: jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding),
-        trainer.abstract_state,
-        trainer.state_layout,
-    )
-
-
-def checkpoint_meta(trainer: BaseTrainer, data_position: int, step: int | None = None) -> dict:
-    """What a checkpoint records besides the state: enough to resume and to audit the run.
-
-    ``data_position`` is the index of the next training example to draw (the loop's position
-    after the last completed step). ``step`` is filled in by :meth:`Checkpointer.save` when absent.
-    """
-    meta = {
-        **trainer.execution_facts(),
-        "config": trainer.config.model_dump(mode="json"),
-        "data_position": int(data_position),
-    }
-    if step is not None:
-        meta["step"] = int(step)
-    return meta
 
 
 # --- structure checks ------------------------------------------------------------------------
@@ -138,7 +113,7 @@ def _one_line(error: BaseException) -> str:
 
 
 class Checkpointer:
-    """Saves and restores :class:`TrainState` checkpoints of one run directory.
+    """Saves and restores the checkpoints (pytrees of arrays) of one run directory.
 
     Must be created and called by every process of a multi-process run (saving and restoring are
     collective). Saves are asynchronous: :meth:`save` returns once the arrays are copied off the
@@ -213,7 +188,7 @@ class Checkpointer:
 
     # --- saving ---------------------------------------------------------------------------------
 
-    def save(self, step: int, state: TrainState, meta: Mapping[str, Any]) -> None:
+    def save(self, step: int, state: Any, meta: Mapping[str, Any]) -> None:
         """Start saving ``state`` and the JSON-serialisable ``meta`` as ``step``.
 
         Returns once the arrays are copied to host memory, so the caller may donate ``state`` to
@@ -306,13 +281,13 @@ class Checkpointer:
 
     # --- restoring ------------------------------------------------------------------------------
 
-    def restore(self, step: int | None, target: TrainState) -> tuple[TrainState, dict]:
+    def restore(self, step: int | None, target: Any) -> tuple[Any, dict]:
         """Restore ``step`` (or, with ``None``, the newest good step) into ``target``'s layouts.
 
-        ``target`` is a pytree of ``jax.ShapeDtypeStruct`` with shardings, as
-        :func:`restore_target` builds; each device reads its own shards. Returns the state and the
-        metadata saved with it (``meta['step']`` is the restored step). Steps that ``None``
-        passed over are logged and kept in :attr:`skipped`.
+        ``target`` is a pytree of ``jax.ShapeDtypeStruct`` with shardings (for a training run,
+        ``theseus.training.checkpointing.restore_target``); each device reads its own shards.
+        Returns the state and the metadata saved with it (``meta['step']`` is the restored
+        step). Steps that ``None`` passed over are logged and kept in :attr:`skipped`.
 
         Raises :class:`CheckpointError` when the step is missing or damaged (with ``None``: when
         no step is good) and :class:`IncompatibleCheckpointError` when the checkpoint holds
@@ -347,7 +322,7 @@ class Checkpointer:
             + "\n".join(f"  {s.reason}" for s in skipped)
         )
 
-    def _restore_step(self, step: int, target: TrainState) -> tuple[TrainState, dict]:
+    def _restore_step(self, step: int, target: Any) -> tuple[Any, dict]:
         """Read and check one step; every process reaches the same verdict."""
         where = f"checkpoint {self.step_directory(step)} (step {step})"
         try:
@@ -364,7 +339,7 @@ class Checkpointer:
         self._bad_steps.discard(step)
         return restored
 
-    def _read_step(self, step: int, target: TrainState, where: str) -> tuple[TrainState, dict]:
+    def _read_step(self, step: int, target: Any, where: str) -> tuple[Any, dict]:
         if step not in self._manager.all_steps():
             raise CheckpointError(
                 f"{where} does not exist; committed steps in {self.directory}: "

@@ -7,9 +7,11 @@ before ``--cpu-devices`` has been applied; heavy imports happen inside the comma
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -125,15 +127,16 @@ def join_job(
     distributed.start(membership, heartbeat_timeout)
 
 
-def fail(message: str) -> None:
-    """A user error: one paragraph on stderr, no traceback, exit status 2."""
+def fail(message: str, code: int = 2) -> None:
+    """A user error: one paragraph on stderr, no traceback, exit status ``code`` (2: bad input)."""
     typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code=2)
+    raise typer.Exit(code=code)
 
 
 @contextlib.contextmanager
-def user_errors() -> Iterator[None]:
-    """Turn errors caused by the user's input into :func:`fail`."""
+def user_errors(exit_codes: Mapping[type[Exception], int] | None = None) -> Iterator[None]:
+    """Turn errors caused by the user's input into :func:`fail`: exit status 2, or the status
+    ``exit_codes`` gives the error's type (e.g. 1 for a plan that found no policy)."""
     import pydantic
 
     from theseus.config import describe_validation_error
@@ -147,7 +150,8 @@ def user_errors() -> Iterator[None]:
     except pydantic.ValidationError as error:
         fail(describe_validation_error(error))
     except (ValueError, TypeError, FileNotFoundError, ModuleNotFoundError) as error:
-        fail(str(error))
+        code = next((c for t, c in (exit_codes or {}).items() if isinstance(error, t)), 2)
+        fail(str(error), code)
 
 
 def echo_on_main(text: str) -> None:
@@ -158,17 +162,52 @@ def echo_on_main(text: str) -> None:
         typer.echo(text)
 
 
-def sharding_changes(
-    tp: int | None, zero: bool | None, fsdp: bool | None, activation_checkpointing: bool | None
-) -> dict[str, Any]:
+def shared_options(
+    options: Mapping[str, Any], *, into: str, build: Callable[..., Any]
+) -> Callable[[Callable], Callable]:
+    """Add the keyword ``options`` (name → ``Annotated`` type; default None) to a command, which
+    receives ``build(**their values)`` as its parameter ``into``: one declaration for options
+    that several commands share."""
+    added = [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=kind)
+        for name, kind in options.items()
+    ]
+
+    def decorate(command: Callable) -> Callable:
+        signature = inspect.signature(command, eval_str=True)
+        kept = [p for p in signature.parameters.values() if p.name != into]
+
+        @functools.wraps(command)
+        def wrapper(**kwargs: Any) -> Any:
+            built = build(**{name: kwargs.pop(name) for name in options})
+            return command(**kwargs, **{into: built})
+
+        wrapper.__signature__ = signature.replace(parameters=[*kept, *added])
+        return wrapper
+
+    return decorate
+
+
+def sharding_changes(**given: Any) -> dict[str, Any]:
     """The sharding flags a user actually gave (others keep the chain's or default policy)."""
-    given = {
-        "tp": tp,
-        "zero": zero,
-        "fsdp": fsdp,
-        "activation_checkpointing": activation_checkpointing,
-    }
     return {key: value for key, value in given.items() if value is not None}
+
+
+SHARDING_FLAGS = {
+    "tp": TP,
+    "zero": Zero,
+    "fsdp": FSDP,
+    "activation_checkpointing": ActivationCheckpointing,
+}
+#: --tp, --zero/--no-zero, --fsdp/--no-fsdp, --activation-checkpointing: the command receives the
+#: policy changes the user gave as ``sharding``.
+sharding_options = shared_options(SHARDING_FLAGS, into="sharding", build=sharding_changes)
+#: The layout flags alone (for commands that do not train).
+layout_options = shared_options(
+    {flag: SHARDING_FLAGS[flag] for flag in ("tp", "zero", "fsdp")},
+    into="sharding",
+    build=sharding_changes,
+)
 
 
 def import_modules(modules: list[str] | None) -> None:
@@ -187,13 +226,10 @@ def main() -> None:
 
 
 @app.command()
+@sharding_options
 def train(
     overrides: Overrides = None,
     job: Annotated[str, typer.Option(help="registered training job")] = "gpt/train/pretrain",
-    tp: TP = None,
-    zero: Zero = None,
-    fsdp: FSDP = None,
-    activation_checkpointing: ActivationCheckpointing = None,
     cpu_devices: CPUDevices = None,
     steps: Annotated[int | None, typer.Option(help="optimizer steps (training.steps)")] = None,
     seed: Annotated[int | None, typer.Option(help="seed of init and data order")] = None,
@@ -212,6 +248,7 @@ def train(
     process_id: ProcessId = None,
     distributed: Distributed = "auto",
     heartbeat_timeout: HeartbeatTimeout = DEFAULT_HEARTBEAT_TIMEOUT_S,
+    sharding: dict[str, Any] | None = None,
 ) -> None:
     """Train a job (the default GPT on built-in data unless data.path is given)."""
     join_job(
@@ -235,19 +272,16 @@ def train(
 
         options = {"resume": resume, "overwrite": overwrite, "allow_changes": allow_changes}
         session = quick(job, out, **options).override(*extra)
-        session.shard(**sharding_changes(tp, zero, fsdp, activation_checkpointing))
+        session.shard(**sharding)
         summary = session()
     echo_on_main(summary.describe())
 
 
 @app.command()
+@sharding_options
 def run(
     chain_file: Annotated[Path, typer.Argument(help="chain YAML (from `theseus configure`)")],
     out: Annotated[Path, typer.Argument(help="output directory of the chain")],
-    tp: TP = None,
-    zero: Zero = None,
-    fsdp: FSDP = None,
-    activation_checkpointing: ActivationCheckpointing = None,
     cpu_devices: CPUDevices = None,
     resume: Resume = False,
     allow_changes: AllowChanges = False,
@@ -258,6 +292,7 @@ def run(
     process_id: ProcessId = None,
     distributed: Distributed = "auto",
     heartbeat_timeout: HeartbeatTimeout = DEFAULT_HEARTBEAT_TIMEOUT_S,
+    sharding: dict[str, Any] | None = None,
 ) -> None:
     """Run an execution chain saved as YAML; sharding flags merge into its policy."""
     join_job(
@@ -267,36 +302,30 @@ def run(
         import_modules(imports)
         from theseus.execution import Chain
 
-        chain = Chain.load(chain_file).shard(
-            **sharding_changes(tp, zero, fsdp, activation_checkpointing)
-        )
+        chain = Chain.load(chain_file).shard(**sharding)
         results = chain.run(out, resume=resume, overwrite=overwrite, allow_changes=allow_changes)
     for result in results:
         echo_on_main(result.describe())
 
 
 @app.command()
+@sharding_options
 def configure(
     job: Annotated[str, typer.Argument(help="registered job name, see `theseus jobs`")],
     out_file: Annotated[Path, typer.Argument(help="chain YAML to write")],
     overrides: Overrides = None,
-    tp: TP = None,
-    zero: Zero = None,
-    fsdp: FSDP = None,
-    activation_checkpointing: ActivationCheckpointing = None,
     then: Annotated[
         list[str] | None, typer.Option(help="another job to run after this one (repeatable)")
     ] = None,
     imports: Imports = None,
+    sharding: dict[str, Any] | None = None,
 ) -> None:
     """Write a job's full, resolved configuration as a chain YAML to edit and `theseus run`."""
     with user_errors():
         import_modules(imports)
         from theseus.execution import chain
 
-        built = chain(job, *(overrides or [])).shard(
-            **sharding_changes(tp, zero, fsdp, activation_checkpointing)
-        )
+        built = chain(job, *(overrides or [])).shard(**sharding)
         for name in then or ():
             built = built.then(name)
         if imports:
@@ -331,133 +360,11 @@ def plot(
     typer.echo(f"wrote {path}")
 
 
-@app.command(name="plan", context_settings={"allow_extra_args": False})
-def plan_command(
-    arguments: Annotated[
-        list[str] | None,
-        typer.Argument(
-            help="optional JOB (a registered job, default gpt/train/pretrain) or CONFIG.yaml (a "
-            "chain from `theseus configure`, or a GPT config), then dotted config overrides",
-            show_default=False,
-        ),
-    ] = None,
-    devices: Annotated[
-        int | None,
-        typer.Option(help="devices to plan for, any number [default: this machine's]", min=1),
-    ] = None,
-    tp: TP = None,
-    zero: Zero = None,
-    fsdp: FSDP = None,
-    activation_checkpointing: ActivationCheckpointing = None,
-    devices_per_host: Annotated[
-        int | None,
-        typer.Option(help="devices of one host; TP stays within a host [default: min(devices, 8)]"),
-    ] = None,
-    compile_step: Annotated[
-        bool,
-        typer.Option(
-            "--compile",
-            help="also compile the real train step on that many simulated CPU devices and show "
-            "its memory_analysis() (activations included)",
-        ),
-    ] = False,
-    budget: Annotated[
-        str | None,
-        typer.Option(
-            help="per-device memory, e.g. 80GiB: pick the valid policy with the least "
-            "communication that fits (instead of --tp/--zero/--fsdp)"
-        ),
-    ] = None,
-    json_output: Annotated[
-        bool, typer.Option("--json", help="print the plan as JSON, for tools")
-    ] = False,
-    imports: Imports = None,
-) -> None:
-    """Plan before you train: every layout and the per-device memory, from shapes only.
-
-    Exits 1 when the pre-flight check fails or no policy fits the budget, 2 on bad input.
-    """
-    if compile_step:
-        with contextlib.suppress(RuntimeError):  # JAX already started (embedded use): its
-            use_cpu_devices(devices)  # devices are checked when compiling
-    import json
-
-    changes = sharding_changes(tp, zero, fsdp, activation_checkpointing)
-    rest = list(arguments or [])
-    source = rest.pop(0) if rest and "=" not in rest[0] else "gpt/train/pretrain"
-    no_fit = None
-    with user_errors():
-        import_modules(imports)
-        from theseus.base.axis import ShardingPolicy
-        from theseus.config import apply_overrides, load_yaml
-        from theseus.execution import Chain
-        from theseus.jobs import get_job
-        from theseus.planner import parse_bytes, plan, plan_for_budget
-        from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
-
-        policy = ShardingPolicy()
-        if source.endswith((".yaml", ".yml")) or Path(source).is_file():
-            import yaml
-
-            try:
-                data = yaml.safe_load(Path(source).read_text())
-            except (OSError, yaml.YAMLError) as error:
-                raise ValueError(f"cannot read {source}: {error}") from None
-            if isinstance(data, dict) and "steps" in data:
-                chain = Chain.from_dict(data, where=source)
-                trainer_class = get_job(chain.steps[0].job).trainer_class
-                config, policy = chain.steps[0].config, chain.policy
-            else:
-                trainer_class, config = GPTTrainer, load_yaml(GPTTrainerConfig, source)
-        else:
-            trainer_class = get_job(source).trainer_class
-            config = trainer_class.config_class()
-        config = apply_overrides(config, rest)
-        if devices is None:
-            import jax
-
-            devices = jax.device_count()
-        if budget is not None:
-            if {"tp", "zero", "fsdp"} & set(changes):
-                raise ValueError(
-                    "--budget chooses the policy itself; drop --tp, --zero/--no-zero and "
-                    "--fsdp/--no-fsdp (or drop --budget to plan one policy)."
-                )
-            try:
-                result = plan_for_budget(
-                    trainer_class,
-                    config,
-                    devices,
-                    parse_bytes(budget),
-                    devices_per_host=devices_per_host,
-                    activation_checkpointing=policy.merge(**changes).activation_checkpointing,
-                    compile=compile_step,
-                )
-            except ValueError as error:
-                if not str(error).startswith("no valid policy fits"):
-                    raise
-                no_fit = str(error)
-        else:
-            result = plan(
-                trainer_class,
-                config,
-                policy.merge(**changes),
-                devices,
-                devices_per_host=devices_per_host,
-                compile=compile_step,
-            )
-    if no_fit is not None:
-        typer.echo(f"error: {no_fit}", err=True)
-        raise typer.Exit(code=1)
-    typer.echo(json.dumps(result.to_json(), indent=2) if json_output else result.render())
-    if not result.verdict.ok:
-        raise typer.Exit(code=1)
-
-
-# `theseus launch`, `theseus tokenize` and `theseus generate` live in their own modules and
-# register themselves.
-import theseus.launch_command  # noqa: I001 - registers `theseus launch`
-import theseus.text_commands  # noqa: F401 - registers the two commands
+# `theseus launch`, `theseus plan`, `theseus tokenize` and `theseus generate` live in their own
+# modules and register themselves.
+import theseus.launch_command  # noqa: E402, F401, I001 - registers `theseus launch`
+import theseus.plan_command  # noqa: E402, F401 - registers `theseus plan`
+import theseus.text_commands  # noqa: E402, F401 - registers the two commands
 
 
 if __name__ == "__main__":

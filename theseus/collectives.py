@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cache
 
@@ -51,13 +52,11 @@ class CollectiveTotal:
     def __mul__(self, times: int) -> CollectiveTotal:
         return CollectiveTotal(self.count * times, self.bytes * times)
 
-    def to_json(self) -> dict:
-        return {"count": self.count, "bytes": self.bytes}
-
 
 @dataclass(frozen=True)
-class Collectives:
-    """Per-device collectives of one step, by kind (every kind of :data:`OPS` present)."""
+class Collectives(Mapping[str, CollectiveTotal]):
+    """Per-device collectives of one step: a mapping from every kind of :data:`OPS` (in that
+    order) to its total."""
 
     totals: dict[str, CollectiveTotal] = field(default_factory=dict)
 
@@ -66,13 +65,16 @@ class Collectives:
             raise KeyError(f"unknown collective {op!r}; expected one of {OPS}")
         return self.totals.get(op, CollectiveTotal())
 
+    def __iter__(self) -> Iterator[str]:
+        return iter(OPS)
+
+    def __len__(self) -> int:
+        return len(OPS)
+
     @property
     def bytes(self) -> int:
         """All collective bytes of the step."""
         return sum(self[op].bytes for op in OPS)
-
-    def to_json(self) -> dict:
-        return {op: self[op].to_json() for op in OPS}
 
 
 def array_bytes(type_text: str) -> int:

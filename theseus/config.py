@@ -165,13 +165,23 @@ def describe_validation_error(error: pydantic.ValidationError) -> str:
     return f"invalid {error.title}: " + "; ".join(problems)
 
 
+def read_yaml(path: str | Path, what: str = "config") -> Any:
+    """The data of a YAML file; a missing or malformed file is a :class:`ConfigError` naming
+    ``what`` it should have held."""
+    try:
+        return yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as error:
+        raise ConfigError(f"cannot read {what} {path}: {error}") from None
+
+
+def write_yaml(data: Any, path: str | Path) -> None:
+    """Plain data as YAML, keys in their given order."""
+    Path(path).write_text(yaml.safe_dump(data, sort_keys=False))
+
+
 def save_yaml(config: pydantic.BaseModel, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    write_yaml(config.model_dump(mode="json"), path)
 
 
 def load_yaml(config_class: type[ConfigT], path: str | Path) -> ConfigT:
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as error:
-        raise ConfigError(f"cannot read config {path}: {error}") from None
-    return validate(config_class, data or {})
+    return validate(config_class, read_yaml(path) or {})

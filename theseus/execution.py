@@ -12,10 +12,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from theseus.base.axis import ShardingPolicy
-from theseus.config import ConfigError, apply_overrides, validate
+from theseus.config import ConfigError, apply_overrides, read_yaml, validate, write_yaml
 from theseus.jobs import Job, get_job
 from theseus.training.base import BaseTrainer, TrainerConfig
 
@@ -108,7 +106,7 @@ class Chain:
         }
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        write_yaml(self.to_dict(), path)
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "chain") -> Chain:
@@ -139,11 +137,7 @@ class Chain:
 
     @classmethod
     def load(cls, path: str | Path) -> Chain:
-        try:
-            data = yaml.safe_load(Path(path).read_text())
-        except (OSError, yaml.YAMLError) as error:
-            raise ConfigError(f"cannot read chain {path}: {error}") from None
-        return cls.from_dict(data, where=str(path))
+        return cls.from_dict(read_yaml(path, "chain"), where=str(path))
 
     def run(
         self,

@@ -9,15 +9,12 @@ from typing import Annotated
 import typer
 
 from theseus.cli import (
-    FSDP,
-    TP,
     CPUDevices,
     Imports,
     Overwrite,
-    Zero,
     app,
     import_modules,
-    sharding_changes,
+    layout_options,
     use_cpu_devices,
     user_errors,
 )
@@ -56,6 +53,7 @@ def tokenize(
 
 
 @app.command()
+@layout_options
 def generate(
     run_dir: Annotated[Path, typer.Argument(help="run directory of `theseus train` (--out)")],
     prompt: Annotated[
@@ -81,11 +79,9 @@ def generate(
     job: Annotated[str, typer.Option(help="registered job that trained the run")] = (
         "gpt/train/pretrain"
     ),
-    tp: TP = None,
-    zero: Zero = None,
-    fsdp: FSDP = None,
     cpu_devices: CPUDevices = None,
     imports: Imports = None,
+    sharding: dict | None = None,
 ) -> None:
     """Complete prompts with a run's newest good checkpoint (KV cache; any layout)."""
     use_cpu_devices(cpu_devices)
@@ -109,7 +105,7 @@ def generate(
             seed=seed,
             num_samples=num_samples,
             tokenizer=tokenizer,
-            policy_changes=sharding_changes(tp, zero, fsdp, None),
+            policy_changes=sharding,
             job=job,
             log=lambda text: typer.echo(text, err=True),
         )

@@ -65,13 +65,25 @@ class ShardingPolicy(pydantic.BaseModel):
             f"activation_checkpointing={self.activation_checkpointing}"
         )
 
+    @property
+    def kind(self) -> Literal["DP", "ZeRO", "FSDP"]:
+        """What is partitioned over ``batch``: nothing (DP), the update (ZeRO), storage (FSDP)."""
+        return "FSDP" if self.fsdp else "ZeRO" if self.zero else "DP"
 
-def _axes_tuple(axes: MeshAxes) -> tuple[str, ...]:
-    if axes is None:
+    @property
+    def name(self) -> str:
+        """``DP``, ``ZeRO`` or ``FSDP``, with `` tp=K`` when tensor parallel."""
+        return self.kind if self.tp == 1 else f"{self.kind} tp={self.tp}"
+
+
+def mesh_axes(entry: MeshAxes) -> tuple[str, ...]:
+    """The mesh axes of a rule or ``PartitionSpec`` entry: ``None`` → (), ``"batch"`` →
+    ("batch",), a tuple as it is."""
+    if entry is None:
         return ()
-    if isinstance(axes, str):
-        return (axes,)
-    return tuple(axes)
+    if isinstance(entry, str):
+        return (entry,)
+    return tuple(entry)
 
 
 def _spec_entry(axes: Sequence[str]) -> MeshAxes:
@@ -99,7 +111,7 @@ def _validated_rules(rules: Iterable[Rule], which: str) -> tuple[Rule, ...]:
                 "of mesh axes to split a dimension over several axes)."
             )
         seen.add(name)
-        axes_tuple = _axes_tuple(axes)
+        axes_tuple = mesh_axes(axes)
         unknown = [axis for axis in axes_tuple if axis not in MESH_AXES]
         if unknown or len(set(axes_tuple)) != len(axes_tuple):
             raise ValueError(
@@ -137,8 +149,8 @@ class ShardingPlan:
         zero = dict(self.zero)
         rules = []
         for name in [*tp, *(n for n in zero if n not in tp)]:
-            tp_axes = _axes_tuple(tp.get(name))
-            zero_axes = tuple(a for a in _axes_tuple(zero.get(name)) if a not in tp_axes)
+            tp_axes = mesh_axes(tp.get(name))
+            zero_axes = tuple(a for a in mesh_axes(zero.get(name)) if a not in tp_axes)
             rules.append((name, _spec_entry(tp_axes + zero_axes)))
         return tuple(rules)
 
@@ -162,7 +174,7 @@ def partition_spec(names: Sequence[str | None] | None, rules: Iterable[Rule]) ->
     """
     if not names:
         return PartitionSpec()
-    table = {name: _axes_tuple(axes) for name, axes in rules}
+    table = {name: mesh_axes(axes) for name, axes in rules}
     used: set[str] = set()
     entries = []
     for name in names:

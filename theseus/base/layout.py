@@ -19,7 +19,15 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from theseus.base.axis import PHASES, Phase, Rule, ShardingPlan, ShardingPolicy, partition_spec
+from theseus.base.axis import (
+    PHASES,
+    Phase,
+    Rule,
+    ShardingPlan,
+    ShardingPolicy,
+    mesh_axes,
+    partition_spec,
+)
 
 _NAMES_METADATA_KEYS = ("out_sharding", "sharding_names", "sharding")
 
@@ -32,10 +40,6 @@ class AbstractLeaf:
     shape: tuple[int, ...]
     dtype: np.dtype
     names: tuple[str | None, ...] | None
-
-    @property
-    def num_bytes(self) -> int:
-        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
 
 
 @dataclass(frozen=True)
@@ -173,19 +177,41 @@ class LayoutError(ValueError):
         super().__init__("\n".join(lines))
 
 
-def _leaf_problems(leaf: AbstractLeaf, phase: Phase, spec: PartitionSpec, mesh_shape) -> list[str]:
-    if leaf.names is not None and len(leaf.names) != len(leaf.shape):
-        return [f"{len(leaf.names)} logical names for a tensor of rank {len(leaf.shape)}"]
+def _pieces(entry: Any, mesh_shape: dict[str, int]) -> int:
+    return math.prod(mesh_shape[axis] for axis in mesh_axes(entry))
+
+
+def indivisible_dims(
+    shape: Sequence[int], spec: PartitionSpec, mesh_shape: dict[str, int]
+) -> list[str]:
+    """Why ``spec`` cannot place an array of ``shape`` without padding: one reason per dimension
+    that its split does not divide (empty when the layout is valid)."""
     reasons = []
-    for dim, (size, entry) in enumerate(zip(leaf.shape, tuple(spec), strict=False)):
-        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        pieces = math.prod(mesh_shape[axis] for axis in axes)
+    for dim, (size, entry) in enumerate(zip(shape, tuple(spec), strict=False)):
+        pieces = _pieces(entry, mesh_shape)
         if size % pieces:
-            split = " × ".join(f"{axis}={mesh_shape[axis]}" for axis in axes)
+            split = " × ".join(f"{axis}={mesh_shape[axis]}" for axis in mesh_axes(entry))
             reasons.append(
                 f"dim {dim} of size {size} does not divide into {pieces} pieces ({split})"
             )
     return reasons
+
+
+def shard_shape(
+    shape: Sequence[int], spec: PartitionSpec, mesh_shape: dict[str, int]
+) -> tuple[int, ...]:
+    """The per-device shape of an array of ``shape`` under ``spec``, rounded up where a
+    dimension does not divide (:func:`indivisible_dims` names those)."""
+    shard = list(shape)
+    for dim, entry in enumerate(tuple(spec)):
+        shard[dim] = -(-shard[dim] // _pieces(entry, mesh_shape))
+    return tuple(shard)
+
+
+def _leaf_problems(leaf: AbstractLeaf, spec: PartitionSpec, mesh_shape) -> list[str]:
+    if leaf.names is not None and len(leaf.names) != len(leaf.shape):
+        return [f"{len(leaf.names)} logical names for a tensor of rank {len(leaf.shape)}"]
+    return indivisible_dims(leaf.shape, spec, mesh_shape)
 
 
 def check_layouts(
@@ -204,16 +230,7 @@ def check_layouts(
             spec = leaf_spec(leaf, plan.rules(policy, phase))
             problems += [
                 LayoutProblem(leaf, phase, spec, reason)
-                for reason in _leaf_problems(leaf, phase, spec, mesh_shape)
+                for reason in _leaf_problems(leaf, spec, mesh_shape)
             ]
     if problems:
         raise LayoutError(problems, mesh_shape)
-
-
-def shard_shape(leaf: AbstractLeaf, spec: PartitionSpec, mesh_shape: dict[str, int]) -> tuple:
-    """The per-device shape of ``leaf`` under ``spec`` (assumes the check passed)."""
-    shape = list(leaf.shape)
-    for dim, entry in enumerate(tuple(spec)):
-        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        shape[dim] //= math.prod(mesh_shape[a] for a in axes)
-    return tuple(shape)

@@ -8,9 +8,12 @@ from dataclasses import dataclass
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from theseus.base.axis import MESH_AXES, Axis, ShardingPolicy
+
+#: Tensor parallelism stays within one host; without ``devices_per_host``, hosts have this many.
+DEFAULT_DEVICES_PER_HOST = 8
 
 
 @dataclass(frozen=True)
@@ -21,7 +24,7 @@ class Topology:
     TP group (one mesh row, one replica) never crosses a host while ``batch`` may span hosts.
     """
 
-    mesh: Mesh
+    mesh: Mesh | AbstractMesh
     policy: ShardingPolicy
 
     @classmethod
@@ -31,21 +34,26 @@ class Topology:
             raise ValueError("Topology needs at least one device; got an empty device list.")
         devices.sort(key=lambda d: (d.process_index, d.id))
         per_process = Counter(d.process_index for d in devices)
-        tp = policy.tp
         for process, num_local in sorted(per_process.items()):
-            if num_local % tp:
-                raise ValueError(
-                    f"tp={tp} does not divide the {num_local} local devices of process {process}: "
-                    "a tensor-parallel group must stay within one host. Choose a tp that divides "
-                    f"{num_local} (e.g. {_divisors(num_local)})."
-                )
-        grid = np.array(devices, dtype=object).reshape(len(devices) // tp, tp)
+            check_tp_within_host(policy.tp, num_local, f"local devices of process {process}")
+        grid = np.array(devices, dtype=object).reshape(len(devices) // policy.tp, policy.tp)
         mesh = Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+        return cls(mesh=mesh, policy=policy)
+
+    @classmethod
+    def abstract(
+        cls, policy: ShardingPolicy, num_devices: int, devices_per_host: int | None = None
+    ) -> Topology:
+        """The topology of ``num_devices`` on an ``AbstractMesh``: shapes only, no devices."""
+        per_host = resolve_devices_per_host(num_devices, devices_per_host)
+        check_tp_within_host(policy.tp, per_host, "devices of one host")
+        shape = (num_devices // policy.tp, policy.tp)
+        mesh = AbstractMesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
         return cls(mesh=mesh, policy=policy)
 
     @property
     def num_devices(self) -> int:
-        return self.mesh.devices.size
+        return self.mesh.size
 
     @property
     def replicas(self) -> int:
@@ -66,10 +74,26 @@ class Topology:
     def mesh_shape(self) -> dict[str, int]:
         return dict(self.mesh.shape)
 
-    def global_batch_size(self, per_device_batch_size: int, accumulation_steps: int = 1) -> int:
-        """Examples per step: per replica × replicas × accumulation (TP devices share examples)."""
-        return per_device_batch_size * self.replicas * accumulation_steps
+
+def check_tp_within_host(tp: int, num_devices: int, which: str) -> None:
+    """A tensor-parallel group must stay within one host: ``tp`` divides its devices."""
+    if num_devices % tp:
+        divisors = ", ".join(str(k) for k in range(1, num_devices + 1) if num_devices % k == 0)
+        raise ValueError(
+            f"tp={tp} does not divide the {num_devices} {which}: a tensor-parallel group must "
+            f"stay within one host. Choose a tp that divides {num_devices} (e.g. {divisors})."
+        )
 
 
-def _divisors(n: int) -> str:
-    return ", ".join(str(k) for k in range(1, n + 1) if n % k == 0)
+def resolve_devices_per_host(num_devices: int, devices_per_host: int | None) -> int:
+    """Devices of one host of a ``num_devices`` machine (every host has the same number)."""
+    if num_devices < 1:
+        raise ValueError(f"cannot plan for {num_devices} devices; give a positive device count.")
+    if devices_per_host is None:
+        return min(num_devices, DEFAULT_DEVICES_PER_HOST)
+    if devices_per_host < 1 or num_devices % devices_per_host:
+        raise ValueError(
+            f"devices per host {devices_per_host} must be positive and divide the {num_devices} "
+            "devices (every host has the same number)."
+        )
+    return devices_per_host

@@ -1,7 +1,8 @@
 """GPT-2 in Flax NNX with per-layer weights stacked along ``n_layer`` and scanned.
 
 Every weight is one float32 ``nnx.Param`` whose logical names sit in its ``out_sharding``
-metadata; the trainer resolves them with :data:`GPT_PLAN`. Parameters are never sharded eagerly
+metadata; the trainer resolves them with :data:`GPT_PLAN`, the model's one plan (read by
+:class:`~theseus.training.gpt.GPTTrainer`). Parameters are never sharded eagerly
 by flax, so the model builds (concretely or under ``nnx.eval_shape``) without a mesh.
 """
 
@@ -218,8 +219,6 @@ class GPT(nnx.Module):
     Dropout (``GPTConfig.dropout``) applies only to calls with ``deterministic=False``, with one
     key per example: each example's masks are the same whatever the batch or its layout.
     """
-
-    plan = GPT_PLAN
 
     def __init__(
         self,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import abc
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, ClassVar
 
@@ -30,8 +29,11 @@ from theseus.base.layout import (
     abstract_leaves,
     check_layouts,
     optimizer_layout,
+    path_str,
     resolve_layouts,
 )
+from theseus.base.memory import CompiledStep, MemoryTotals, device_bytes, model_state_totals
+from theseus.base.preflight import preflight
 from theseus.base.topology import Topology
 from theseus.config import (
     CheckpointingConfig,
@@ -44,7 +46,6 @@ from theseus.config import (
 from theseus.data import Corpus
 from theseus.training import gathering
 from theseus.training.keys import Keys, step_keys, validation_keys
-from theseus.training.memory import MemoryFacts, device_bytes, shard_bytes
 from theseus.training.nonfinite import keep_if_finite
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -68,49 +69,6 @@ class TrainState:
     opt_state: Any
     step: jax.Array
     rng: jax.Array
-
-
-@dataclass(frozen=True)
-class BatchPlan:
-    """How the global batch of one step is split: per replica × replicas × accumulation."""
-
-    per_device_batch_size: int
-    replicas: int
-    accumulation_steps: int
-    seq_len: int
-
-    @property
-    def examples_per_microbatch(self) -> int:
-        return self.per_device_batch_size * self.replicas
-
-    @property
-    def global_batch_size(self) -> int:
-        return self.examples_per_microbatch * self.accumulation_steps
-
-    def describe(self) -> str:
-        return (
-            f"batch: {self.per_device_batch_size} per replica × {self.replicas} replicas × "
-            f"{self.accumulation_steps} accumulation steps = {self.global_batch_size} examples "
-            f"of {self.seq_len} tokens per step"
-        )
-
-
-def plan_batch(training: TrainingConfig, topology: Topology, seq_len: int) -> BatchPlan:
-    """Derive accumulation steps from the global and per-device batch sizes, exactly."""
-    per_step = training.per_device_batch_size * topology.replicas
-    if training.batch_size % per_step:
-        raise ValueError(
-            f"training.batch_size={training.batch_size} cannot be split into microbatches of "
-            f"training.per_device_batch_size={training.per_device_batch_size} × "
-            f"{topology.replicas} replicas = {per_step} examples; make batch_size a multiple of "
-            f"{per_step} or change per_device_batch_size."
-        )
-    return BatchPlan(
-        training.per_device_batch_size,
-        topology.replicas,
-        training.batch_size // per_step,
-        seq_len,
-    )
 
 
 def next_token_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -152,12 +110,12 @@ class BaseTrainer(abc.ABC):
                 f"tp={policy.tp}"
             )
         self.mesh = self.topology.mesh
-        self.batch_plan = plan_batch(config.training, self.topology, self.seq_len)
         self.optimizer = self.build_optimizer()
         self.graphdef, self.abstract_params = self._build_abstract_model()
-        check_layouts(self.abstract_params, self.plan, policy, self.mesh)
-        annotated = resolve_layouts(self.abstract_params, self.plan, policy, self.mesh)
-        self.layouts = Layouts(*(nnx.to_pure_dict(annotated[p]) for p in PHASES))
+        self.batch_plan = preflight(
+            self.abstract_params, self.plan, policy, self.topology, config.training, self.seq_len
+        )
+        self.layouts = self._resolve_layouts(policy, self.mesh)
         self.state_layout = self._state_layout()
 
     # --- what a subclass provides ------------------------------------------------------------
@@ -232,7 +190,7 @@ class BaseTrainer(abc.ABC):
         names = {leaf.path: leaf.names for leaf in self.abstract_leaves}
 
         def is_matrix(path, value):
-            leaf_names = names.get("/".join(str(getattr(k, "key", k)) for k in path))
+            leaf_names = names.get(path_str(path))
             stacked = 1 if leaf_names and leaf_names[0] == "n_layer" else 0
             return value.ndim - stacked >= 2
 
@@ -280,11 +238,16 @@ class BaseTrainer(abc.ABC):
     def abstract_state(self) -> TrainState:
         return jax.eval_shape(self._init_fn, 0)
 
+    def _resolve_layouts(self, policy: ShardingPolicy, mesh: Any) -> Layouts:
+        annotated = resolve_layouts(self.abstract_params, self.plan, policy, mesh)
+        return Layouts(*(nnx.to_pure_dict(annotated[p]) for p in PHASES))
+
+    def _optimizer_layout(self, update_layout: Any, mesh: Any) -> Any:
+        return optimizer_layout(self.optimizer, self.abstract_state.opt_state, update_layout, mesh)
+
     def _state_layout(self) -> TrainState:
         replicated = NamedSharding(self.mesh, P())
-        opt_layout = optimizer_layout(
-            self.optimizer, self.abstract_state.opt_state, self.layouts.update, self.mesh
-        )
+        opt_layout = self._optimizer_layout(self.layouts.update, self.mesh)
         return TrainState(self.layouts.storage, opt_layout, replicated, replicated)
 
     def init_state(self, seed: int | None = None) -> TrainState:
@@ -294,23 +257,30 @@ class BaseTrainer(abc.ABC):
         with jax.set_mesh(self.mesh):
             return init(seed)
 
-    def memory_facts(self, state: TrainState | None = None) -> MemoryFacts:
-        """Per-device persistent bytes of params and optimizer state: predicted and (given a
-        state) measured on this process's first device of the mesh."""
+    def memory(self, policy: ShardingPolicy | None = None, mesh: Any = None) -> MemoryTotals:
+        """Per-device model-state bytes predicted from this trainer's layouts; with ``policy``
+        and/or ``mesh`` (real or abstract), from the layouts they would give after the same
+        layout check (raises :class:`~theseus.base.layout.LayoutError`). No trainer is built."""
+        if policy is None and mesh is None:
+            storage, opt_layout = self.layouts.storage, self.state_layout.opt_state
+        else:
+            policy = self.policy if policy is None else policy
+            mesh = self.mesh if mesh is None else mesh
+            check_layouts(self.abstract_params, self.plan, policy, mesh)
+            layouts = self._resolve_layouts(policy, mesh)
+            storage, opt_layout = layouts.storage, self._optimizer_layout(layouts.update, mesh)
         abstract = self.abstract_state
-        facts = MemoryFacts(
-            shard_bytes(abstract.params, self.state_layout.params),
-            shard_bytes(abstract.opt_state, self.state_layout.opt_state),
-        )
-        if state is None:
-            return facts
+        return model_state_totals(abstract.params, abstract.opt_state, storage, opt_layout)
+
+    def measured_memory(self, state: TrainState) -> MemoryTotals:
+        """Bytes of ``state`` on this process's first device of the mesh (no gradient
+        accumulator: it exists only inside the step)."""
         here = jax.process_index()
         device = next(d for d in self.mesh.devices.flat if d.process_index == here)
-        return MemoryFacts(
-            facts.predicted_params_bytes,
-            facts.predicted_opt_state_bytes,
-            device_bytes(state.params, device),
-            device_bytes(state.opt_state, device),
+        return MemoryTotals(
+            params=device_bytes(state.params, device),
+            grad_accumulator=0,
+            optimizer=device_bytes(state.opt_state, device),
         )
 
     # --- steps -------------------------------------------------------------------------------
@@ -402,6 +372,12 @@ class BaseTrainer(abc.ABC):
             donate_argnums=0,
         )
         return _under_mesh(step, self.mesh)
+
+    def compile(self) -> CompiledStep:
+        """The train step compiled ahead of time for this mesh (nothing allocated): the
+        executable a training loop calls, and its per-device memory."""
+        batch = jax.ShapeDtypeStruct(self.batch_plan.shape, np.int32, sharding=self.batch_sharding)
+        return CompiledStep.of(self.train_step.lower(self.abstract_state, batch).compile())
 
     def _validation_loss(self, params: Any, batches: jax.Array) -> jax.Array:
         params = jax.lax.with_sharding_constraint(params, self.entry_layout)

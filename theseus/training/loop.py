@@ -8,26 +8,29 @@ import json
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import jax
 from jax.experimental import multihost_utils
 
-from theseus import planner
-from theseus.checkpoint import Checkpointer, checkpoint_meta, restore_target
+from theseus.base.memory import CompiledStep
+from theseus.base.records import as_json
+from theseus.checkpoint import Checkpointer
 from theseus.config import save_yaml
 from theseus.data import Corpus, Sampler, load_corpus, validation_batches
 from theseus.distributed import check_same_everywhere, describe_processes
 from theseus.training.base import BaseTrainer, TrainState
+from theseus.training.checkpointing import checkpoint_meta, restore_target
 from theseus.training.flops import count_flops
-from theseus.training.nonfinite import NonFiniteGuard, strict_json_row
+from theseus.training.metrics import MetricsWriter
+from theseus.training.nonfinite import NonFiniteGuard
 from theseus.training.preemption import PreemptionWatch
-from theseus.training.progress import Reporter
-from theseus.training.resume import check_resume, resume_changes, resume_history
+from theseus.training.resume import Change, check_resume, resume_changes, resume_history
 from theseus.training.stops import Preempted
+from theseus.training.summary import layouts_text, one_line_plan
 from theseus.training.tensorboard import TensorBoardWriter
-from theseus.training.throughput import Speedometer, StepClock, speedometer
+from theseus.training.throughput import speedometer
 
 # Files a run writes: an output directory holding any of them holds a run.
 RUN_FILES = (
@@ -109,13 +112,14 @@ def validation_array(trainer: BaseTrainer, corpus: Corpus) -> jax.Array:
 
 
 def train_batch(trainer: BaseTrainer, sampler: Sampler, position: int) -> jax.Array:
+    """The global batch of the step that starts at example ``position`` (each process reads only
+    its devices' rows)."""
     plan = trainer.batch_plan
-    shape = (plan.accumulation_steps, plan.examples_per_microbatch, plan.seq_len + 1)
     return trainer.put_batch(
         lambda rows: sampler.local_batch(
             position, plan.accumulation_steps, plan.examples_per_microbatch, rows
         ),
-        shape,
+        plan.shape,
     )
 
 
@@ -161,20 +165,25 @@ def prepare_run_dir(out_dir: Path, *, resume: bool, overwrite: bool) -> None:
 def write_run_record(
     trainer: BaseTrainer,
     out_dir: Path,
+    *,
     corpus: Corpus,
     state: TrainState,
-    step_fn,
+    compiled: CompiledStep,
     resumes: list[dict],
     speed: dict,
 ) -> None:
+    """``run.json``, ``config.yaml`` and ``layouts.txt`` (main process), from the trainer."""
     if not is_main_process():
         return
     record = {
         **trainer.execution_facts(),
         **speed,
         "num_params": trainer.num_params,
-        "memory_per_device": asdict(trainer.memory_facts(state)),
-        "compiled_step_memory_per_device": planner.compiled_memory(step_fn).to_json(),
+        "memory_per_device": {
+            "predicted": as_json(trainer.memory()),
+            "measured": as_json(trainer.measured_memory(state)),
+        },
+        "compiled_step_memory_per_device": as_json(compiled),
         "data": corpus.source,
         "resumes": resumes,
     }
@@ -182,29 +191,50 @@ def write_run_record(
     save_yaml(trainer.config, out_dir / "config.yaml")
     if corpus.tokenizer is not None:  # `theseus generate` decodes with the run's own copy
         shutil.copyfile(corpus.tokenizer, out_dir / "tokenizer.json")
-    topology = trainer.topology
-    layouts = planner.plan(
-        type(trainer),
-        trainer.config,
-        trainer.policy,
-        topology.num_devices,
-        devices_per_host=topology.num_devices // topology.num_processes,
+    (out_dir / "layouts.txt").write_text(layouts_text(trainer) + "\n")
+
+
+@dataclass(frozen=True)
+class StartingPoint:
+    """Where a run (or a resumed run segment) begins; a resumed one says from where, with which
+    changed settings, and the run's resume history."""
+
+    state: TrainState
+    first_step: int
+    data_position: int
+    resumed_from: str | None = None
+    changes: tuple[Change, ...] = ()
+    resumes: list[dict] = field(default_factory=list)
+
+
+def starting_point(
+    trainer: BaseTrainer,
+    checkpointer: Checkpointer,
+    out_dir: Path,
+    *,
+    resume: bool,
+    allow_changes: bool,
+) -> StartingPoint:
+    """A fresh state, or the newest good checkpoint's state and data position (after the checks
+    that the resumed run can continue with the same numbers)."""
+    if not resume:
+        return StartingPoint(trainer.init_state(), first_step=1, data_position=0)
+    state, meta = checkpointer.restore(None, restore_target(trainer))
+    changes = resume_changes(
+        meta, trainer.config.model_dump(mode="json"), trainer.execution_facts()
     )
-    (out_dir / "layouts.txt").write_text(layouts.render() + "\n")
-
-
-def _kept_metrics(path: Path, last_step: int) -> list[str]:
-    """Rows of an earlier run segment up to ``last_step``: the ones a resumed run keeps."""
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line)["step"] <= last_step:
-                rows.append(line)
-        except (json.JSONDecodeError, KeyError, TypeError):
-            break  # a row cut by a crash ends what can be trusted
-    return rows
+    check_resume(changes, f"{out_dir} from step {meta['step']}", allow_changes=allow_changes)
+    return StartingPoint(
+        state,
+        first_step=meta["step"] + 1,
+        data_position=meta["data_position"],
+        resumed_from=(
+            f"resumed from step {meta['step']} (saved under {meta['policy']} on mesh "
+            f"{meta['mesh_shape']}), data position {meta['data_position']}"
+        ),
+        changes=tuple(changes),
+        resumes=resume_history(out_dir / "run.json", meta["step"], changes),
+    )
 
 
 def train(
@@ -224,79 +254,91 @@ def train(
     Raises a :class:`~theseus.training.stops.RunInterrupted` when the run stops early on purpose.
     """
     out_dir = Path(out_dir)
-    training = trainer.config.training
-    plan = trainer.batch_plan
+    config = trainer.config
+    batch_plan = trainer.batch_plan
     log = log if is_main_process() else _silent
     corpus = load_data(trainer)
-    sampler = Sampler(corpus.train, plan.seq_len, training.seed)
     validation = validation_array(trainer, corpus)
     prepare_run_dir(out_dir, resume=resume, overwrite=overwrite)
-    tensorboard = contextlib.nullcontext(None)
-    if trainer.config.logging.tensorboard and is_main_process():
-        tensorboard = TensorBoardWriter(out_dir, trainer.config.model_dump(mode="json"))
-
-    ckpt = trainer.config.checkpointing
+    tensorboard = None
+    if config.logging.tensorboard and is_main_process():
+        tensorboard = TensorBoardWriter(out_dir, config.model_dump(mode="json"))
     checkpointer = Checkpointer(
-        out_dir / CHECKPOINTS, keep=ckpt.keep, async_save=ckpt.async_save, log=log
+        out_dir / CHECKPOINTS,
+        keep=config.checkpointing.keep,
+        async_save=config.checkpointing.async_save,
+        log=log,
     )
     with checkpointer:
-        if resume:
-            state, meta = checkpointer.restore(None, restore_target(trainer))
-            first_step, position = meta["step"] + 1, meta["data_position"]
-            changes = resume_changes(
-                meta, trainer.config.model_dump(mode="json"), trainer.execution_facts()
-            )
-            check_resume(
-                changes, f"{out_dir} from step {meta['step']}", allow_changes=allow_changes
-            )
-            resumes = resume_history(out_dir / "run.json", meta["step"], changes)
-        else:
-            state, first_step, position, resumes = trainer.init_state(), 1, 0, []
+        start = starting_point(
+            trainer, checkpointer, out_dir, resume=resume, allow_changes=allow_changes
+        )
         log(describe_processes())  # the run's first line
-        if resume:
-            for change in changes:
-                log(f"resuming with a changed setting: {change.describe()}")
-            log(
-                f"resumed from step {meta['step']} (saved under {meta['policy']} on mesh "
-                f"{meta['mesh_shape']}), data position {position}"
-            )
-        log(plan.describe())
-        log(planner.one_line_plan(trainer))
+        for change in start.changes:
+            log(f"resuming with a changed setting: {change.describe()}")
+        if start.resumed_from is not None:
+            log(start.resumed_from)
+        log(batch_plan.describe())
+        log(one_line_plan(trainer))
         log(
             f"model: {trainer.num_params:,} parameters; policy {trainer.policy.describe()}; "
             f"mesh {trainer.topology.mesh_shape}; data {corpus.source}"
         )
         compile_start = time.perf_counter()
-        step_fn = planner.compile_train_step(trainer)  # once, ahead of time: the loop calls this
+        compiled = trainer.compile()  # once, ahead of time: the loop calls its executable
         compile_time_s = time.perf_counter() - compile_start
         speed = speedometer(trainer, count_flops(trainer))
-        facts = {"compile_time_s": compile_time_s, **speed.facts()}
-        write_run_record(trainer, out_dir, corpus, state, step_fn, resumes, facts)
-        initial_val_loss = trainer.validation_step(state.params, validation)
-        metrics_path = out_dir / "metrics.jsonl"
-        if is_main_process():
-            kept = _kept_metrics(metrics_path, first_step - 1) if resume else []
-            metrics_path.write_text("".join(row + "\n" for row in kept))
-        result = _steps(
+        write_run_record(
             trainer,
-            step_fn,
-            state,
-            sampler,
-            validation,
-            checkpointer,
-            metrics_path,
-            first_step,
-            position,
-            log,
-            speed,
-            tensorboard,
+            out_dir,
+            corpus=corpus,
+            state=start.state,
+            compiled=compiled,
+            resumes=start.resumes,
+            speed={"compile_time_s": compile_time_s, **speed.facts()},
         )
+        initial_val_loss = trainer.validation_step(start.state.params, validation)
+        guard = NonFiniteGuard(
+            config.training.nonfinite,
+            config.training.max_skipped_steps,
+            lambda: _next_move(checkpointer),
+        )
+        metrics = MetricsWriter(
+            out_dir / "metrics.jsonl",
+            first_step=start.first_step,
+            total_steps=config.training.steps,
+            tokens_per_step=batch_plan.global_batch_size * batch_plan.seq_len,
+            logging=config.logging,
+            log=log,
+            resume=resume,
+            main=is_main_process(),
+            speed=speed,
+            events=tensorboard,
+            check_row=guard.check,
+        )
+        began = time.perf_counter()
+        with (
+            contextlib.nullcontext() if tensorboard is None else tensorboard,
+            metrics,
+            PreemptionWatch(checkpointer.reached_preemption) as preemption,
+        ):
+            _steps(
+                trainer,
+                step_fn=compiled.executable,
+                start=start,
+                sampler=Sampler(corpus.train, batch_plan.seq_len, config.training.seed),
+                validation=validation,
+                checkpointer=checkpointer,
+                metrics=metrics,
+                preemption=preemption,
+            )
+        seconds = time.perf_counter() - began
         checkpointer.wait()
-    losses, val_losses, seconds = result
+    losses, val_losses = metrics.history.losses, metrics.history.val_losses
     return RunSummary(
         out_dir=str(out_dir),
-        first_step=first_step,
-        steps=training.steps,
+        first_step=start.first_step,
+        steps=config.training.steps,
         first_loss=losses[0] if losses else float("nan"),
         final_loss=losses[-1] if losses else float("nan"),
         initial_val_loss=float(initial_val_loss),
@@ -306,86 +348,42 @@ def train(
 
 
 def _steps(
-    trainer,
-    step_fn,
-    state,
-    sampler,
-    validation,
-    checkpointer,
-    metrics_path,
-    first_step,
-    position,
-    log,
-    speed: Speedometer,
-    tensorboard,
-):
-    """The hot loop: dispatch step n, then read step n-1's metrics (already computed).
+    trainer: BaseTrainer,
+    *,
+    step_fn: Callable[[TrainState, jax.Array], tuple[TrainState, dict]],
+    start: StartingPoint,
+    sampler: Sampler,
+    validation: jax.Array,
+    checkpointer: Checkpointer,
+    metrics: MetricsWriter,
+    preemption: PreemptionWatch,
+) -> None:
+    """The hot loop: dispatch step n, then record step n - 1 (already computed).
 
     At a checkpoint step, step n's own metrics are read before its save (which waits for step n
     anyway), so a state after a non-finite step is never saved. On a preemption notice the step
     that all processes agreed on is saved, and the run stops.
     """
     training = trainer.config.training
-    plan = trainer.batch_plan
-    tokens_per_step = plan.global_batch_size * plan.seq_len
-    losses: list[float] = []
-    val_losses: list[float] = []
-    start = time.perf_counter()
-    clock = StepClock()
-    pending = None
-    guard = NonFiniteGuard(
-        training.nonfinite, training.max_skipped_steps, lambda: _next_move(checkpointer)
-    )
-    sink = open(metrics_path, "a") if is_main_process() else contextlib.nullcontext(None)
-    with (
-        sink as metrics_file,
-        Reporter(first_step - 1, training.steps, trainer.config.logging, log) as reporter,
-        PreemptionWatch(checkpointer.reached_preemption) as preemption,
-        tensorboard as events,
-    ):
-
-        def record(step: int, metrics: dict, val_loss) -> None:
-            values = jax.device_get(metrics)
-            row = {"step": step, **{k: float(v) for k, v in values.items() if k != "skipped"}}
-            row["skipped"] = bool(values["skipped"])
-            row.update(speed.rates(clock.lap()))  # device_get returned when the step finished
-            row["tokens"] = step * tokens_per_step
-            if val_loss is not None:
-                row["val_loss"] = float(val_loss)
-                val_losses.append(row["val_loss"])
-            losses.append(row["loss"])
-            if metrics_file is not None:
-                metrics_file.write(json.dumps(strict_json_row(row), allow_nan=False) + "\n")
-                metrics_file.flush()
-            if events is not None:
-                events.write(row)
-            reporter.update(row)
-            guard.check(row)
-
-        for step in range(first_step, training.steps + 1):
-            state, metrics = step_fn(state, train_batch(trainer, sampler, position))
-            position += plan.global_batch_size
-            last = step == training.steps
-            val_loss = None
-            if step % training.validation_interval == 0 or last:
-                val_loss = trainer.validation_step(state.params, validation)
-            preempted = preemption.reached(step)
-            if pending is not None:
-                record(*pending)
-            pending = (step, metrics, val_loss)
-            if preempted or step % trainer.config.checkpointing.interval == 0 or last:
-                record(*pending)
-                pending = None
-                checkpointer.save(step, state, checkpoint_meta(trainer, position, step))
-            if preempted and not last:
-                checkpointer.wait()
-                raise Preempted(
-                    f"preempted (SIGTERM): finished step {step} of {training.steps} and saved "
-                    f"it in {checkpointer.step_directory(step)}; continue with --resume"
-                )
-        if pending is not None:
-            record(*pending)
-    return losses, val_losses, time.perf_counter() - start
+    state, position = start.state, start.data_position
+    for step in range(start.first_step, training.steps + 1):
+        state, step_metrics = step_fn(state, train_batch(trainer, sampler, position))
+        position += trainer.batch_plan.global_batch_size
+        last = step == training.steps
+        val_loss = None
+        if step % training.validation_interval == 0 or last:
+            val_loss = trainer.validation_step(state.params, validation)
+        preempted = preemption.reached(step)
+        metrics.push(step, step_metrics, val_loss)
+        if preempted or step % trainer.config.checkpointing.interval == 0 or last:
+            metrics.flush()
+            checkpointer.save(step, state, checkpoint_meta(trainer, position, step))
+        if preempted and not last:
+            checkpointer.wait()
+            raise Preempted(
+                f"preempted (SIGTERM): finished step {step} of {training.steps} and saved "
+                f"it in {checkpointer.step_directory(step)}; continue with --resume"
+            )
 
 
 def _next_move(checkpointer: Checkpointer) -> str:

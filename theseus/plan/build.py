@@ -1,0 +1,235 @@
+"""The plan of one policy on any number of devices, with every other policy side by side.
+
+The planner is a pure function of a trainer class, its config, a :class:`ShardingPolicy` and a
+device count. It builds one trainer on a one-device ``AbstractMesh`` (its state is
+``jax.eval_shape`` only, nothing allocated) and, for every policy, resolves the layouts on an
+``AbstractMesh`` of the target shape and runs the trainer constructor's own pre-flight check
+(:func:`theseus.base.preflight.preflight`), so a model of billions of parameters plans for
+hundreds of devices in seconds on a laptop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+import optax
+
+from theseus.base.axis import Axis, ShardingPolicy, partition_spec
+from theseus.base.layout import LayoutError, shard_shape
+from theseus.base.memory import MemoryTotals, array_bytes, format_bytes
+from theseus.base.preflight import BatchPlan, preflight
+from theseus.base.topology import Topology, resolve_devices_per_host
+from theseus.config import apply_overrides
+from theseus.plan.policies import candidate_policies, communication_key
+from theseus.plan.results import ClosedForm, Plan, PolicyOption, Verdict
+from theseus.training.base import BaseTrainer, TrainerConfig
+from theseus.training.summary import plan_rows, replicated_share
+
+
+def plan(
+    trainer_class: type[BaseTrainer],
+    config: TrainerConfig,
+    policy: ShardingPolicy,
+    num_devices: int,
+    *,
+    devices_per_host: int | None = None,
+    compile: bool = False,
+    alternatives: bool = True,
+) -> Plan:
+    """The plan of ``policy`` on ``num_devices`` devices, with every other policy side by side
+    (``alternatives=False``: this policy alone, which is faster).
+
+    Works from abstract shapes only; nothing the size of the model is allocated. ``compile=True``
+    also compiles the real train step on the first ``num_devices`` devices of this process and
+    adds its ``memory_analysis()`` (only when the verdict is ok). Raises ``ValueError`` for bad
+    input (an invalid config, a device count that cannot be meshed); a policy that fails the
+    pre-flight check is not an error here but the plan's ``verdict``.
+    """
+    if not isinstance(config, trainer_class.config_class):
+        raise TypeError(
+            f"{trainer_class.__name__} plans a {trainer_class.config_class.__name__}, got "
+            f"{type(config).__name__}"
+        )
+    per_host = resolve_devices_per_host(num_devices, devices_per_host)
+    if num_devices % policy.tp:
+        raise ValueError(
+            f"tp={policy.tp} does not divide {num_devices} devices; the mesh is "
+            f"(devices / tp, tp). Choose a tp that divides {num_devices}."
+        )
+    shapes = _shape_trainer(trainer_class, config, policy)
+    candidates = [policy]
+    if alternatives:
+        candidates = candidate_policies(
+            num_devices, per_host, activation_checkpointing=policy.activation_checkpointing
+        )
+        candidates = sorted({*candidates, policy}, key=communication_key)
+    options, batch_plan = [], None
+    for rank, candidate in enumerate(candidates):
+        option, candidate_batch = _option(shapes, config, candidate, num_devices, per_host, rank)
+        options.append(option)
+        if candidate == policy:
+            chosen, batch_plan = option, candidate_batch
+    compiled, verdict = None, chosen.verdict
+    if verdict.ok:
+        verdict = dataclasses.replace(
+            verdict, gathering=gathering(shapes, policy, chosen.mesh_shape)
+        )
+        if compile:
+            compiled = _device_trainer(trainer_class, config, policy, num_devices).compile()
+    return Plan(
+        trainer=trainer_class.__name__,
+        num_params=shapes.num_params,
+        num_devices=num_devices,
+        devices_per_host=per_host,
+        mesh_shape=chosen.mesh_shape,
+        policy=policy,
+        batch=None if batch_plan is None else batch_plan.describe(),
+        rows=plan_rows(shapes, policy, chosen.mesh_shape),
+        totals=chosen.totals,
+        verdict=verdict,
+        replicated=replicated_share(shapes),
+        closed_form=chosen.closed_form,
+        options=tuple(options),
+        compiled=compiled,
+    )
+
+
+def _shape_trainer(
+    trainer_class: type[BaseTrainer], config: TrainerConfig, policy: ShardingPolicy
+) -> BaseTrainer:
+    """The trainer on a one-device abstract mesh: the abstract state, whatever the mesh.
+
+    Layout checks cannot fail on one device; the batch is reduced to one replica's share if it
+    does not divide, since only shapes are read from this trainer. Config errors still raise.
+    """
+    probe = policy.merge(tp=1)
+    training = config.training
+    if training.batch_size % training.per_device_batch_size:
+        config = apply_overrides(config, [f"training.batch_size={training.per_device_batch_size}"])
+    return trainer_class(config, probe, Topology.abstract(probe, 1))
+
+
+def _option(
+    shapes: BaseTrainer,
+    config: TrainerConfig,
+    policy: ShardingPolicy,
+    num_devices: int,
+    devices_per_host: int,
+    rank: int,
+) -> tuple[PolicyOption, BatchPlan | None]:
+    """One policy's mesh, totals and verdict: the trainer constructor's pre-flight check on the
+    shape trainer's abstract state. When a non-layout error comes first, the layout check's error
+    (if any) is kept as ``also``."""
+    mesh_shape = {Axis.BATCH: num_devices // policy.tp, Axis.SHARD: policy.tp}
+    try:
+        topology = Topology.abstract(policy, num_devices, devices_per_host)
+    except ValueError as error:
+        return PolicyOption(policy, mesh_shape, None, Verdict(False, str(error)), rank), None
+    totals, layout_error, batch_plan, verdict = None, None, None, Verdict(True)
+    try:
+        totals = shapes.memory(policy, topology.mesh)
+    except LayoutError as error:
+        layout_error = str(error)
+    try:
+        batch_plan = preflight(
+            shapes.abstract_params, shapes.plan, policy, topology, config.training, shapes.seq_len
+        )
+    except ValueError as error:
+        verdict = Verdict(False, str(error))
+        if layout_error is not None and layout_error != verdict.error:
+            verdict = Verdict(False, verdict.error, layout_error)
+    zero_model = closed_form(shapes, policy, mesh_shape[Axis.BATCH], totals)
+    return PolicyOption(policy, mesh_shape, totals, verdict, rank, zero_model), batch_plan
+
+
+def gathering(
+    trainer: BaseTrainer, policy: ShardingPolicy, mesh_shape: dict[str, int]
+) -> str | None:
+    """How the step of ``policy`` gathers the parameters its storage layout splits over
+    ``batch`` (None when none are): per layer inside the model's layer scan
+    (:func:`theseus.scan_layers`), or all at once before the loss, with those temporary bytes."""
+    per_layer, whole, whole_bytes = 0, 0, 0
+    for leaf in trainer.abstract_leaves:
+        storage, compute = (
+            partition_spec(leaf.names, trainer.plan.rules(policy, p))
+            for p in ("storage", "compute")
+        )
+        if storage == compute:
+            continue
+        if leaf.path in trainer.per_layer_paths:
+            per_layer += 1
+            continue
+        whole += 1
+        whole_bytes += math.prod(shard_shape(leaf.shape, compute, mesh_shape)) * 4  # float32
+    if not per_layer and not whole:
+        return None
+    whole_text = f"{format_bytes(whole_bytes)} ({whole_bytes:,} bytes)"
+    if not per_layer:
+        return (
+            f"{type(trainer).__name__} gathers all parameters at once: every microbatch moves "
+            f"the {whole} tensors stored split over batch to the compute layout before the loss, "
+            f"{whole_text} of temporaries per device; run stacked layers with "
+            "theseus.scan_layers to gather one layer at a time"
+        )
+    return (
+        f"gathers {per_layer} stacked tensors one layer at a time inside the layer scan; "
+        f"{whole} others whole where used, {whole_text} per device"
+    )
+
+
+def _non_param_optimizer_bytes(trainer: BaseTrainer) -> int:
+    """Bytes of the optimizer state that is not parameter-shaped (counters; kept replicated)."""
+    rest = optax.tree_map_params(
+        trainer.optimizer,
+        lambda _: None,
+        trainer.abstract_state.opt_state,
+        transform_non_params=lambda x: x,
+    )
+    return array_bytes(rest)
+
+
+def closed_form(
+    trainer: BaseTrainer, policy: ShardingPolicy, replicas: int, totals: MemoryTotals | None
+) -> ClosedForm | None:
+    """The ZeRO paper's model for fp32 AdamW at tp=1, or None where it does not apply (tp > 1,
+    a layout that cannot be placed, parameters not float32, or not two float32 moments each)."""
+    psi = trainer.num_params
+    float32_params = all(np.dtype(leaf.dtype) == np.float32 for leaf in trainer.abstract_leaves)
+    non_param = _non_param_optimizer_bytes(trainer)
+    adam_like = array_bytes(trainer.abstract_state.opt_state) - non_param == 8 * psi
+    if policy.tp != 1 or totals is None or not (float32_params and adam_like):
+        return None
+    n = replicas
+    formula, predicted, per_param = {
+        "DP": ("16Ψ", 16 * psi, 0),
+        "ZeRO": ("8Ψ + 8Ψ/N", 8 * psi + 8 * psi / n, 8),
+        "FSDP": ("16Ψ/N", 16 * psi / n, 16),
+    }[policy.kind]
+    return ClosedForm(
+        kind=policy.kind,
+        formula=formula,
+        psi=psi,
+        replicas=n,
+        predicted_bytes=float(predicted),
+        planner_bytes=totals.total,
+        replicated_params=replicated_share(trainer).num_params,
+        bytes_per_replicated_param=per_param,
+        non_param_optimizer_bytes=non_param,
+    )
+
+
+def _device_trainer(
+    trainer_class: type[BaseTrainer], config: TrainerConfig, policy: ShardingPolicy, n: int
+) -> BaseTrainer:
+    available = jax.device_count()
+    if n > available:
+        raise ValueError(
+            f"compiling for {n} devices needs {n} devices in this process, but JAX has "
+            f"{available}. Run `theseus plan --compile --devices {n}` in a fresh process (it "
+            f"simulates {n} CPU devices) or set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before JAX starts."
+        )
+    return trainer_class(config, policy, Topology.new(policy, devices=jax.devices()[:n]))

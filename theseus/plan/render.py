@@ -1,0 +1,111 @@
+"""A plan as text: what ``theseus plan`` prints (its JSON is ``Plan.to_json()``)."""
+
+from __future__ import annotations
+
+from theseus.base.axis import Axis
+from theseus.base.memory import CompiledStep, format_bytes
+from theseus.plan.policies import COMMUNICATION
+from theseus.plan.results import BudgetChoice, Plan
+from theseus.training.summary import (
+    REPLICATED_WARNING_SHARE,
+    ReplicatedShare,
+    layout_table,
+    mesh_text,
+    number_text,
+    percent,
+    shape_text,
+    text_table,
+)
+
+_num = number_text
+
+
+def render(p: Plan) -> str:
+    lines = [
+        f"plan: {p.trainer}, {_num(p.num_params)} parameters on {p.num_devices} devices "
+        f"({p.devices_per_host} per host), mesh {mesh_text(p.mesh_shape)}",
+        f"policy: {p.name} ({p.policy.describe()})",
+    ]
+    if p.batch:
+        lines.append(p.batch)
+    lines += ["", *layout_table(p.rows), "", *_memory(p)]
+    lines += ["", p.closed_form.describe()] if p.closed_form is not None else []
+    lines += ["", *_replicated(p.replicated, p)]
+    lines += ["", *_compiled(p.compiled)] if p.compiled is not None else []
+    lines += ["", *_budget(p.budget)] if p.budget is not None else []
+    return "\n".join([*lines, "", *_verdict(p)])
+
+
+def _memory(p: Plan) -> list[str]:
+    lines = [
+        "per-device model state in bytes (parameters as stored, float32 gradient accumulator, "
+        "optimizer state; activations not included)"
+    ]
+    header = ["", "policy", "mesh", "params", "gradient sum", "optimizer", "total", "", "verdict"]
+    table = []
+    for option in p.options:
+        mark = "*" if option.policy == p.policy else ""
+        mesh = f"{option.mesh_shape[Axis.BATCH]}×{option.mesh_shape[Axis.SHARD]}"
+        cells = ["-", "-", "-", "-", ""]
+        if option.totals is not None:
+            t = option.totals
+            cells = [_num(t.params), _num(t.grad_accumulator), _num(t.optimizer), _num(t.total)]
+            cells.append(format_bytes(t.total))
+        summary = option.verdict.summary
+        summary = summary if len(summary) <= 72 else summary[:71] + "…"
+        table.append([mark, option.name, mesh, *cells, summary])
+    lines += text_table(header, table)
+    lines.append(
+        "  communication, least first: DP < ZeRO < FSDP at tp=1, then each tp > 1 in the same "
+        "order (" + "; ".join(f"{k}: {v}" for k, v in COMMUNICATION.items()) + ")"
+    )
+    return lines
+
+
+def _replicated(r: ReplicatedShare, p: Plan) -> list[str]:
+    lines = [
+        f"replicated across batch: {percent(r.fraction)} of parameters ({_num(r.num_params)} of "
+        f"{_num(r.total_params)}) are left whole on every replica by the plan's ZeRO rules"
+        + ("" if p.policy.zero else " (zero=False replicates all optimizer state by choice)"),
+    ]
+    if r.largest:
+        lines.append(
+            f"  above {REPLICATED_WARNING_SHARE:.0%}; largest: "
+            + ", ".join(f"{t.path} {shape_text(t.shape)} ({_num(t.params)})" for t in r.largest)
+            + "; annotate them with logical names the ZeRO rules map to batch"
+        )
+    return lines
+
+
+def _compiled(c: CompiledStep) -> list[str]:
+    table = [
+        [op, _num(total.count), _num(total.bytes), format_bytes(total.bytes)]
+        for op, total in c.collectives.items()
+    ]
+    return [
+        c.describe(),
+        "collectives per device per step (loops unrolled):",
+        *text_table(["collective", "count", "bytes", ""], table),
+    ]
+
+
+def _budget(b: BudgetChoice) -> list[str]:
+    return [
+        (
+            f"budget {format_bytes(b.budget)} ({_num(b.budget)} bytes) per device, by "
+            f"{b.measure}: chose {b.chosen}, the least communication that fits"
+        ),
+        *(f"  {name}: {why}" for name, why in b.reasons),
+    ]
+
+
+def _verdict(p: Plan) -> list[str]:
+    if p.verdict.ok:
+        gathering = [f"  {p.verdict.gathering}"] if p.verdict.gathering else []
+        return ["verdict: ok (the pre-flight check of a training run passes)", *gathering]
+    lines = ["verdict: FAILED, a training run would stop with:"]
+    lines += ["  " + line for line in p.verdict.error.splitlines()]
+    if p.verdict.also:
+        lines.append("and, once that is fixed, the layout check would stop it with:")
+        lines += ["  " + line for line in p.verdict.also.splitlines()]
+    return lines

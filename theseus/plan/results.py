@@ -1,0 +1,169 @@
+"""What the planner returns: dataclasses, written as JSON by :func:`theseus.base.records.as_json`
+and as text by :mod:`theseus.plan.render`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple
+
+from theseus.base.axis import ShardingPolicy
+from theseus.base.memory import CompiledStep, MemoryTotals
+from theseus.base.records import as_json, json_field
+from theseus.plan.policies import communication
+from theseus.training.summary import PlanRow, ReplicatedShare
+from theseus.training.summary import number_text as _num
+
+
+class NoPolicyFits(ValueError):
+    """No valid policy fits the memory budget; the message gives every policy's reason."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The pre-flight verdict: ``error`` is the exact message a training run would raise; when
+    that is not a layout error, ``also`` is the layout check's error that would follow it."""
+
+    ok: bool
+    error: str | None = None
+    also: str | None = None
+    gathering: str | None = None  # how the step gathers parameters stored split over batch
+
+    @property
+    def summary(self) -> str:
+        return "ok" if self.ok else self.error.splitlines()[0]
+
+
+@dataclass(frozen=True)
+class ClosedForm:
+    """The ZeRO paper's model-state bytes for fp32 AdamW (tp=1), against the planner's total.
+
+    DP ``16Ψ``; ZeRO ``8Ψ + 8Ψ/N``; FSDP ``16Ψ/N`` (Ψ parameters, N data replicas). The
+    planner's total exceeds it by exactly ``explained_gap``: each of the ``replicated_params``
+    (in tensors the plan leaves whole across ``batch``) keeps all ``bytes_per_replicated_param``
+    of its partitioned state on every device instead of 1/N of them, plus the optimizer's
+    non-parameter state (step counters).
+    """
+
+    kind: str
+    formula: str
+    psi: int
+    replicas: int
+    predicted_bytes: float
+    planner_bytes: int
+    replicated_params: int
+    bytes_per_replicated_param: int
+    non_param_optimizer_bytes: int
+
+    json_properties: ClassVar[dict[str, str]] = {
+        "gap": "gap_bytes",
+        "explained_gap": "explained_gap_bytes",
+    }
+
+    @property
+    def gap(self) -> float:
+        return self.planner_bytes - self.predicted_bytes
+
+    @property
+    def explained_gap(self) -> float:
+        n = self.replicas
+        spread = self.bytes_per_replicated_param * self.replicated_params * (n - 1) / n
+        return spread + self.non_param_optimizer_bytes
+
+    def describe(self) -> str:
+        per_param, replicated = self.bytes_per_replicated_param, self.replicated_params
+        return (
+            f"ZeRO model (fp32 AdamW, Ψ={_num(self.psi)}, N={self.replicas} replicas): "
+            f"{self.kind} {self.formula} = {_num(self.predicted_bytes)} bytes; planner "
+            f"{_num(self.planner_bytes)} (+{_num(self.gap)}): {_num(replicated)} parameters in "
+            f"tensors left whole across batch keep {per_param} bytes each on every device "
+            f"({per_param} × {_num(replicated)} × (1 − 1/N) = "
+            f"{_num(self.explained_gap - self.non_param_optimizer_bytes)}) plus "
+            f"{self.non_param_optimizer_bytes} bytes of optimizer counters"
+        )
+
+
+@dataclass(frozen=True)
+class PolicyOption:
+    """One policy on the same devices: its mesh, model-state totals, verdict and rank in the
+    communication order (0 = least; see :mod:`theseus.plan.policies`)."""
+
+    policy: ShardingPolicy
+    mesh_shape: dict[str, int] = json_field("mesh")
+    totals: MemoryTotals | None = None  # None when a layout cannot hold some tensor
+    verdict: Verdict = Verdict(True)
+    rank: int = json_field("communication_rank", default=0)
+    closed_form: ClosedForm | None = None  # tp=1 with fp32 AdamW only
+
+    json_properties: ClassVar[dict[str, str]] = {
+        "name": "name",
+        "communication": "communication",
+    }
+
+    @property
+    def name(self) -> str:
+        return self.policy.name
+
+    @property
+    def communication(self) -> str:
+        return communication(self.policy)
+
+
+class Reason(NamedTuple):
+    policy: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class BudgetChoice:
+    """Which policy ``plan_for_budget`` picked for ``budget`` bytes per device, and why not the
+    others (``reasons``, in communication order)."""
+
+    budget: int = json_field("budget_bytes")
+    measure: str = json_field("measure")  # "model state" or "compiled peak"
+    chosen: str = json_field("chosen")
+    reasons: tuple[Reason, ...] = ()
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything ``theseus plan`` shows; :meth:`render` is the text, :meth:`to_json` the JSON."""
+
+    trainer: str
+    num_params: int
+    num_devices: int
+    devices_per_host: int
+    mesh_shape: dict[str, int] = json_field("mesh")
+    policy: ShardingPolicy = json_field(None)  # written with its name, as `policy_record`
+    batch: str | None = None
+    rows: tuple[PlanRow, ...] = ()
+    totals: MemoryTotals | None = None
+    verdict: Verdict = Verdict(True)
+    replicated: ReplicatedShare | None = None
+    closed_form: ClosedForm | None = None
+    options: tuple[PolicyOption, ...] = json_field("policies", default=())
+    compiled: CompiledStep | None = None
+    budget: BudgetChoice | None = None
+
+    json_properties: ClassVar[dict[str, str]] = {"policy_record": "policy"}
+
+    @property
+    def name(self) -> str:
+        return self.policy.name
+
+    @property
+    def policy_record(self) -> dict[str, Any]:
+        return {"name": self.name, **self.policy.model_dump()}
+
+    def option(self, name: str) -> PolicyOption:
+        for option in self.options:
+            if option.name == name:
+                return option
+        raise KeyError(f"no policy named {name!r}; plans have {[o.name for o in self.options]}")
+
+    def to_json(self) -> dict:
+        return as_json(self)
+
+    def render(self) -> str:
+        from theseus.plan.render import render
+
+        return render(self)

@@ -1,0 +1,125 @@
+"""``theseus plan``: every layout and the per-device memory for any mesh, from shapes only.
+Registered on the ``theseus`` command line by :mod:`theseus.cli`."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from theseus.cli import Imports, app, import_modules, sharding_options, use_cpu_devices, user_errors
+
+
+@app.command(name="plan", context_settings={"allow_extra_args": False})
+@sharding_options
+def plan_command(
+    arguments: Annotated[
+        list[str] | None,
+        typer.Argument(
+            help="optional JOB (a registered job, default gpt/train/pretrain) or CONFIG.yaml (a "
+            "chain from `theseus configure`, or a GPT config), then dotted config overrides",
+            show_default=False,
+        ),
+    ] = None,
+    devices: Annotated[
+        int | None,
+        typer.Option(help="devices to plan for, any number [default: this machine's]", min=1),
+    ] = None,
+    devices_per_host: Annotated[
+        int | None,
+        typer.Option(help="devices of one host; TP stays within a host [default: min(devices, 8)]"),
+    ] = None,
+    compile_step: Annotated[
+        bool,
+        typer.Option(
+            "--compile",
+            help="also compile the real train step on that many simulated CPU devices and show "
+            "its memory_analysis() (activations included)",
+        ),
+    ] = False,
+    budget: Annotated[
+        str | None,
+        typer.Option(
+            help="per-device memory, e.g. 80GiB: pick the valid policy with the least "
+            "communication that fits (instead of --tp/--zero/--fsdp)"
+        ),
+    ] = None,
+    json_output: Annotated[
+        bool, typer.Option("--json", help="print the plan as JSON, for tools")
+    ] = False,
+    imports: Imports = None,
+    sharding: dict[str, Any] | None = None,
+) -> None:
+    """Plan before you train: every layout and the per-device memory, from shapes only.
+
+    Exits 1 when the pre-flight check fails or no policy fits the budget, 2 on bad input.
+    """
+    if compile_step:
+        with contextlib.suppress(RuntimeError):  # JAX already started (embedded use): its
+            use_cpu_devices(devices)  # devices are checked when compiling
+    import json
+
+    from theseus.plan import NoPolicyFits
+
+    rest = list(arguments or [])
+    source = rest.pop(0) if rest and "=" not in rest[0] else "gpt/train/pretrain"
+    with user_errors(exit_codes={NoPolicyFits: 1}):
+        import_modules(imports)
+        from theseus.config import apply_overrides
+        from theseus.plan import parse_bytes, plan, plan_for_budget
+
+        trainer_class, config, policy = plan_source(source)
+        config = apply_overrides(config, rest)
+        if devices is None:
+            import jax
+
+            devices = jax.device_count()
+        if budget is None:
+            result = plan(
+                trainer_class,
+                config,
+                policy.merge(**sharding),
+                devices,
+                devices_per_host=devices_per_host,
+                compile=compile_step,
+            )
+        elif {"tp", "zero", "fsdp"} & set(sharding):
+            raise ValueError(
+                "--budget chooses the policy itself; drop --tp, --zero/--no-zero and "
+                "--fsdp/--no-fsdp (or drop --budget to plan one policy)."
+            )
+        else:
+            result = plan_for_budget(
+                trainer_class,
+                config,
+                devices,
+                parse_bytes(budget),
+                devices_per_host=devices_per_host,
+                activation_checkpointing=policy.merge(**sharding).activation_checkpointing,
+                compile=compile_step,
+            )
+    typer.echo(json.dumps(result.to_json(), indent=2) if json_output else result.render())
+    if not result.verdict.ok:
+        raise typer.Exit(code=1)
+
+
+def plan_source(source: str) -> tuple[type, Any, Any]:
+    """The trainer class, config and policy that ``theseus plan SOURCE`` plans: a registered
+    job, a chain YAML (its first step and its policy) or a GPT config YAML."""
+    from theseus.base.axis import ShardingPolicy
+    from theseus.config import read_yaml, validate
+    from theseus.execution import Chain
+    from theseus.jobs import get_job
+    from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
+
+    if not (source.endswith((".yaml", ".yml")) or Path(source).is_file()):
+        trainer_class = get_job(source).trainer_class
+        return trainer_class, trainer_class.config_class(), ShardingPolicy()
+    data = read_yaml(source)
+    if isinstance(data, dict) and "steps" in data:
+        chain = Chain.from_dict(data, where=source)
+        first = chain.steps[0]
+        return get_job(first.job).trainer_class, first.config, chain.policy
+    return GPTTrainer, validate(GPTTrainerConfig, data or {}), ShardingPolicy()

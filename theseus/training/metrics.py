@@ -1,0 +1,138 @@
+"""The metrics of a run: one JSON row per step in ``metrics.jsonl``, shown by the reporter, read
+from the device one step late so the host never waits on it inside the loop."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import jax
+
+from theseus.config import LoggingConfig
+from theseus.training.nonfinite import strict_json_row
+from theseus.training.progress import Reporter
+from theseus.training.tensorboard import TensorBoardWriter
+from theseus.training.throughput import Speedometer, StepClock
+
+
+@dataclass(frozen=True)
+class PendingStep:
+    """A dispatched step whose metrics are still on the device."""
+
+    step: int
+    metrics: dict[str, jax.Array]
+    val_loss: jax.Array | None = None
+
+
+@dataclass
+class MetricsHistory:
+    """The losses recorded so far (main process only writes them to disk)."""
+
+    losses: list[float] = field(default_factory=list)
+    val_losses: list[float] = field(default_factory=list)
+
+
+class MetricsWriter:
+    """Owns ``metrics.jsonl`` (written by the main process), the progress reporter and the
+    one-step-late read: :meth:`push` hands in step n's device metrics and records step n - 1's,
+    which the device has finished by then; leaving the ``with`` block records the last one.
+
+    On resume, the rows of the earlier run up to ``first_step - 1`` are kept and the rest dropped.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        first_step: int,
+        total_steps: int,
+        tokens_per_step: int,
+        logging: LoggingConfig,
+        log: Callable[[str], None],
+        resume: bool,
+        main: bool,
+        speed: Speedometer,
+        events: TensorBoardWriter | None = None,
+        check_row: Callable[[dict], None] = lambda row: None,
+    ):
+        self.path = path
+        self.first_step = first_step
+        self.tokens_per_step = tokens_per_step
+        self.resume = resume
+        self.main = main
+        self.speed = speed  # step time → tokens/s and MFU
+        self.events = events  # TensorBoard, when asked for
+        self.check_row = check_row  # e.g. stop after a non-finite step
+        self._clock = StepClock()
+        self.history = MetricsHistory()
+        self._reporter = Reporter(first_step - 1, total_steps, logging, log)
+        self._file: IO[str] | None = None
+        self._pending: PendingStep | None = None
+
+    def __enter__(self) -> MetricsWriter:
+        if self.main:
+            kept = _kept_rows(self.path, self.first_step - 1) if self.resume else []
+            self.path.write_text("".join(row + "\n" for row in kept))
+            self._file = open(self.path, "a")  # noqa: SIM115 - closed in __exit__
+        self._reporter.__enter__()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        try:
+            if exc_info[0] is None:
+                self.flush()
+        finally:
+            self._reporter.__exit__(*exc_info)
+            if self._file is not None:
+                self._file.close()
+
+    def push(self, step: int, metrics: dict[str, jax.Array], val_loss: Any = None) -> None:
+        """Hold step ``step``'s metrics; record the step before it."""
+        self.flush()
+        self._pending = PendingStep(step, metrics, val_loss)
+
+    def row(self, pending: PendingStep) -> dict[str, Any]:
+        """The row of a step (reads its metrics from the device): numbers as floats, flags as
+        booleans."""
+        metrics = jax.device_get(pending.metrics)
+        row = {"step": pending.step}
+        row |= {k: bool(v) if v.dtype == bool else float(v) for k, v in metrics.items()}
+        row |= self.speed.rates(self._clock.lap())  # device_get returned when the step finished
+        row["tokens"] = pending.step * self.tokens_per_step
+        if pending.val_loss is not None:
+            row["val_loss"] = float(pending.val_loss)
+        return row
+
+    def flush(self) -> None:
+        """Record the held step now (before a checkpoint of it is saved, say)."""
+        if self._pending is None:
+            return
+        row = self.row(self._pending)
+        self._pending = None
+        self.history.losses.append(row["loss"])
+        if "val_loss" in row:
+            self.history.val_losses.append(row["val_loss"])
+        if self._file is not None:
+            self._file.write(json.dumps(strict_json_row(row), allow_nan=False) + "\n")
+            self._file.flush()
+        if self.events is not None:
+            self.events.write(row)
+        self._reporter.update(row)
+        self.check_row(row)
+
+
+def _kept_rows(path: Path, last_step: int) -> list[str]:
+    """Rows of an earlier run segment up to ``last_step``: the ones a resumed run keeps."""
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= last_step:
+                rows.append(line)
+        except (json.JSONDecodeError, KeyError, TypeError):
+            break  # a row cut by a crash ends what can be trusted
+    return rows
