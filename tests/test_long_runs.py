@@ -19,11 +19,11 @@ from typer.testing import CliRunner
 
 from theseus.base.axis import ShardingPolicy
 from theseus.checkpoint import Checkpointer
-from theseus.training.checkpointing import restore_target
 from theseus.cli import app
 from theseus.config import apply_overrides
 from theseus.data import Sampler, load_corpus
 from theseus.training.base import TrainState
+from theseus.training.checkpointing import restore_target
 from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
 from theseus.training.loop import train
 from theseus.training.preemption import PreemptionWatch
