@@ -32,9 +32,9 @@ os.environ["XLA_FLAGS"] = (
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
-import jax
-import numpy as np
-import reference
+import jax  # noqa: E402 - after the device count is set
+import numpy as np  # noqa: E402
+import reference  # noqa: E402
 
 # name: (tp, zero, fsdp)
 POLICIES = {
@@ -132,7 +132,7 @@ def main() -> None:
         pairs.append((name, ours, theirs))
 
     for repeat in range(args.repeats):
-        for name, ours, theirs in pairs:
+        for _, ours, theirs in pairs:
             order = (ours, theirs) if repeat % 2 == 0 else (theirs, ours)
             for contender in order:
                 run(contender, args.steps)

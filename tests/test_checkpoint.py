@@ -4,6 +4,7 @@ import functools
 import glob
 import os
 import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -212,16 +213,18 @@ def test_fingerprints_ignore_layout_and_see_one_bit():
 
 
 def _garble(path, num_bytes=1):
-    data = bytearray(open(path, "rb").read())
+    path = Path(path)
+    data = bytearray(path.read_bytes())
     middle = len(data) // 2
     for i in range(middle, min(middle + num_bytes, len(data))):
         data[i] ^= 0x5A
-    open(path, "wb").write(bytes(data))
+    path.write_bytes(bytes(data))
 
 
 def _truncate(path):
-    data = open(path, "rb").read()
-    open(path, "wb").write(data[: len(data) // 2])
+    path = Path(path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
 
 
 DAMAGE = {
@@ -281,9 +284,11 @@ def test_every_step_damaged_is_an_error(saved, tmp_path):
     directory = damaged_copy(saved, tmp_path)
     for step in (1, 2):
         _garble(data_files(directory, step)[0], num_bytes=8)
-    with Checkpointer(directory, log=lambda _: None) as checkpointer:
-        with pytest.raises(CheckpointError, match="no good checkpoint") as error:
-            checkpointer.restore(None, restore_target(saved["trainer"]))
+    with (
+        Checkpointer(directory, log=lambda _: None) as checkpointer,
+        pytest.raises(CheckpointError, match="no good checkpoint") as error,
+    ):
+        checkpointer.restore(None, restore_target(saved["trainer"]))
     assert "(step 1)" in str(error.value) and "(step 2)" in str(error.value)
 
 
@@ -303,7 +308,7 @@ def test_interrupted_save_is_ignored_and_cleaned_up(saved, tmp_path):
     assert partial.exists()
     with Checkpointer(directory) as checkpointer:
         assert checkpointer.all_steps() == [1, 2]
-        state, meta = checkpointer.restore(None, target)
+        _, meta = checkpointer.restore(None, target)
         assert meta["step"] == 2 and checkpointer.skipped == ()
     assert not partial.exists()
 

@@ -150,11 +150,11 @@ def test_write_tokens_rejects_out_of_range(tmp_path):
 
 def test_missing_and_empty_paths_are_named(tmp_path):
     missing = tmp_path / "nowhere.txt"
-    with pytest.raises(ValueError, match="nowhere.txt"):
+    with pytest.raises(ValueError, match=r"nowhere\.txt"):
         load_corpus(missing)
     empty_file = tmp_path / "empty.txt"
     empty_file.write_bytes(b"")
-    with pytest.raises(ValueError, match="empty.txt"):
+    with pytest.raises(ValueError, match=r"empty\.txt"):
         load_corpus(empty_file)
     empty_dir = tmp_path / "emptydir"
     empty_dir.mkdir()
@@ -162,7 +162,7 @@ def test_missing_and_empty_paths_are_named(tmp_path):
         load_corpus(empty_dir)
     empty_bin = tmp_path / "empty.bin"
     empty_bin.write_bytes(b"")
-    with pytest.raises(ValueError, match="empty.bin"):
+    with pytest.raises(ValueError, match=r"empty\.bin"):
         load_corpus(empty_bin)
 
 

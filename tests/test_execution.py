@@ -178,7 +178,7 @@ def test_trains_on_own_text_and_token_files(tmp_path):
         assert np.isfinite(summary.final_loss)
     with quick("gpt/train/pretrain", tmp_path / "small-vocab") as q:
         q.override(*TINY, f"data.path={tokens}", "data.token_dtype=uint32")
-        with pytest.raises(ValueError, match="model.vocab_size=499"):
+        with pytest.raises(ValueError, match=r"model\.vocab_size=499"):
             q()
 
 
@@ -240,5 +240,5 @@ def test_plot_writes_png(tmp_path):
     path = plot_losses(tmp_path)
     assert path == tmp_path / "loss.png"
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    with pytest.raises(ValueError, match="no metrics.jsonl"):
+    with pytest.raises(ValueError, match=r"no metrics\.jsonl"):
         plot_losses(tmp_path / "missing")
