@@ -12,6 +12,7 @@ import inspect
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -70,18 +71,20 @@ ProcessId = Annotated[
     int | None, typer.Option(help="this process's index, 0 .. num-processes - 1", min=0)
 ]
 Distributed = Annotated[
-    str,
+    str | None,
     typer.Option(
         "--distributed",
         help="auto: join the multi-process job that JAX detects (SLURM, Open MPI, Kubernetes, "
         "Cloud TPU), or run alone when there is none; off: always run alone; or one of JAX's "
-        "cluster detection methods by name, e.g. mpi4py",
+        "cluster detection methods by name, e.g. mpi4py [default: auto]",
     ),
 ]
 HeartbeatTimeout = Annotated[
-    int,
+    int | None,
     typer.Option(
-        help="seconds of silence after which a peer counts as dead and the job ends", min=1
+        help="seconds of silence after which a peer counts as dead and the job ends "
+        f"[default: {DEFAULT_HEARTBEAT_TIMEOUT_S}]",
+        min=1,
     ),
 ]
 Imports = Annotated[
@@ -100,15 +103,19 @@ def use_cpu_devices(count: int | None) -> None:
     jax.config.update("jax_num_cpu_devices", count)
 
 
-def join_job(
-    mode: str,
-    coordinator: str | None,
-    num_processes: int | None,
-    process_id: int | None,
-    heartbeat_timeout: int,
-    cpu_devices: int | None,
-    out: Path | None,
-) -> None:
+@dataclass(frozen=True)
+class ProcessFlags:
+    """How this process takes its place in a job: the flags a user gave, defaults filled in."""
+
+    distributed: str = "auto"
+    coordinator: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    heartbeat_timeout: int = DEFAULT_HEARTBEAT_TIMEOUT_S
+    cpu_devices: int | None = None
+
+
+def join_job(process: ProcessFlags, out: Path | None) -> None:
     """Take this process's place in the job (before any JAX operation).
 
     A process of a multi-process job runs the command as a supervised worker (theseus/supervise.py)
@@ -117,14 +124,16 @@ def join_job(
     from theseus import distributed, supervise
 
     with user_errors():
-        membership = distributed.resolve_membership(mode, coordinator, num_processes, process_id)
+        membership = distributed.resolve_membership(
+            process.distributed, process.coordinator, process.num_processes, process.process_id
+        )
     if membership.joins and not supervise.is_worker():
         if out is None:
             fail("a multi-process run needs --out DIR: every process must write the same run")
         raise typer.Exit(supervise.supervise(sys.argv[1:], out, membership.process_id))
-    supervise.set_up_worker(heartbeat_timeout)
-    use_cpu_devices(cpu_devices)
-    distributed.start(membership, heartbeat_timeout)
+    supervise.set_up_worker(process.heartbeat_timeout)
+    use_cpu_devices(process.cpu_devices)
+    distributed.start(membership, process.heartbeat_timeout)
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -210,6 +219,38 @@ layout_options = shared_options(
 )
 
 
+@dataclass(frozen=True)
+class RunFlags:
+    """What a training command does with a run directory that already holds a run."""
+
+    resume: bool = False
+    allow_changes: bool = False
+    overwrite: bool = False
+
+
+#: --resume, --allow-changes, --overwrite: the command receives them as ``run_flags``.
+run_options = shared_options(
+    {"resume": Resume, "allow_changes": AllowChanges, "overwrite": Overwrite},
+    into="run_flags",
+    build=lambda **given: RunFlags(**{flag: bool(value) for flag, value in given.items()}),
+)
+#: --distributed, --coordinator, --num-processes, --process-id, --heartbeat-timeout and
+#: --cpu-devices: the command
+#: receives them as ``process`` (a :class:`ProcessFlags`) for :func:`join_job`.
+process_options = shared_options(
+    {
+        "distributed": Distributed,
+        "coordinator": Coordinator,
+        "num_processes": NumProcesses,
+        "process_id": ProcessId,
+        "heartbeat_timeout": HeartbeatTimeout,
+        "cpu_devices": CPUDevices,
+    },
+    into="process",
+    build=lambda **given: ProcessFlags(**sharding_changes(**given)),
+)
+
+
 def import_modules(modules: list[str] | None) -> None:
     """Import the user's modules (which register jobs); the working directory is searched too."""
     import importlib
@@ -227,10 +268,11 @@ def main() -> None:
 
 @app.command()
 @sharding_options
+@run_options
+@process_options
 def train(
     overrides: Overrides = None,
     job: Annotated[str, typer.Option(help="registered training job")] = "gpt/train/pretrain",
-    cpu_devices: CPUDevices = None,
     steps: Annotated[int | None, typer.Option(help="optimizer steps (training.steps)")] = None,
     seed: Annotated[int | None, typer.Option(help="seed of init and data order")] = None,
     peak_tflops: Annotated[
@@ -239,21 +281,13 @@ def train(
     out: Annotated[
         Path | None, typer.Option(help="run directory [default: runs/<time stamp>]")
     ] = None,
-    resume: Resume = False,
-    allow_changes: AllowChanges = False,
-    overwrite: Overwrite = False,
     imports: Imports = None,
-    coordinator: Coordinator = None,
-    num_processes: NumProcesses = None,
-    process_id: ProcessId = None,
-    distributed: Distributed = "auto",
-    heartbeat_timeout: HeartbeatTimeout = DEFAULT_HEARTBEAT_TIMEOUT_S,
     sharding: dict[str, Any] | None = None,
+    run_flags: RunFlags | None = None,
+    process: ProcessFlags | None = None,
 ) -> None:
     """Train a job (the default GPT on built-in data unless data.path is given)."""
-    join_job(
-        distributed, coordinator, num_processes, process_id, heartbeat_timeout, cpu_devices, out
-    )
+    join_job(process, out)
     extra = list(overrides or [])
     if steps is not None:
         extra.append(f"training.steps={steps}")
@@ -261,17 +295,16 @@ def train(
         extra.append(f"training.seed={seed}")
     if peak_tflops is not None:
         extra.append(f"logging.peak_tflops={peak_tflops}")
-    if resume and out is None:
+    if run_flags.resume and out is None:
         fail("--resume needs --out: the run directory to continue")
-    if allow_changes and not resume:
+    if run_flags.allow_changes and not run_flags.resume:
         fail("--allow-changes applies to --resume only: add --resume, or drop --allow-changes")
     out = out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     with user_errors():
         import_modules(imports)
         from theseus.execution import quick
 
-        options = {"resume": resume, "overwrite": overwrite, "allow_changes": allow_changes}
-        session = quick(job, out, **options).override(*extra)
+        session = quick(job, out, **asdict(run_flags)).override(*extra)
         session.shard(**sharding)
         summary = session()
     echo_on_main(summary.describe())
@@ -279,31 +312,24 @@ def train(
 
 @app.command()
 @sharding_options
+@run_options
+@process_options
 def run(
     chain_file: Annotated[Path, typer.Argument(help="chain YAML (from `theseus configure`)")],
     out: Annotated[Path, typer.Argument(help="output directory of the chain")],
-    cpu_devices: CPUDevices = None,
-    resume: Resume = False,
-    allow_changes: AllowChanges = False,
-    overwrite: Overwrite = False,
     imports: Imports = None,
-    coordinator: Coordinator = None,
-    num_processes: NumProcesses = None,
-    process_id: ProcessId = None,
-    distributed: Distributed = "auto",
-    heartbeat_timeout: HeartbeatTimeout = DEFAULT_HEARTBEAT_TIMEOUT_S,
     sharding: dict[str, Any] | None = None,
+    run_flags: RunFlags | None = None,
+    process: ProcessFlags | None = None,
 ) -> None:
     """Run an execution chain saved as YAML; sharding flags merge into its policy."""
-    join_job(
-        distributed, coordinator, num_processes, process_id, heartbeat_timeout, cpu_devices, out
-    )
+    join_job(process, out)
     with user_errors():
         import_modules(imports)
         from theseus.execution import Chain
 
         chain = Chain.load(chain_file).shard(**sharding)
-        results = chain.run(out, resume=resume, overwrite=overwrite, allow_changes=allow_changes)
+        results = chain.run(out, **asdict(run_flags))
     for result in results:
         echo_on_main(result.describe())
 
