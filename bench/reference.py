@@ -58,11 +58,17 @@ class Optimizer:
 
 @dataclass(frozen=True)
 class Sharding:
-    """One policy: ``tp`` devices per replica; ZeRO partitions the update, FSDP also storage."""
+    """One policy: ``tp`` devices per replica; ZeRO partitions the update, FSDP also storage.
+
+    ``per_layer_gather``: under FSDP, gather each layer's weights inside the layer scan, as
+    theseus does (the whole model is never gathered); False gathers the whole tree before the
+    loss, once per microbatch (the simplest FSDP, whose temporaries grow with depth).
+    """
 
     tp: int = 1
     zero: bool = True
     fsdp: bool = False
+    per_layer_gather: bool = True
 
 
 class State(NamedTuple):
@@ -187,12 +193,15 @@ def attention(q, k, v, n_head):
     return out.reshape(b, t, c).astype(q.dtype)  # (batch, seq, n_attn)
 
 
-def forward(model: Model, params, tokens):
-    """Float32 logits (batch, seq, vocab) of tokens (batch, seq)."""
+def forward(model: Model, params, tokens, layer_compute=None):
+    """Float32 logits (batch, seq, vocab) of tokens (batch, seq); ``layer_compute`` (one layer's
+    compute shardings) gathers each stacked layer inside the scan."""
     dtype = model.compute_dtype
     x = params["wte"][tokens] + params["wpe"][: tokens.shape[1]]  # (batch, seq, n_embd)
 
     def layer(x, p):
+        if layer_compute is not None:
+            p = jax.lax.with_sharding_constraint(p, layer_compute)
         h = layer_norm(x, p["ln1"], dtype)
         q, k, v = (linear(h, p[name]) for name in ("attn_q", "attn_k", "attn_v"))
         x = x + linear(attention(q, k, v, model.n_head), p["attn_out"]).astype(jnp.float32)
@@ -206,9 +215,9 @@ def forward(model: Model, params, tokens):
     return dense(h, params["wte"], jnp.float32, "oi")  # (batch, seq, vocab)
 
 
-def loss_fn(model: Model, params, tokens):
+def loss_fn(model: Model, params, tokens, layer_compute=None):
     """Mean next-token cross-entropy of tokens (examples, seq + 1)."""
-    logits = forward(model, params, tokens[:, :-1])
+    logits = forward(model, params, tokens[:, :-1], layer_compute)
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
@@ -304,10 +313,26 @@ def build(model: Model, sharding: Sharding, opt: Optimizer = Optimizer()) -> Ste
     )
     state_layout = State(lay.storage, opt_layout, replicated)
 
+    per_layer = sharding.fsdp and sharding.per_layer_gather
+    # Parameters enter the loss in the compute layout, except the stacked layers under per-layer
+    # gathering: they enter as stored and each layer's slice is gathered inside the scan.
+    entry = {**lay.compute, "blocks": lay.storage["blocks"]} if per_layer else lay.compute
+    layer_compute = (
+        jax.tree.map(
+            lambda s: NamedSharding(mesh, P(*s.spec[1:])),
+            lay.compute["blocks"],
+            is_leaf=lambda x: isinstance(x, NamedSharding),
+        )
+        if per_layer
+        else None
+    )
+
     def step(state: State, batch):  # batch: (accumulation, examples, seq + 1)
         def micro(grad_sum, tokens):
-            params = constrain(state.params, lay.compute)
-            loss, grads = jax.value_and_grad(partial(loss_fn, model))(params, tokens)
+            params = constrain(state.params, entry)
+            loss, grads = jax.value_and_grad(partial(loss_fn, model, layer_compute=layer_compute))(
+                params, tokens
+            )
             return constrain(jax.tree.map(jnp.add, grad_sum, grads), lay.storage), loss
 
         zeros = constrain(jax.tree.map(jnp.zeros_like, state.params), lay.storage)

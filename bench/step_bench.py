@@ -77,10 +77,10 @@ def theseus_contender(policy_name: str, dtype: str):
     return trainer, trainer.compile().executable, trainer.init_state(), batch, tokens
 
 
-def reference_contender(policy_name: str, dtype: str, params, tokens):
+def reference_contender(policy_name: str, dtype: str, params, tokens, per_layer_gather: bool):
     tp, zero, fsdp = POLICIES[policy_name]
     model = reference.Model(**MODEL, compute_dtype=jax.numpy.dtype(dtype))
-    ref = reference.build(model, reference.Sharding(tp, zero, fsdp))
+    ref = reference.build(model, reference.Sharding(tp, zero, fsdp, per_layer_gather))
     state = ref.init(params)
     batch = jax.device_put(tokens, ref.batch_sharding)
     return ref.run, state, batch
@@ -104,6 +104,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="steps per timed repetition")
     parser.add_argument("--policies", default="DP,ZeRO,FSDP,tp=2,tp=2+FSDP")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument(
+        "--whole-tree-gather",
+        action="store_true",
+        help="the hand-written FSDP step gathers the whole tree before the loss (the simplest "
+        "FSDP) instead of one layer at a time inside the scan as theseus does",
+    )
     args = parser.parse_args()
     names = args.policies.split(",")
     unknown = sorted(set(names) - set(POLICIES))
@@ -115,7 +121,9 @@ def main() -> None:
         start = time.perf_counter()
         trainer, step, state, batch, tokens = theseus_contender(name, args.dtype)
         params = jax.tree.map(lambda a: a.copy(), state.params)  # the theseus step donates
-        ref_step, ref_state, ref_batch = reference_contender(name, args.dtype, params, tokens)
+        ref_step, ref_state, ref_batch = reference_contender(
+            name, args.dtype, params, tokens, per_layer_gather=not args.whole_tree_gather
+        )
         ours = Contender("theseus", step, state, batch)
         theirs = Contender("reference", ref_step, ref_state, ref_batch)
         ours.state, ours_metrics = ours.step(ours.state, ours.batch)
