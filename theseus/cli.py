@@ -228,26 +228,43 @@ class RunFlags:
     overwrite: bool = False
 
 
-#: --resume, --allow-changes, --overwrite: the command receives them as ``run_flags``.
-run_options = shared_options(
-    {"resume": Resume, "allow_changes": AllowChanges, "overwrite": Overwrite},
-    into="run_flags",
-    build=lambda **given: RunFlags(**{flag: bool(value) for flag, value in given.items()}),
-)
-#: --distributed, --coordinator, --num-processes, --process-id, --heartbeat-timeout and
-#: --cpu-devices: the command
-#: receives them as ``process`` (a :class:`ProcessFlags`) for :func:`join_job`.
-process_options = shared_options(
-    {
-        "distributed": Distributed,
-        "coordinator": Coordinator,
-        "num_processes": NumProcesses,
-        "process_id": ProcessId,
-        "heartbeat_timeout": HeartbeatTimeout,
-        "cpu_devices": CPUDevices,
-    },
-    into="process",
-    build=lambda **given: ProcessFlags(**sharding_changes(**given)),
+RUN_FLAGS = {"resume": Resume, "allow_changes": AllowChanges, "overwrite": Overwrite}
+PROCESS_FLAGS = {
+    "distributed": Distributed,
+    "coordinator": Coordinator,
+    "num_processes": NumProcesses,
+    "process_id": ProcessId,
+    "heartbeat_timeout": HeartbeatTimeout,
+    "cpu_devices": CPUDevices,
+}
+
+
+@dataclass(frozen=True)
+class JobFlags:
+    """The flags of every training command: the policy changes given (``sharding``), what to do
+    with an existing run (``run``) and how this process joins a job (``process``)."""
+
+    sharding: dict[str, Any]
+    run: RunFlags
+    process: ProcessFlags
+
+
+def job_flags(**given: Any) -> JobFlags:
+    def picked(flags: Mapping[str, Any]) -> dict[str, Any]:
+        return sharding_changes(**{flag: given[flag] for flag in flags})
+
+    return JobFlags(
+        sharding=picked(SHARDING_FLAGS),
+        run=RunFlags(**{flag: bool(given[flag]) for flag in RUN_FLAGS}),
+        process=ProcessFlags(**picked(PROCESS_FLAGS)),
+    )
+
+
+#: The sharding flags, --resume/--allow-changes/--overwrite and the process flags (--distributed,
+#: --coordinator, --num-processes, --process-id, --heartbeat-timeout, --cpu-devices), declared
+#: once for `train` and `run`, which receive them as ``flags`` (a :class:`JobFlags`).
+job_options = shared_options(
+    {**SHARDING_FLAGS, **RUN_FLAGS, **PROCESS_FLAGS}, into="flags", build=job_flags
 )
 
 
@@ -267,9 +284,7 @@ def main() -> None:
 
 
 @app.command()
-@sharding_options
-@run_options
-@process_options
+@job_options
 def train(
     overrides: Overrides = None,
     job: Annotated[str, typer.Option(help="registered training job")] = "gpt/train/pretrain",
@@ -282,12 +297,10 @@ def train(
         Path | None, typer.Option(help="run directory [default: runs/<time stamp>]")
     ] = None,
     imports: Imports = None,
-    sharding: dict[str, Any] | None = None,
-    run_flags: RunFlags | None = None,
-    process: ProcessFlags | None = None,
+    flags: JobFlags | None = None,
 ) -> None:
     """Train a job (the default GPT on built-in data unless data.path is given)."""
-    join_job(process, out)
+    join_job(flags.process, out)
     extra = list(overrides or [])
     if steps is not None:
         extra.append(f"training.steps={steps}")
@@ -295,41 +308,37 @@ def train(
         extra.append(f"training.seed={seed}")
     if peak_tflops is not None:
         extra.append(f"logging.peak_tflops={peak_tflops}")
-    if run_flags.resume and out is None:
+    if flags.run.resume and out is None:
         fail("--resume needs --out: the run directory to continue")
-    if run_flags.allow_changes and not run_flags.resume:
+    if flags.run.allow_changes and not flags.run.resume:
         fail("--allow-changes applies to --resume only: add --resume, or drop --allow-changes")
     out = out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     with user_errors():
         import_modules(imports)
         from theseus.execution import quick
 
-        session = quick(job, out, **asdict(run_flags)).override(*extra)
-        session.shard(**sharding)
+        session = quick(job, out, **asdict(flags.run)).override(*extra)
+        session.shard(**flags.sharding)
         summary = session()
     echo_on_main(summary.describe())
 
 
 @app.command()
-@sharding_options
-@run_options
-@process_options
+@job_options
 def run(
     chain_file: Annotated[Path, typer.Argument(help="chain YAML (from `theseus configure`)")],
     out: Annotated[Path, typer.Argument(help="output directory of the chain")],
     imports: Imports = None,
-    sharding: dict[str, Any] | None = None,
-    run_flags: RunFlags | None = None,
-    process: ProcessFlags | None = None,
+    flags: JobFlags | None = None,
 ) -> None:
     """Run an execution chain saved as YAML; sharding flags merge into its policy."""
-    join_job(process, out)
+    join_job(flags.process, out)
     with user_errors():
         import_modules(imports)
         from theseus.execution import Chain
 
-        chain = Chain.load(chain_file).shard(**sharding)
-        results = chain.run(out, **asdict(run_flags))
+        chain = Chain.load(chain_file).shard(**flags.sharding)
+        results = chain.run(out, **asdict(flags.run))
     for result in results:
         echo_on_main(result.describe())
 
