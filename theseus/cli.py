@@ -91,6 +91,17 @@ Imports = Annotated[
     list[str] | None,
     typer.Option("--import", help="Python module to import first (registers your own jobs)"),
 ]
+#: The job that `train`, `plan` and `generate` use when none is named.
+DEFAULT_JOB = "gpt/train/pretrain"
+# `train`'s own flags and `run`'s chain file, named here like the shared ones above so that
+# each command's signature reads one line a parameter.
+Steps = Annotated[int | None, typer.Option(help="optimizer steps (training.steps)")]
+Seed = Annotated[int | None, typer.Option(help="seed of init and data order")]
+PeakTflops = Annotated[
+    float | None, typer.Option(help="peak TFLOP/s per device, for MFU (logging.peak_tflops)")
+]
+RunDir = Annotated[Path | None, typer.Option(help="run directory [default: runs/<time stamp>]")]
+ChainFile = Annotated[Path, typer.Argument(help="chain YAML (from `theseus configure`)")]
 
 
 def use_cpu_devices(count: int | None) -> None:
@@ -287,27 +298,22 @@ def main() -> None:
 @job_options
 def train(
     overrides: Overrides = None,
-    job: Annotated[str, typer.Option(help="registered training job")] = "gpt/train/pretrain",
-    steps: Annotated[int | None, typer.Option(help="optimizer steps (training.steps)")] = None,
-    seed: Annotated[int | None, typer.Option(help="seed of init and data order")] = None,
-    peak_tflops: Annotated[
-        float | None, typer.Option(help="peak TFLOP/s per device, for MFU (logging.peak_tflops)")
-    ] = None,
-    out: Annotated[
-        Path | None, typer.Option(help="run directory [default: runs/<time stamp>]")
-    ] = None,
+    job: Annotated[str, typer.Option(help="registered training job")] = DEFAULT_JOB,
+    steps: Steps = None,
+    seed: Seed = None,
+    peak_tflops: PeakTflops = None,
+    out: RunDir = None,
     imports: Imports = None,
     flags: JobFlags | None = None,
 ) -> None:
     """Train a job (the default GPT on built-in data unless data.path is given)."""
     join_job(flags.process, out)
-    extra = list(overrides or [])
-    if steps is not None:
-        extra.append(f"training.steps={steps}")
-    if seed is not None:
-        extra.append(f"training.seed={seed}")
-    if peak_tflops is not None:
-        extra.append(f"logging.peak_tflops={peak_tflops}")
+    shorthands = {
+        "training.steps": steps,
+        "training.seed": seed,
+        "logging.peak_tflops": peak_tflops,
+    }
+    extra = [*(overrides or []), *(f"{k}={v}" for k, v in shorthands.items() if v is not None)]
     if flags.run.resume and out is None:
         fail("--resume needs --out: the run directory to continue")
     if flags.run.allow_changes and not flags.run.resume:
@@ -326,7 +332,7 @@ def train(
 @app.command()
 @job_options
 def run(
-    chain_file: Annotated[Path, typer.Argument(help="chain YAML (from `theseus configure`)")],
+    chain_file: ChainFile,
     out: Annotated[Path, typer.Argument(help="output directory of the chain")],
     imports: Imports = None,
     flags: JobFlags | None = None,

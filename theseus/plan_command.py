@@ -9,7 +9,15 @@ from typing import Annotated, Any
 
 import typer
 
-from theseus.cli import Imports, app, import_modules, sharding_options, use_cpu_devices, user_errors
+from theseus.cli import (
+    DEFAULT_JOB,
+    Imports,
+    app,
+    import_modules,
+    sharding_options,
+    use_cpu_devices,
+    user_errors,
+)
 
 
 @app.command(name="plan", context_settings={"allow_extra_args": False})
@@ -18,7 +26,7 @@ def plan_command(
     arguments: Annotated[
         list[str] | None,
         typer.Argument(
-            help="optional JOB (a registered job, default gpt/train/pretrain) or CONFIG.yaml (a "
+            help=f"optional JOB (a registered job, default {DEFAULT_JOB}) or CONFIG.yaml (a "
             "chain from `theseus configure`, or a GPT config), then dotted config overrides",
             show_default=False,
         ),
@@ -64,7 +72,7 @@ def plan_command(
     from theseus.plan import NoPolicyFits
 
     rest = list(arguments or [])
-    source = rest.pop(0) if rest and "=" not in rest[0] else "gpt/train/pretrain"
+    source = rest.pop(0) if rest and "=" not in rest[0] else DEFAULT_JOB
     with user_errors(exit_codes={NoPolicyFits: 1}):
         import_modules(imports)
         from theseus.config import apply_overrides

@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from theseus.cli import (
+    DEFAULT_JOB,
     CPUDevices,
     Imports,
     Overwrite,
@@ -76,9 +77,7 @@ def generate(
     json_output: Annotated[
         bool, typer.Option("--json", help="print prompts, completions, token ids and tokens/s")
     ] = False,
-    job: Annotated[str, typer.Option(help="registered job that trained the run")] = (
-        "gpt/train/pretrain"
-    ),
+    job: Annotated[str, typer.Option(help="registered job that trained the run")] = DEFAULT_JOB,
     cpu_devices: CPUDevices = None,
     imports: Imports = None,
     sharding: dict | None = None,

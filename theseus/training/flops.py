@@ -124,20 +124,29 @@ def gpt_flops_per_token(
 # datasheet (312 bf16, 156 TF32), https://www.nvidia.com/en-us/data-center/a100/; Google Cloud TPU
 # system architecture pages (v4 275, v5e 197, v5p 459, v6e 918 bf16),
 # https://cloud.google.com/tpu/docs/v4 (and /v5e, /v5p, /v6e).
-# Matched in order against ``device.device_kind`` (lower-case substrings); first match wins.
-PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
-    ("h100 pcie", {"bfloat16": 756.0, "float32": 378.0}),
-    ("h100", {"bfloat16": 989.4, "float32": 494.7}),
-    ("h200 nvl", {"bfloat16": 835.0, "float32": 417.5}),
-    ("h200", {"bfloat16": 989.4, "float32": 494.7}),
-    ("a100", {"bfloat16": 312.0, "float32": 156.0}),
-    ("tpu v4", {"bfloat16": 275.0, "float32": 275.0}),
-    ("tpu v5 lite", {"bfloat16": 197.0, "float32": 197.0}),
-    ("tpu v5e", {"bfloat16": 197.0, "float32": 197.0}),
-    ("tpu v5p", {"bfloat16": 459.0, "float32": 459.0}),
-    ("tpu v5", {"bfloat16": 459.0, "float32": 459.0}),
-    ("tpu v6 lite", {"bfloat16": 918.0, "float32": 918.0}),
-    ("tpu v6e", {"bfloat16": 918.0, "float32": 918.0}),
+# On these GPUs the dense TF32 peak is half the bfloat16 one; on TPUs float32 runs at the bfloat16
+# peak.
+# Matched in order against ``device.device_kind`` (lower-case substrings); first match wins, and a
+# row's names are tried in the order given.
+
+
+def _gpu(bfloat16: float) -> dict[str, float]:
+    return {"bfloat16": bfloat16, "float32": bfloat16 / 2}
+
+
+def _tpu(bfloat16: float) -> dict[str, float]:
+    return {"bfloat16": bfloat16, "float32": bfloat16}
+
+
+PEAK_TFLOPS: tuple[tuple[tuple[str, ...], dict[str, float]], ...] = (
+    (("h100 pcie",), _gpu(756.0)),
+    (("h200 nvl",), _gpu(835.0)),
+    (("h100", "h200"), _gpu(989.4)),
+    (("a100",), _gpu(312.0)),
+    (("tpu v4",), _tpu(275.0)),
+    (("tpu v5 lite", "tpu v5e"), _tpu(197.0)),
+    (("tpu v5p", "tpu v5"), _tpu(459.0)),
+    (("tpu v6 lite", "tpu v6e"), _tpu(918.0)),
 )
 
 
@@ -157,9 +166,10 @@ def device_peak(device: jax.Device, dtype: str, override_tflops: float | None = 
     kind = device.device_kind
     if override_tflops is not None:
         return Peak(kind, override_tflops * 1e12, "--peak-tflops")
-    for pattern, peaks in PEAK_TFLOPS:
-        if pattern in kind.lower():
-            return Peak(kind, peaks[dtype] * 1e12, f"table entry {pattern!r} ({dtype})")
+    for patterns, peaks in PEAK_TFLOPS:
+        for pattern in patterns:
+            if pattern in kind.lower():
+                return Peak(kind, peaks[dtype] * 1e12, f"table entry {pattern!r} ({dtype})")
     return Peak(
         kind,
         None,
