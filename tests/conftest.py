@@ -10,6 +10,6 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
+import jax
 
 assert jax.device_count() == 8, "tests need 8 simulated CPU devices; XLA_FLAGS was set too late"

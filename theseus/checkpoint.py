@@ -168,7 +168,7 @@ class Checkpointer:
             self._manager = ocp.CheckpointManager(
                 self.directory, options=options, handler_registry=registry
             )
-        except Exception as error:  # noqa: BLE001 - any failure to open is reported the same way
+        except Exception as error:  # any failure to open is reported the same way
             raise CheckpointError(
                 f"cannot open checkpoint directory {self.directory}: {_one_line(error)}"
             ) from error
@@ -218,7 +218,7 @@ class Checkpointer:
                     **{_STATE: ocp.args.StandardSave(state), _META: ocp.args.JsonSave(payload)}
                 ),
             )
-        except Exception as error:  # noqa: BLE001 - OSError, or orbax's wrapping of it
+        except Exception as error:  # OSError, or orbax's wrapping of it
             raise self._save_error(step, error) from error
         self._saving = step
         if not started:
@@ -248,7 +248,7 @@ class Checkpointer:
         step, self._saving = self._saving, None
         try:
             self._manager.wait_until_finished()
-        except Exception as error:  # noqa: BLE001 - the background save's error, any type
+        except Exception as error:  # the background save's error, any type
             raise self._save_error(step, error) from error
 
     def _save_error(self, step: int | None, error: BaseException) -> CheckpointSaveError:
@@ -353,7 +353,7 @@ class Checkpointer:
             saved_tree = self._manager.item_metadata(step)[_STATE]
             if saved_tree is None:
                 raise ValueError("the state's metadata is missing")
-        except Exception as error:  # noqa: BLE001 - orbax and tensorstore raise many types
+        except Exception as error:  # orbax and tensorstore raise many types
             raise CheckpointError(f"{where} is damaged: {_one_line(error)}") from error
         problems = _compatibility_problems(saved_tree, target)
         if problems:
@@ -369,7 +369,7 @@ class Checkpointer:
                 step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(target)})
             )[_STATE]
             got = fingerprints(state)
-        except Exception as error:  # noqa: BLE001
+        except Exception as error:
             raise CheckpointError(f"{where} is damaged: {_one_line(error)}") from error
         wrong = [path for path, value in expected.items() if got.get(path) != value]
         wrong += [path for path in got if path not in expected]

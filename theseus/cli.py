@@ -403,8 +403,8 @@ def plot(
 
 # `theseus launch`, `theseus plan`, `theseus tokenize` and `theseus generate` live in their own
 # modules and register themselves.
-import theseus.launch_command  # noqa: E402, F401, I001 - registers `theseus launch`
-import theseus.plan_command  # noqa: E402, F401 - registers `theseus plan`
+import theseus.launch_command  # noqa: E402, I001 - registers `theseus launch`
+import theseus.plan_command  # noqa: E402 - registers `theseus plan`
 import theseus.text_commands  # noqa: E402, F401 - registers the two commands
 
 

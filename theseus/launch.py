@@ -10,6 +10,7 @@ grace period) and the launcher exits with the failing process's status and its l
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import signal
 import socket
@@ -158,10 +159,8 @@ def _stop(workers: list[Worker], grace_s: float) -> None:
     running = [w for w in workers if w.process.poll() is None]
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for worker in running:
-            try:
+            with contextlib.suppress(ProcessLookupError):  # it has exited meanwhile
                 os.killpg(worker.process.pid, sig)
-            except ProcessLookupError:
-                pass
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and any(w.process.poll() is None for w in running):
             time.sleep(POLL_S)

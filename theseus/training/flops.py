@@ -51,9 +51,11 @@ def xla_flops_per_token(trainer: BaseTrainer) -> float:
     nothing is allocated or compiled)."""
     plan = trainer.batch_plan
     tokens = jax.ShapeDtypeStruct((plan.per_device_batch_size, plan.seq_len + 1), jnp.int32)
-    keys = lambda: validation_keys((plan.per_device_batch_size,))  # traced: training's shapes
-    grad = jax.value_and_grad(lambda params, t: trainer._loss(params, t, keys(), True))
-    closed = jax.make_jaxpr(grad)(trainer.abstract_state.params, tokens)
+
+    def loss(params, batch):  # the keys are made inside the trace, in training's shapes
+        return trainer._loss(params, batch, validation_keys((plan.per_device_batch_size,)), True)
+
+    closed = jax.make_jaxpr(jax.value_and_grad(loss))(trainer.abstract_state.params, tokens)
     unrolled = core.jaxpr_as_fun(_unrolled(closed))
     leaves = jax.tree.leaves((trainer.abstract_state.params, tokens))
     flops = float(jax.jit(unrolled).lower(*leaves).cost_analysis()["flops"])
