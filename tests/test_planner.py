@@ -252,6 +252,65 @@ def test_budget_picks_the_least_communication_that_fits():
     assert dict(odd.budget.reasons)["FSDP"].startswith("invalid: Layout check failed")
 
 
+# 4 devices of one host: DP, ZeRO and FSDP, each compiled; all dims divide by 4 (FSDP), seq 11.
+COMPILED_BUDGET = (
+    "model.vocab_size=264",
+    "model.block_size=16",
+    "model.n_layer=2",
+    "model.n_head=4",
+    "model.n_embd=40",
+    "training.batch_size=8",
+    "training.per_device_batch_size=2",
+    "training.seq_len=11",
+)
+
+
+def test_cli_budget_with_compile_picks_the_fewest_collective_bytes(monkeypatch):
+    """`theseus plan --budget --compile`: a policy whose model state fits but whose compiled
+    peak does not is out; of those that fit, the step moving the fewest collective bytes wins."""
+    compiled: dict[str, planner.Plan] = {}  # the plans plan_for_budget compiled, by policy
+
+    def recording_plan(*args, **kwargs):
+        result = planner.plan(*args, **kwargs)
+        if result.compiled is not None:
+            compiled[result.name] = result
+        return result
+
+    monkeypatch.setattr(planner.budget, "plan", recording_plan)
+    budget = "1.6MiB"  # measured: DP's compiled peak 1.94 MiB, ZeRO's 1.29 MiB, FSDP's 976 KiB
+    flags = ["--devices", "4", "--devices-per-host", "1", "--budget", budget, "--compile", "--json"]
+    result = runner.invoke(app, ["plan", *flags, *COMPILED_BUDGET])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    limit = planner.parse_bytes(budget)
+    assert sorted(compiled) == ["DP", "FSDP", "ZeRO"]  # every model state fits: all compiled
+    assert all(p.totals.total <= limit for p in compiled.values())
+    peak = {name: p.compiled.peak for name, p in compiled.items()}
+    moved = {name: p.compiled.collectives.bytes for name, p in compiled.items()}
+    over = {name for name in compiled if peak[name] > limit}
+    fitting = sorted(set(compiled) - over, key=moved.get)
+    assert over and len(fitting) >= 2, peak
+    assert moved[fitting[0]] < moved[fitting[1]], moved  # no tie: the bytes decide
+    chosen = fitting[0]
+    # Measured: FSDP's step moves fewer bytes than ZeRO's, so the bytes overrule the
+    # communication order (ZeRO first) here.
+    assert chosen == "FSDP", moved
+
+    assert data["policy"]["name"] == data["budget"]["chosen"] == chosen
+    assert data["budget"]["measure"] == "compiled peak"
+    assert sum(c["bytes"] for c in data["compiled"]["collectives"].values()) == moved[chosen]
+    size = planner.format_bytes
+    expected = {name: f"compiled peak needs {size(peak[name])} > budget" for name in over}
+    expected[chosen] = f"chosen: compiled peak {size(peak[chosen])} fits"
+    for name in fitting[1:]:
+        expected[name] = (
+            f"fits ({size(peak[name])}) but its step moves {size(moved[name])} of collectives, "
+            f"more than {chosen}"
+        )
+    reasons = {r["policy"]: r["reason"] for r in data["budget"]["reasons"]}
+    assert reasons == expected and list(reasons) == ["DP", "ZeRO", "FSDP"]
+
+
 def test_parse_and_format_bytes():
     assert planner.parse_bytes("80GiB") == 80 * 2**30
     assert planner.parse_bytes("80GB") == planner.parse_bytes("80g") == 80 * 10**9
