@@ -331,13 +331,10 @@ class BaseTrainer(abc.ABC):
         def replica_grads(tokens, rows):  # (examples / replicas, seq_len + 1), their keys
             params = constrain(state.params, self.entry_layout)
             loss, grads = jax.value_and_grad(self._loss)(params, tokens, Keys(rows, rng.step), True)
-            return loss, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-
-        spmd_axis = Axis.BATCH if replicas > 1 else None
-        replica_grads = jax.vmap(replica_grads, in_axes=(0, 0), spmd_axis_name=spmd_axis)
+            return loss, jax.tree.map(lambda g: g.astype(jnp.float32), grads)  # (), parameters
 
         def microbatch(grad_sum, inputs):
-            losses, grads = replica_grads(*inputs)  # (replicas,), (replicas, *parameter)
+            losses, grads = gathering.per_replica(replica_grads, replicas)(*inputs)
             grad_sum = constrain(jax.tree.map(jnp.add, grad_sum, grads), self.accumulator_layout)
             return grad_sum, losses.mean()
 
