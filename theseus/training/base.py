@@ -132,6 +132,7 @@ class BaseTrainer(abc.ABC):
 
     def flops_per_token(self) -> float | None:
         """Training FLOPs (forward and backward) per token, for MFU; None: XLA counts them."""
+        return None
 
     def check_corpus(self, corpus: Corpus) -> None:
         """Reject data the model cannot read (e.g. token ids beyond its vocabulary)."""
@@ -292,7 +293,10 @@ class BaseTrainer(abc.ABC):
 
     def _loss(self, params, tokens, keys: Keys, train: bool, gathered: set[str] | None = None):
         """``loss_fn`` with the layouts installed for :func:`theseus.scan_layers`."""
-        model_loss = lambda p: self.loss_fn(nnx.merge(self.graphdef, p), tokens, keys, train=train)
+
+        def model_loss(p):
+            return self.loss_fn(nnx.merge(self.graphdef, p), tokens, keys, train=train)
+
         return gathering.loss_with_layouts(model_loss, params, self.layouts, gathered)
 
     @cached_property
@@ -301,7 +305,10 @@ class BaseTrainer(abc.ABC):
         (:func:`theseus.scan_layers`); found by tracing the loss once, abstractly."""
         found: set[str] = set()
         shape = (self.batch_plan.per_device_batch_size, self.seq_len + 1)
-        loss = lambda p, t: self._loss(p, t, validation_keys(shape[:1]), True, found)  # traced
+
+        def loss(p, t):  # traced
+            return self._loss(p, t, validation_keys(shape[:1]), True, found)
+
         jax.eval_shape(loss, self.abstract_state.params, jax.ShapeDtypeStruct(shape, jnp.int32))
         return frozenset(found)
 

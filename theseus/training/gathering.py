@@ -33,7 +33,9 @@ def loss_with_layouts(
         jax.tree.leaves(layout, is_leaf=is_sharding)
         for layout in (layouts.storage, layouts.compute)
     )
-    installed = LayerLayouts(dict(zip(ids, storage, strict=True)), dict(zip(ids, compute)))
+    installed = LayerLayouts(
+        dict(zip(ids, storage, strict=True)), dict(zip(ids, compute, strict=True))
+    )
     with layer_layouts(installed):
         value = loss(params)
     if gathered is not None:

@@ -76,7 +76,7 @@ class MetricsWriter:
         if self.main:
             kept = _kept_rows(self.path, self.first_step - 1) if self.resume else []
             self.path.write_text("".join(row + "\n" for row in kept))
-            self._file = open(self.path, "a")  # noqa: SIM115 - closed in __exit__
+            self._file = open(self.path, "a")  # closed in __exit__
         self._reporter.__enter__()
         return self
 

@@ -117,7 +117,9 @@ def plan_rows(
                 dtype=dtype,
                 names=names,
                 specs=dict(zip(PHASES, specs, strict=True)),
-                shards={p: shard_shape(shape, s, mesh_shape) for p, s in zip(PHASES, specs)},
+                shards={
+                    p: shard_shape(shape, s, mesh_shape) for p, s in zip(PHASES, specs, strict=True)
+                },
                 replicated_over_batch=not _uses_batch(partition_spec(names, merged)),
                 problems=tuple(problems),
             )
