@@ -335,13 +335,14 @@ class BaseTrainer(abc.ABC):
         batch = batch.reshape(num_micro, replicas, examples // replicas, width)
         rng = step_keys(state.rng, state.step, batch.shape[:3])  # one key per example, and step
 
-        def replica_grads(tokens, rows):  # (examples / replicas, seq_len + 1), their keys
-            params = constrain(state.params, self.entry_layout)
-            loss, grads = jax.value_and_grad(self._loss)(params, tokens, Keys(rows, rng.step), True)
+        def replica_grads(params, step_key, tokens, rows):  # a replica's examples and keys
+            loss, grads = jax.value_and_grad(self._loss)(params, tokens, Keys(rows, step_key), True)
             return loss, jax.tree.map(lambda g: g.astype(jnp.float32), grads)  # (), parameters
 
         def microbatch(grad_sum, inputs):
-            losses, grads = gathering.per_replica(replica_grads, replicas)(*inputs)
+            params = constrain(state.params, self.entry_layout)
+            per_replica = gathering.per_replica(replica_grads, replicas)
+            losses, grads = per_replica((params, rng.step), *inputs)  # (replicas, ...)
             grad_sum = constrain(jax.tree.map(jnp.add, grad_sum, grads), self.accumulator_layout)
             return grad_sum, losses.mean()
 
