@@ -148,6 +148,27 @@ def test_skip_keeps_the_state_marks_the_step_and_stops_after_a_streak(tmp_path):
     assert bool(jnp.any(changed))  # the good step after a skip trains
 
 
+def test_the_nonfinite_guard_keeps_no_second_copy_of_the_state(monkeypatch):
+    """Compile only: the DP step that can drop its update needs no more temporaries than one
+    that always updates. (A select between old and new state made XLA copy the optimizer state:
+    1.26x the temporaries here, where the state is large next to the activations.)"""
+    state_heavy = config(
+        "model.n_embd=96",
+        "model.block_size=8",
+        "training.batch_size=8",
+        "training.per_device_batch_size=1",
+    )
+    guarded = GPTTrainer(state_heavy, ShardingPolicy(zero=False)).compile()
+
+    def always(update, params, opt_state, metrics):
+        return (*update(params, opt_state), {**metrics, "skipped": jnp.zeros((), bool)})
+
+    monkeypatch.setattr("theseus.training.base.update_if_finite", always)
+    unguarded = GPTTrainer(state_heavy, ShardingPolicy(zero=False)).compile()
+    assert guarded.temporaries <= unguarded.temporaries * 1.01
+    assert guarded.peak <= unguarded.peak * 1.01
+
+
 # --- resuming with changed settings ------------------------------------------------------------
 
 

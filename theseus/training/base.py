@@ -46,7 +46,7 @@ from theseus.config import (
 from theseus.data import Corpus
 from theseus.training import gathering
 from theseus.training.keys import Keys, step_keys, validation_keys
-from theseus.training.nonfinite import keep_if_finite
+from theseus.training.nonfinite import update_if_finite
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -353,18 +353,23 @@ class BaseTrainer(abc.ABC):
         # The one reduction across replicas of the step, straight into the update layout.
         mean = jax.tree.map(lambda g: g.sum(0) / (num_micro * replicas), grad_sum)
         grads = constrain(mean, self.layouts.update)
-        params = constrain(state.params, self.layouts.update)
-        updates, opt_state = self.optimizer.update(grads, state.opt_state, params)
-        params = constrain(optax.apply_updates(params, updates), self.layouts.storage)
         metrics = {
             "loss": losses.mean(),
             "grad_norm": optax.tree.norm(grads),
             "learning_rate": self.learning_rate()(state.step),
         }
-        # A non-finite loss or gradient norm keeps the old parameters and optimizer state.
-        return keep_if_finite(
-            state, TrainState(params, opt_state, state.step + 1, state.rng), metrics
+
+        def update(params, opt_state):
+            params = constrain(params, self.layouts.update)
+            updates, opt_state = self.optimizer.update(grads, opt_state, params)
+            return constrain(optax.apply_updates(params, updates), self.layouts.storage), opt_state
+
+        # A non-finite loss or gradient norm keeps the old parameters and optimizer state; the
+        # step counter advances either way, so the next step draws the same data and keys.
+        params, opt_state, metrics = update_if_finite(
+            update, state.params, state.opt_state, metrics
         )
+        return TrainState(params, opt_state, state.step + 1, state.rng), metrics
 
     @cached_property
     def train_step(self) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict]]:
