@@ -71,6 +71,10 @@ def test_help_explains_flags():
         "--overwrite",
     ):
         assert flag in result.output
+    # Defaults written into help texts survive Rich's markup (unescaped, "[default: 1]" vanished).
+    words = " ".join(result.output.replace("│", " ").split())  # the table's wrapped cells
+    for default in ("[default: 1]", "[default: on]", "[default: auto]", "[default: 30]"):
+        assert default in words
     for command in ("run", "configure", "jobs", "plot"):
         assert invoke(command, "--help").exit_code == 0
 

@@ -34,18 +34,18 @@ Overrides = Annotated[
         show_default=False,
     ),
 ]
-TP = Annotated[int | None, typer.Option(help="tensor-parallel devices per replica [default: 1]")]
+TP = Annotated[int | None, typer.Option(help="tensor-parallel devices per replica \\[default: 1]")]
 Zero = Annotated[
     bool | None,
-    typer.Option(help="partition optimizer state and the update over batch (ZeRO) [default: on]"),
+    typer.Option(help="partition optimizer state and the update over batch (ZeRO) \\[default: on]"),
 ]
 FSDP = Annotated[
     bool | None,
-    typer.Option(help="also partition stored parameters over batch; needs ZeRO [default: off]"),
+    typer.Option(help="also partition stored parameters over batch; needs ZeRO \\[default: off]"),
 ]
 ActivationCheckpointing = Annotated[
     bool | None,
-    typer.Option(help="recompute each layer's activations in the backward pass [default: off]"),
+    typer.Option(help="recompute each layer's activations in the backward pass \\[default: off]"),
 ]
 CPUDevices = Annotated[
     int | None,
@@ -76,14 +76,14 @@ Distributed = Annotated[
         "--distributed",
         help="auto: join the multi-process job that JAX detects (SLURM, Open MPI, Kubernetes, "
         "Cloud TPU), or run alone when there is none; off: always run alone; or one of JAX's "
-        "cluster detection methods by name, e.g. mpi4py [default: auto]",
+        "cluster detection methods by name, e.g. mpi4py \\[default: auto]",
     ),
 ]
 HeartbeatTimeout = Annotated[
     int | None,
     typer.Option(
         help="seconds of silence after which a peer counts as dead and the job ends "
-        f"[default: {DEFAULT_HEARTBEAT_TIMEOUT_S}]",
+        f"\\[default: {DEFAULT_HEARTBEAT_TIMEOUT_S}]",
         min=1,
     ),
 ]
@@ -100,7 +100,7 @@ Seed = Annotated[int | None, typer.Option(help="seed of init and data order")]
 PeakTflops = Annotated[
     float | None, typer.Option(help="peak TFLOP/s per device, for MFU (logging.peak_tflops)")
 ]
-RunDir = Annotated[Path | None, typer.Option(help="run directory [default: runs/<time stamp>]")]
+RunDir = Annotated[Path | None, typer.Option(help="run directory \\[default: runs/<time stamp>]")]
 ChainFile = Annotated[Path, typer.Argument(help="chain YAML (from `theseus configure`)")]
 
 
@@ -391,7 +391,9 @@ def jobs(imports: Imports = None) -> None:
 @app.command()
 def plot(
     run_dir: Annotated[Path, typer.Argument(help="a run directory holding metrics.jsonl")],
-    out: Annotated[Path | None, typer.Option(help="image path [default: RUN_DIR/loss.png]")] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="image path \\[default: RUN_DIR/loss.png]")
+    ] = None,
 ) -> None:
     """Plot training and validation loss against step and tokens (loss.png)."""
     with user_errors():

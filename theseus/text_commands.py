@@ -72,7 +72,7 @@ def generate(
     seed: Annotated[int, typer.Option(help="sampling seed")] = 0,
     num_samples: Annotated[int, typer.Option(help="completions per prompt", min=1)] = 1,
     tokenizer: Annotated[
-        Path | None, typer.Option(help="tokenizer.json [default: the run's, else bytes]")
+        Path | None, typer.Option(help="tokenizer.json \\[default: the run's, else bytes]")
     ] = None,
     json_output: Annotated[
         bool, typer.Option("--json", help="print prompts, completions, token ids and tokens/s")
