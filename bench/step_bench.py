@@ -1,7 +1,7 @@
 """Step time of theseus's GPT train step against the hand-written plain-JAX step of
 ``bench/reference.py`` (same model math, same layouts), per policy, on 8 simulated CPU devices.
 
-    python bench/step_bench.py [--repeats 7] [--steps 4] [--policies DP,ZeRO,...]
+    python bench/step_bench.py [--repeats 7] [--steps 4] [--policies DP,ZeRO,...] [--control]
 
 Both steps start from the same parameters; their first losses must agree (to 1e-5), which shows
 they compute the same thing. Timing: after a warm-up, each repetition runs ``--steps`` steps of
@@ -11,7 +11,10 @@ two runs back to back, so both see the same load on a shared machine; the table 
 seconds per step of each, the median of those paired ratios (with their range), and the same
 median ratio of the process's CPU time per step, which depends less on how other jobs on the
 machine delay the 8 device threads. Simulated devices share the host's cores: the ratio shows
-framework overhead, not speedup. Prints a table; asserts only the loss agreement.
+framework overhead, not speedup. ``--control`` adds a second copy of the hand-written step and
+its paired ratio to the first: the same program, so it shows how far from 1 noise alone moves a
+ratio (this is how theseus's 6% FSDP overhead was shown to be real). Prints a table; asserts only
+the loss agreement.
 """
 
 from __future__ import annotations
@@ -110,6 +113,12 @@ def main() -> None:
         help="the hand-written FSDP step gathers the whole tree before the loss (the simplest "
         "FSDP) instead of one layer at a time inside the scan as theseus does",
     )
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="also time a second copy of the hand-written step and show its ratio to the first: "
+        "the noise floor of the ratios (same program, so ideally 1.000)",
+    )
     args = parser.parse_args()
     names = args.policies.split(",")
     unknown = sorted(set(names) - set(POLICIES))
@@ -126,6 +135,20 @@ def main() -> None:
         )
         ours = Contender("theseus", step, state, batch)
         theirs = Contender("reference", ref_step, ref_state, ref_batch)
+        contenders = [ours, theirs]
+        if args.control:
+            copy = jax.tree.map(lambda a: a.copy(), params)
+            contenders.append(
+                Contender(
+                    "control",
+                    *reference_contender(
+                        name, args.dtype, copy, tokens, per_layer_gather=not args.whole_tree_gather
+                    ),
+                )
+            )
+            contenders[-1].state, _ = contenders[-1].step(
+                contenders[-1].state, contenders[-1].batch
+            )
         ours.state, ours_metrics = ours.step(ours.state, ours.batch)
         theirs.state, ref_metrics = theirs.step(theirs.state, theirs.batch)
         loss, ref_loss = float(ours_metrics["loss"]), float(ref_metrics["loss"])
@@ -137,12 +160,11 @@ def main() -> None:
             f"{time.perf_counter() - start:.1f} s",
             flush=True,
         )
-        pairs.append((name, ours, theirs))
+        pairs.append((name, contenders))
 
     for repeat in range(args.repeats):
-        for _, ours, theirs in pairs:
-            order = (ours, theirs) if repeat % 2 == 0 else (theirs, ours)
-            for contender in order:
+        for _, contenders in pairs:
+            for contender in contenders if repeat % 2 == 0 else contenders[::-1]:
                 run(contender, args.steps)
 
     model = ", ".join(f"{k}={v}" for k, v in MODEL.items())
@@ -153,15 +175,17 @@ def main() -> None:
     )
     print(
         f"{'policy':<11} {'theseus s/step':>15} {'hand-written':>13} {'ratio':>7} {'range':>10}  "
-        f"{'CPU-time ratio':>14}"
+        f"{'CPU-time ratio':>14}" + (f"  {'control ratio':>13}" if args.control else "")
     )
-    for name, ours, theirs in pairs:
+    for name, (ours, theirs, *control) in pairs:
         a, b = statistics.median(ours.seconds), statistics.median(theirs.seconds)
         ratios = paired_ratios(ours.seconds, theirs.seconds)
         cpu_ratio = statistics.median(paired_ratios(ours.cpu_seconds, theirs.cpu_seconds))
+        noise = [statistics.median(paired_ratios(c.seconds, theirs.seconds)) for c in control]
         print(
             f"{name:<11} {a:>15.4f} {b:>13.4f} {statistics.median(ratios):>7.3f} "
             f"{min(ratios):>4.2f}-{max(ratios):<5.2f}  {cpu_ratio:>14.3f}"
+            + "".join(f"  {n:>13.3f}" for n in noise)
         )
 
 
