@@ -339,9 +339,10 @@ class BaseTrainer(abc.ABC):
             loss, grads = jax.value_and_grad(self._loss)(params, tokens, Keys(rows, step_key), True)
             return loss, jax.tree.map(lambda g: g.astype(jnp.float32), grads)  # (), parameters
 
+        per_replica = gathering.per_replica(replica_grads, replicas)
+
         def microbatch(grad_sum, inputs):
             params = constrain(state.params, self.entry_layout)
-            per_replica = gathering.per_replica(replica_grads, replicas)
             losses, grads = per_replica((params, rng.step), *inputs)  # (replicas, ...)
             grad_sum = constrain(jax.tree.map(jnp.add, grad_sum, grads), self.accumulator_layout)
             return grad_sum, losses.mean()
