@@ -19,10 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from theseus.base.axis import ShardingPolicy
-from theseus.base.topology import Topology
 from theseus.config import apply_overrides
 from theseus.inference import Generator, Sampling
+from theseus.sharding.axis import ShardingPolicy
+from theseus.sharding.topology import Topology
 from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
 
 

@@ -4,7 +4,7 @@ Two tables, per device and per step:
 
 - ``--devices 8`` (default): a small GPT on 8 simulated CPU devices, tp=1, one example per
   replica per microbatch, with 1 and 8 accumulation steps: compiled peak and temporaries, and
-  the bytes of each kind of collective (loops unrolled; :mod:`theseus.collectives`).
+  the bytes of each kind of collective (loops unrolled; :mod:`theseus.accounting.collectives`).
 - ``--scale``: the 7.5B GPT of issue 8 on 64 simulated devices (bf16, remat, 1 × 2048 tokens per
   device): compiled peak and temporaries of FSDP at 36 and 72 layers, ZeRO and DP at 36.
 
@@ -61,13 +61,13 @@ def compiled(policy, overrides: list[str]):
 
 
 def collectives_of(memory):
-    from theseus.collectives import count_collectives
+    from theseus.accounting.collectives import count_collectives
 
     return count_collectives(memory.executable.as_text())
 
 
 def small_table() -> None:
-    from theseus.base.axis import ShardingPolicy
+    from theseus.sharding.axis import ShardingPolicy
 
     policies = {
         "DP": ShardingPolicy(zero=False),
@@ -100,7 +100,7 @@ def small_table() -> None:
 
 
 def scale_table() -> None:
-    from theseus.base.axis import ShardingPolicy
+    from theseus.sharding.axis import ShardingPolicy
 
     rows = [
         ("FSDP", ShardingPolicy(fsdp=True, activation_checkpointing=True), 36),

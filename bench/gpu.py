@@ -80,8 +80,8 @@ def bench_one(model_name, hyper, policy_name, args, log) -> Row:
     import numpy as np
     import reference
 
-    from theseus.base.axis import ShardingPolicy
     from theseus.config import apply_overrides
+    from theseus.sharding.axis import ShardingPolicy
     from theseus.training.flops import device_peak
     from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
 

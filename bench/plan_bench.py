@@ -49,7 +49,7 @@ WIDE = [
 def cli_seconds(devices: int) -> float:
     start = time.perf_counter()
     subprocess.run(
-        [sys.executable, "-m", "theseus.cli", "plan", "--devices", str(devices), "--fsdp", *BIG],
+        [sys.executable, "-m", "theseus", "plan", "--devices", str(devices), "--fsdp", *BIG],
         check=True,
         capture_output=True,
         cwd=REPO,
@@ -63,9 +63,9 @@ def main() -> None:
     parser.add_argument("--compiled", action="store_true", help="also compile DP/ZeRO/FSDP")
     args = parser.parse_args()
 
-    from theseus.base.axis import ShardingPolicy
     from theseus.config import apply_overrides
     from theseus.plan import format_bytes, plan
+    from theseus.sharding.axis import ShardingPolicy
     from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
 
     config = apply_overrides(GPTTrainerConfig(), BIG)

@@ -65,8 +65,8 @@ class Contender:
 
 
 def theseus_contender(policy_name: str, dtype: str):
-    from theseus.base.axis import ShardingPolicy
     from theseus.config import apply_overrides
+    from theseus.sharding.axis import ShardingPolicy
     from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
 
     tp, zero, fsdp = POLICIES[policy_name]

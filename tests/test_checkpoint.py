@@ -12,18 +12,18 @@ import numpy as np
 import pytest
 from support import EQUIVALENCE_BATCH, EQUIVALENCE_MODEL, equivalence_config
 
-from theseus.base.axis import ShardingPolicy
-from theseus.base.topology import Topology
-from theseus.checkpoint import (
+from theseus.checkpoint.checkpointer import (
     Checkpointer,
     CheckpointError,
     IncompatibleCheckpointError,
     fingerprints,
 )
 from theseus.data import Sampler, load_corpus
-from theseus.training.base import TrainState
-from theseus.training.checkpointing import checkpoint_meta, restore_target
+from theseus.sharding.axis import ShardingPolicy
+from theseus.sharding.topology import Topology
 from theseus.training.gpt import GPTTrainer
+from theseus.training.run.checkpointing import checkpoint_meta, restore_target
+from theseus.training.trainer import TrainState
 
 MODEL = EQUIVALENCE_MODEL
 GLOBAL_BATCH = EQUIVALENCE_BATCH

@@ -14,7 +14,7 @@ import pytest
 from support import TINY_GPT, subprocess_env
 from typer.testing import CliRunner
 
-from theseus.cli import app
+from theseus.cli.app import app
 
 TINY = [*TINY_GPT, "training.steps=4"]
 
@@ -178,7 +178,7 @@ def test_configure_run_and_plot(tmp_path):
 
 
 def cli(*args):
-    return [sys.executable, "-m", "theseus.cli", *[str(a) for a in args]]
+    return [sys.executable, "-m", "theseus", *[str(a) for a in args]]
 
 
 def interrupt(run_dir: Path, args: list, signum: int) -> subprocess.CompletedProcess:

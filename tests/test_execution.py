@@ -8,14 +8,14 @@ import yaml
 from support import TINY_GPT
 
 import theseus
-from theseus.base.axis import ShardingPolicy
 from theseus.config import ConfigError, apply_overrides, load_yaml, save_yaml
 from theseus.data import write_tokens
 from theseus.execution import Chain, chain, quick
 from theseus.jobs import all_jobs, get_job
 from theseus.plot import plot_losses
+from theseus.sharding.axis import ShardingPolicy
 from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
-from theseus.training.loop import evaluate
+from theseus.training.run.loop import evaluate
 
 TINY = (*TINY_GPT, "training.steps=6", "checkpointing.keep=5")
 

@@ -11,7 +11,7 @@ from support import TINY_GPT
 from typer.testing import CliRunner
 
 import theseus
-from theseus.cli import app
+from theseus.cli.app import app
 from theseus.data import load_corpus
 from theseus.data.bpe import load_tokenizer, tokenize
 from theseus.inference import Sampling, load_generator

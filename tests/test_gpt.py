@@ -11,11 +11,11 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from theseus.base.axis import ShardingPolicy
-from theseus.base.layout import abstract_leaves, check_layouts, layout
-from theseus.base.topology import Topology
 from theseus.model import GPT, GPT_PLAN, GPTConfig
 from theseus.model.layers import dense
+from theseus.sharding.axis import ShardingPolicy
+from theseus.sharding.layout import abstract_leaves, check_layouts, layout
+from theseus.sharding.topology import Topology
 
 CONFIG = GPTConfig(vocab_size=67, block_size=11, n_layer=3, n_head=4, n_embd=24, mlp_ratio=3)
 BATCH, SEQ = 2, 9

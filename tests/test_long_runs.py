@@ -17,18 +17,18 @@ import pytest
 from support import TINY_GPT
 from typer.testing import CliRunner
 
-from theseus.base.axis import ShardingPolicy
-from theseus.checkpoint import Checkpointer
-from theseus.cli import app
+from theseus.checkpoint.checkpointer import Checkpointer
+from theseus.cli.app import app
 from theseus.config import apply_overrides
 from theseus.data import Sampler, load_corpus
-from theseus.training.base import TrainState
-from theseus.training.checkpointing import restore_target
+from theseus.sharding.axis import ShardingPolicy
 from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
-from theseus.training.loop import train
-from theseus.training.preemption import PreemptionWatch
-from theseus.training.resume import check_resume, resume_changes
-from theseus.training.stops import CheckpointSaveError, NonFiniteError
+from theseus.training.run.checkpointing import restore_target
+from theseus.training.run.loop import train
+from theseus.training.run.preemption import PreemptionWatch
+from theseus.training.run.resume import check_resume, resume_changes
+from theseus.training.run.stops import CheckpointSaveError, NonFiniteError
+from theseus.training.trainer import TrainState
 
 DIVERGING = (
     "optimization.learning_rate=1e4",
@@ -163,7 +163,7 @@ def test_the_nonfinite_guard_keeps_no_second_copy_of_the_state(monkeypatch):
     def always(update, params, opt_state, metrics):
         return (*update(params, opt_state), {**metrics, "skipped": jnp.zeros((), bool)})
 
-    monkeypatch.setattr("theseus.training.base.update_if_finite", always)
+    monkeypatch.setattr("theseus.training.trainer.update_if_finite", always)
     unguarded = GPTTrainer(state_heavy, ShardingPolicy(zero=False)).compile()
     assert guarded.temporaries <= unguarded.temporaries * 1.01
     assert guarded.peak <= unguarded.peak * 1.01

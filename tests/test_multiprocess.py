@@ -21,10 +21,10 @@ import pytest
 from support import TINY_GPT, subprocess_env
 from typer.testing import CliRunner
 
-from theseus.cli import app
-from theseus.distributed import differing_processes, mismatch_message
-from theseus.launch import check_command, free_port
-from theseus.supervise import lost_processes, report_uncaught, restart_command
+from theseus.cli.app import app
+from theseus.distributed.join import differing_processes, mismatch_message
+from theseus.distributed.launch import check_command, free_port
+from theseus.distributed.supervise import lost_processes, report_uncaught, restart_command
 
 STEPS = 16  # room after step 5, where process 1 is killed, on a fast machine
 ARGS = ["--tp", "2", "--fsdp", *TINY_GPT, f"training.steps={STEPS}", "checkpointing.keep=20"]
@@ -50,7 +50,7 @@ def child_env(**extra):
 
 
 def theseus(*args):
-    return [sys.executable, "-m", "theseus.cli", *map(str, args)]
+    return [sys.executable, "-m", "theseus", *map(str, args)]
 
 
 def run(argv, **env):

@@ -23,7 +23,7 @@ def tutorial_blocks() -> list[tuple[str, str]]:
 def theseus_command() -> str:
     """The installed entry point when there is one (CI), else the module."""
     script = Path(sys.executable).parent / "theseus"
-    return str(script) if script.exists() else f"{sys.executable} -m theseus.cli"
+    return str(script) if script.exists() else f"{sys.executable} -m theseus"
 
 
 @pytest.mark.slow

@@ -10,16 +10,16 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from theseus.base.axis import Axis, ShardingPlan, ShardingPolicy, partition_spec
-from theseus.base.layout import (
+from theseus.accounting.preflight import BatchPlan
+from theseus.sharding.axis import Axis, ShardingPlan, ShardingPolicy, partition_spec
+from theseus.sharding.layout import (
     LayoutError,
     abstract_leaves,
     check_layouts,
     optimizer_layout,
     resolve_layouts,
 )
-from theseus.base.preflight import BatchPlan
-from theseus.base.topology import Topology
+from theseus.sharding.topology import Topology
 
 ATTN_PLAN = ShardingPlan(tp=[("n_embd", None), ("n_attn", Axis.SHARD)])
 

@@ -13,13 +13,13 @@ from types import SimpleNamespace
 import pytest
 from support import TINY_GPT
 
-from theseus.base.axis import ShardingPolicy
 from theseus.config import apply_overrides
+from theseus.sharding.axis import ShardingPolicy
 from theseus.training.flops import FlopsCount, device_peak, xla_flops_per_token
 from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
-from theseus.training.loop import train
-from theseus.training.tensorboard import TensorBoardWriter
-from theseus.training.throughput import Speedometer
+from theseus.training.run.loop import train
+from theseus.training.run.tensorboard import TensorBoardWriter
+from theseus.training.run.throughput import Speedometer
 
 REPO = Path(__file__).resolve().parents[1]
 GPT_12x768 = ("model.n_layer=12", "model.n_embd=768", "model.n_head=12")

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 from support import EQUIVALENCE_BATCH, EQUIVALENCE_MODEL, equivalence_config
 
-from theseus.base.axis import ShardingPolicy
-from theseus.base.layout import LayoutError
-from theseus.base.preflight import plan_batch
-from theseus.base.topology import Topology
-from theseus.collectives import count_collectives, loop_bodies_with
+from theseus.accounting.collectives import count_collectives, loop_bodies_with
+from theseus.accounting.preflight import plan_batch
 from theseus.config import apply_overrides
 from theseus.data import Sampler, load_corpus, validation_batches
+from theseus.sharding.axis import ShardingPolicy
+from theseus.sharding.layout import LayoutError
+from theseus.sharding.topology import Topology
 from theseus.training.gpt import GPTTrainer
 
 MODEL = EQUIVALENCE_MODEL

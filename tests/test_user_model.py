@@ -14,10 +14,10 @@ import pytest
 from flax import nnx
 
 import theseus
-from theseus.base.topology import Topology
 from theseus.config import Section, apply_overrides
-from theseus.plan import plan
-from theseus.training.loop import train
+from theseus.plan import plan, render
+from theseus.sharding.topology import Topology
+from theseus.training.run.loop import train
 
 
 class BigramConfig(Section):
@@ -135,10 +135,10 @@ def test_own_model_trains_sharded_like_one_device(tmp_path, job):
         gathering = plan(type(trainer), trainer.config, trainer.policy, 8, alternatives=False)
         if job == "bigram/stacked":
             assert trainer.per_layer_paths == {"mix"}
-            assert "gathers 1 stacked tensors one layer at a time" in gathering.render()
+            assert "gathers 1 stacked tensors one layer at a time" in render(gathering)
         else:
             assert trainer.per_layer_paths == set()
-            assert "BigramTrainer gathers all parameters at once" in gathering.render()
+            assert "BigramTrainer gathers all parameters at once" in render(gathering)
         q()
 
     config = apply_overrides(BigramTrainerConfig(), OVERRIDES)

@@ -5,8 +5,8 @@
 ``import theseus`` (and the command line) stay light.
 """
 
-from theseus.base.axis import Axis, ShardingPlan, ShardingPolicy, partition_spec
-from theseus.base.topology import Topology
+from theseus.sharding.axis import Axis, ShardingPlan, ShardingPolicy, partition_spec
+from theseus.sharding.topology import Topology
 
 _LAZY = {
     "chain": "theseus.execution",
@@ -14,12 +14,12 @@ _LAZY = {
     "Chain": "theseus.execution",
     "register": "theseus.jobs",
     "register_job": "theseus.jobs",
-    "BaseTrainer": "theseus.training.base",
-    "TrainerConfig": "theseus.training.base",
-    "scan_layers": "theseus.base.layer_scan",
+    "BaseTrainer": "theseus.training.trainer",
+    "TrainerConfig": "theseus.training.trainer",
+    "scan_layers": "theseus.sharding.layer_scan",
     "generate": "theseus.inference",
     "tokenize": "theseus.data.bpe",
-    "next_token_loss": "theseus.training.base",
+    "next_token_loss": "theseus.training.trainer",
     "Keys": "theseus.training.keys",
 }
 

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from theseus.base.axis import ShardingPolicy
 from theseus.config import ConfigError, apply_overrides, read_yaml, validate, write_yaml
 from theseus.jobs import Job, get_job
-from theseus.training.base import BaseTrainer, TrainerConfig
+from theseus.sharding.axis import ShardingPolicy
+from theseus.training.trainer import BaseTrainer, TrainerConfig
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ def run_trainer(
     log=print,
 ) -> Any:
     """Train or evaluate with an already created trainer, as the job says."""
-    from theseus.training.loop import evaluate, train
+    from theseus.training.run.loop import evaluate, train
 
     if job.action == "train":
         options = {"resume": resume, "overwrite": overwrite, "allow_changes": allow_changes}

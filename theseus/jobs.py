@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from theseus.training.base import BaseTrainer
+from theseus.training.trainer import BaseTrainer
 
 Action = Literal["train", "evaluate"]
 

@@ -25,15 +25,15 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from theseus.base.axis import Axis, ShardingPolicy, partition_spec
-from theseus.base.topology import Topology
+from theseus.checkpoint.params import restore_params
 from theseus.config import apply_overrides, validate
 from theseus.inference.codec import Codec, resolve_codec
 from theseus.inference.sampling import Sampling, next_tokens, sample_keys
-from theseus.inference.weights import restore_params
 from theseus.jobs import get_job
 from theseus.model.decode import ROWS
-from theseus.training.base import BaseTrainer
+from theseus.sharding.axis import Axis, ShardingPolicy, partition_spec
+from theseus.sharding.topology import Topology
+from theseus.training.trainer import BaseTrainer
 
 CHECKPOINTS = "checkpoints"
 

@@ -17,8 +17,6 @@ import pydantic
 from flax import nnx
 from jax.typing import DTypeLike
 
-from theseus.base.axis import Axis, ShardingPlan
-from theseus.base.layer_scan import scan_layers
 from theseus.config import Section
 from theseus.model.layers import (
     apply_dropout,
@@ -30,6 +28,8 @@ from theseus.model.layers import (
     layer_norm,
     linear,
 )
+from theseus.sharding.axis import Axis, ShardingPlan
+from theseus.sharding.layer_scan import scan_layers
 
 # TP splits the attention width and the MLP width over `shard`; everything else is whole on each
 # TP device. Heads are contiguous slices of n_attn, so each device holds whole heads when tp

@@ -5,16 +5,17 @@
 - :mod:`theseus.plan.budget`: :func:`plan_for_budget`, the least communication that fits;
 - :mod:`theseus.plan.policies`: the policies a mesh allows and their communication order;
 - :mod:`theseus.plan.results`: the result dataclasses (JSON through ``Plan.to_json()``);
-- :mod:`theseus.plan.render`: the text ``theseus plan`` prints.
+- :mod:`theseus.plan.render`: :func:`render`, the text ``theseus plan`` prints.
 
 Per-parameter rows, the replicated share and the one-line plan of a run come from the trainer
-(:mod:`theseus.training.summary`); memory arithmetic from :mod:`theseus.base.memory`.
+(:mod:`theseus.training.summary`); memory arithmetic from :mod:`theseus.accounting.memory`.
 """
 
-from theseus.base.memory import format_bytes, parse_bytes
+from theseus.accounting.memory import format_bytes, parse_bytes
 from theseus.plan.budget import plan_for_budget
 from theseus.plan.build import plan
 from theseus.plan.policies import candidate_policies, communication
+from theseus.plan.render import render
 from theseus.plan.results import (
     BudgetChoice,
     ClosedForm,
@@ -41,4 +42,5 @@ __all__ = [
     "parse_bytes",
     "plan",
     "plan_for_budget",
+    "render",
 ]

@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 from typing import TypedDict, Unpack
 
-from theseus.base.memory import format_bytes
+from theseus.accounting.memory import format_bytes
 from theseus.plan.build import plan
 from theseus.plan.policies import candidate_policies
 from theseus.plan.results import BudgetChoice, NoPolicyFits, Plan, Reason
-from theseus.training.base import BaseTrainer, TrainerConfig
+from theseus.training.trainer import BaseTrainer, TrainerConfig
 
 
 class BudgetOptions(TypedDict, total=False):

@@ -4,7 +4,7 @@ The planner is a pure function of a trainer class, its config, a :class:`Shardin
 device count. It builds one trainer on a one-device ``AbstractMesh`` (its state is
 ``jax.eval_shape`` only, nothing allocated) and, for every policy, resolves the layouts on an
 ``AbstractMesh`` of the target shape and runs the trainer constructor's own pre-flight check
-(:func:`theseus.base.preflight.preflight`), so a model of billions of parameters plans for
+(:func:`theseus.accounting.preflight.preflight`), so a model of billions of parameters plans for
 hundreds of devices in seconds on a laptop.
 """
 
@@ -17,16 +17,16 @@ import jax
 import numpy as np
 import optax
 
-from theseus.base.axis import Axis, ShardingPolicy, partition_spec
-from theseus.base.layout import LayoutError, shard_shape
-from theseus.base.memory import MemoryTotals, array_bytes, format_bytes
-from theseus.base.preflight import BatchPlan, preflight
-from theseus.base.topology import Topology, resolve_devices_per_host
+from theseus.accounting.memory import MemoryTotals, array_bytes, format_bytes
+from theseus.accounting.preflight import BatchPlan, preflight
 from theseus.config import apply_overrides
 from theseus.plan.policies import candidate_policies, communication_key
 from theseus.plan.results import ClosedForm, Plan, PolicyOption, Verdict
-from theseus.training.base import BaseTrainer, TrainerConfig
+from theseus.sharding.axis import Axis, ShardingPolicy, partition_spec
+from theseus.sharding.layout import LayoutError, shard_shape
+from theseus.sharding.topology import Topology, resolve_devices_per_host
 from theseus.training.summary import plan_rows, replicated_share
+from theseus.training.trainer import BaseTrainer, TrainerConfig
 
 
 def plan(

@@ -18,8 +18,8 @@ its buffer per device:
 
 from __future__ import annotations
 
-from theseus.base.axis import ShardingPolicy
-from theseus.base.topology import resolve_devices_per_host
+from theseus.sharding.axis import ShardingPolicy
+from theseus.sharding.topology import resolve_devices_per_host
 
 COMMUNICATION = {
     "DP": "all-reduce gradients over batch",

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from theseus.base.axis import Axis
-from theseus.base.memory import CompiledStep, format_bytes
+from theseus.accounting.memory import CompiledStep, format_bytes
 from theseus.plan.policies import COMMUNICATION
 from theseus.plan.results import BudgetChoice, Plan
+from theseus.sharding.axis import Axis
 from theseus.training.summary import (
     REPLICATED_WARNING_SHARE,
     ReplicatedShare,

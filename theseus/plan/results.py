@@ -1,15 +1,15 @@
-"""What the planner returns: dataclasses, written as JSON by :func:`theseus.base.records.as_json`
-and as text by :mod:`theseus.plan.render`."""
+"""What the planner returns: dataclasses, written as JSON by :func:`theseus.accounting.records.as_json`
+and as text by :func:`theseus.plan.render.render`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
-from theseus.base.axis import ShardingPolicy
-from theseus.base.memory import CompiledStep, MemoryTotals
-from theseus.base.records import as_json, json_field
+from theseus.accounting.memory import CompiledStep, MemoryTotals
+from theseus.accounting.records import as_json, json_field
 from theseus.plan.policies import communication
+from theseus.sharding.axis import ShardingPolicy
 from theseus.training.summary import PlanRow, ReplicatedShare
 from theseus.training.summary import number_text as _num
 
@@ -126,7 +126,7 @@ class BudgetChoice:
 
 @dataclass(frozen=True)
 class Plan:
-    """Everything ``theseus plan`` shows; :meth:`render` is the text, :meth:`to_json` the JSON."""
+    """Everything ``theseus plan`` shows; :func:`~theseus.plan.render.render` is the text, :meth:`to_json` the JSON."""
 
     trainer: str
     num_params: int
@@ -162,8 +162,3 @@ class Plan:
 
     def to_json(self) -> dict:
         return as_json(self)
-
-    def render(self) -> str:
-        from theseus.plan.render import render
-
-        return render(self)

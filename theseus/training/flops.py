@@ -24,7 +24,7 @@ from jax.extend import core
 from theseus.training.keys import validation_keys
 
 if TYPE_CHECKING:
-    from theseus.training.base import BaseTrainer
+    from theseus.training.trainer import BaseTrainer
 
 
 @dataclass(frozen=True)

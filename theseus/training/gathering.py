@@ -17,9 +17,9 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from theseus.base.axis import Axis
-from theseus.base.layer_scan import LayerLayouts, layer_layouts
-from theseus.base.layout import Layouts, is_sharding, path_str
+from theseus.sharding.axis import Axis
+from theseus.sharding.layer_scan import LayerLayouts, layer_layouts
+from theseus.sharding.layout import Layouts, is_sharding, path_str
 
 
 def loss_with_layouts(

@@ -8,13 +8,13 @@ import jax
 import pydantic
 from flax import nnx
 
-from theseus.base.axis import ShardingPlan
 from theseus.data import Corpus
 from theseus.model import GPT, GPT_PLAN, GPTConfig
 from theseus.model.gpt_decode import GPTDecoder
-from theseus.training.base import BaseTrainer, TrainerConfig, next_token_loss
+from theseus.sharding.axis import ShardingPlan
 from theseus.training.flops import gpt_flops_per_token
 from theseus.training.keys import Keys
+from theseus.training.trainer import BaseTrainer, TrainerConfig, next_token_loss
 
 
 class GPTTrainerConfig(TrainerConfig):

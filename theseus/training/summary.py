@@ -15,11 +15,11 @@ from typing import ClassVar, NamedTuple
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from theseus.base.axis import PHASES, Axis, Phase, ShardingPolicy, mesh_axes, partition_spec
-from theseus.base.layout import LayoutError, indivisible_dims, shard_shape
-from theseus.base.memory import format_bytes
-from theseus.base.records import json_field
-from theseus.training.base import BaseTrainer
+from theseus.accounting.memory import format_bytes
+from theseus.accounting.records import json_field
+from theseus.sharding.axis import PHASES, Axis, Phase, ShardingPolicy, mesh_axes, partition_spec
+from theseus.sharding.layout import LayoutError, indivisible_dims, shard_shape
+from theseus.training.trainer import BaseTrainer
 
 #: Above this share of parameters replicated across ``batch``, the largest such tensors are named.
 REPLICATED_WARNING_SHARE = 0.02

@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from theseus.base.layout import is_sharding
-from theseus.base.records import json_field
-from theseus.collectives import Collectives, count_collectives
+from theseus.accounting.collectives import Collectives, count_collectives
+from theseus.accounting.records import json_field
+from theseus.sharding.layout import is_sharding
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class CompiledStep:
     ``executable.as_text()``); it is not part of the JSON. ``peak`` is the sum of arguments,
     temporaries and outputs; ``aliased`` of the output bytes reuse donated argument buffers, so
     the sum is an upper bound by that much. ``collectives``: per device per step, loops unrolled
-    (:mod:`theseus.collectives`).
+    (:mod:`theseus.accounting.collectives`).
     """
 
     executable: Any = json_field(None, compare=False, repr=False)

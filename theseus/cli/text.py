@@ -1,5 +1,5 @@
 """``theseus tokenize`` and ``theseus generate``: from text to token files, and from a checkpoint
-back to text. Registered on the ``theseus`` command line by :mod:`theseus.cli`."""
+back to text. Registered by :mod:`theseus.cli.app`."""
 
 from __future__ import annotations
 
@@ -8,12 +8,11 @@ from typing import Annotated
 
 import typer
 
-from theseus.cli import (
+from theseus.cli.options import (
     DEFAULT_JOB,
     CPUDevices,
     Imports,
     Overwrite,
-    app,
     import_modules,
     layout_options,
     use_cpu_devices,
@@ -21,7 +20,6 @@ from theseus.cli import (
 )
 
 
-@app.command()
 def tokenize(
     corpus: Annotated[
         str, typer.Argument(help="text file, folder of text files, or 'builtin' (built-in corpus)")
@@ -53,7 +51,6 @@ def tokenize(
     typer.echo(result.describe())
 
 
-@app.command()
 @layout_options
 def generate(
     run_dir: Annotated[Path, typer.Argument(help="run directory of `theseus train` (--out)")],

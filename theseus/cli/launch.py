@@ -1,5 +1,4 @@
-"""``theseus launch``: the command line of :mod:`theseus.launch`. Registered on the ``theseus``
-command line by :mod:`theseus.cli`."""
+"""``theseus launch``: the command line of :mod:`theseus.distributed.launch`. Registered by :mod:`theseus.cli.app`."""
 
 from __future__ import annotations
 
@@ -7,10 +6,9 @@ from typing import Annotated
 
 import typer
 
-from theseus.cli import app, user_errors
+from theseus.cli.options import user_errors
 
 
-@app.command(context_settings={"allow_interspersed_args": False})
 def launch(
     command: Annotated[
         list[str],
@@ -33,7 +31,7 @@ def launch(
     mpirun) and `theseus train` joins them by itself.
     """
     with user_errors():
-        from theseus.launch import launch as launch_processes
+        from theseus.distributed.launch import launch as launch_processes
 
         status = launch_processes(command, processes, cpu_devices_per_process)
     raise typer.Exit(status)

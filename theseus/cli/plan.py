@@ -1,5 +1,5 @@
 """``theseus plan``: every layout and the per-device memory for any mesh, from shapes only.
-Registered on the ``theseus`` command line by :mod:`theseus.cli`."""
+Registered by :mod:`theseus.cli.app`."""
 
 from __future__ import annotations
 
@@ -9,10 +9,9 @@ from typing import Annotated, Any
 
 import typer
 
-from theseus.cli import (
+from theseus.cli.options import (
     DEFAULT_JOB,
     Imports,
-    app,
     import_modules,
     sharding_options,
     use_cpu_devices,
@@ -20,7 +19,6 @@ from theseus.cli import (
 )
 
 
-@app.command(name="plan", context_settings={"allow_extra_args": False})
 @sharding_options
 def plan_command(
     arguments: Annotated[
@@ -76,7 +74,7 @@ def plan_command(
     with user_errors(exit_codes={NoPolicyFits: 1}):
         import_modules(imports)
         from theseus.config import apply_overrides
-        from theseus.plan import parse_bytes, plan, plan_for_budget
+        from theseus.plan import parse_bytes, plan, plan_for_budget, render
 
         trainer_class, config, policy = plan_source(source)
         config = apply_overrides(config, rest)
@@ -108,7 +106,7 @@ def plan_command(
                 activation_checkpointing=policy.merge(**sharding).activation_checkpointing,
                 compile=compile_step,
             )
-    typer.echo(json.dumps(result.to_json(), indent=2) if json_output else result.render())
+    typer.echo(json.dumps(result.to_json(), indent=2) if json_output else render(result))
     if not result.verdict.ok:
         raise typer.Exit(code=1)
 
@@ -116,10 +114,10 @@ def plan_command(
 def plan_source(source: str) -> tuple[type, Any, Any]:
     """The trainer class, config and policy that ``theseus plan SOURCE`` plans: a registered
     job, a chain YAML (its first step and its policy) or a GPT config YAML."""
-    from theseus.base.axis import ShardingPolicy
     from theseus.config import read_yaml, validate
     from theseus.execution import Chain
     from theseus.jobs import get_job
+    from theseus.sharding.axis import ShardingPolicy
     from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
 
     if not (source.endswith((".yaml", ".yml")) or Path(source).is_file()):

@@ -19,7 +19,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from theseus.base.axis import (
+from theseus.sharding.axis import (
     PHASES,
     Phase,
     Rule,

@@ -70,7 +70,7 @@ def process_argv(
     command: list[str], index: int, num_processes: int, port: int, cpu_devices: int | None
 ) -> list[str]:
     """The command line of process ``index``."""
-    argv = [sys.executable, "-m", "theseus.cli", *command]
+    argv = [sys.executable, "-m", "theseus", *command]
     argv += ["--coordinator", f"127.0.0.1:{port}", "--num-processes", str(num_processes)]
     argv += ["--process-id", str(index)]
     if cpu_devices is not None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 
-from theseus.checkpoint import (
+from theseus.checkpoint.checkpointer import (
     Checkpointer,
     CheckpointError,
     IncompatibleCheckpointError,

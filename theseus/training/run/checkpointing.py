@@ -1,12 +1,12 @@
 """What a training run's checkpoints hold besides the arrays, and where restored arrays land:
-the helpers that know about :class:`TrainState` (the :class:`~theseus.checkpoint.Checkpointer`
+the helpers that know about :class:`TrainState` (the :class:`~theseus.checkpoint.checkpointer.Checkpointer`
 itself stores any pytree)."""
 
 from __future__ import annotations
 
 import jax
 
-from theseus.training.base import BaseTrainer, TrainState
+from theseus.training.trainer import BaseTrainer, TrainState
 
 
 def restore_target(trainer: BaseTrainer) -> TrainState:

@@ -22,19 +22,8 @@ from flax import nnx, struct
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from theseus.base.axis import PHASES, Axis, ShardingPlan, ShardingPolicy
-from theseus.base.layout import (
-    AbstractLeaf,
-    Layouts,
-    abstract_leaves,
-    check_layouts,
-    optimizer_layout,
-    path_str,
-    resolve_layouts,
-)
-from theseus.base.memory import CompiledStep, MemoryTotals, device_bytes, model_state_totals
-from theseus.base.preflight import preflight
-from theseus.base.topology import Topology
+from theseus.accounting.memory import CompiledStep, MemoryTotals, device_bytes, model_state_totals
+from theseus.accounting.preflight import preflight
 from theseus.config import (
     CheckpointingConfig,
     DataConfig,
@@ -44,6 +33,17 @@ from theseus.config import (
     TrainingConfig,
 )
 from theseus.data import Corpus
+from theseus.sharding.axis import PHASES, Axis, ShardingPlan, ShardingPolicy
+from theseus.sharding.layout import (
+    AbstractLeaf,
+    Layouts,
+    abstract_leaves,
+    check_layouts,
+    optimizer_layout,
+    path_str,
+    resolve_layouts,
+)
+from theseus.sharding.topology import Topology
 from theseus.training import gathering
 from theseus.training.keys import Keys, step_keys, validation_keys
 from theseus.training.nonfinite import update_if_finite
@@ -261,7 +261,7 @@ class BaseTrainer(abc.ABC):
     def memory(self, policy: ShardingPolicy | None = None, mesh: Any = None) -> MemoryTotals:
         """Per-device model-state bytes predicted from this trainer's layouts; with ``policy``
         and/or ``mesh`` (real or abstract), from the layouts they would give after the same
-        layout check (raises :class:`~theseus.base.layout.LayoutError`). No trainer is built."""
+        layout check (raises :class:`~theseus.sharding.layout.LayoutError`). No trainer is built."""
         if policy is None and mesh is None:
             storage, opt_layout = self.layouts.storage, self.state_layout.opt_state
         else:

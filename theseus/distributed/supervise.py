@@ -117,7 +117,7 @@ def supervise(argv: list[str], run_dir: Path, process_id: int) -> int:
         )
         log.flush()
         worker = subprocess.Popen(
-            [sys.executable, "-m", "theseus.cli", *argv],
+            [sys.executable, "-m", "theseus", *argv],
             stdout=log,
             stderr=log,
             pass_fds=terminal,

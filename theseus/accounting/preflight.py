@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from theseus.base.axis import ShardingPlan, ShardingPolicy
-from theseus.base.layout import check_layouts
-from theseus.base.topology import Topology
 from theseus.config import TrainingConfig
+from theseus.sharding.axis import ShardingPlan, ShardingPolicy
+from theseus.sharding.layout import check_layouts
+from theseus.sharding.topology import Topology
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ def preflight(
     seq_len: int,
 ) -> BatchPlan:
     """The checks before allocation, in order: batch accounting, then every layout of every
-    parameter (:class:`~theseus.base.layout.LayoutError` lists all offending leaves)."""
+    parameter (:class:`~theseus.sharding.layout.LayoutError` lists all offending leaves)."""
     batch_plan = plan_batch(training, topology, seq_len)
     check_layouts(abstract_params, plan, policy, topology.mesh)
     return batch_plan

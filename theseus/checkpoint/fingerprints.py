@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from theseus.base.layout import path_str
+from theseus.sharding.layout import path_str
 
 
 def _mix(h: jax.Array) -> jax.Array:

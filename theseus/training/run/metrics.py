@@ -4,6 +4,7 @@ from the device one step late so the host never waits on it inside the loop."""
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,10 +13,9 @@ from typing import IO, Any
 import jax
 
 from theseus.config import LoggingConfig
-from theseus.training.nonfinite import strict_json_row
-from theseus.training.progress import Reporter
-from theseus.training.tensorboard import TensorBoardWriter
-from theseus.training.throughput import Speedometer, StepClock
+from theseus.training.run.progress import Reporter
+from theseus.training.run.tensorboard import TensorBoardWriter
+from theseus.training.run.throughput import Speedometer, StepClock
 
 
 @dataclass(frozen=True)
@@ -136,3 +136,12 @@ def _kept_rows(path: Path, last_step: int) -> list[str]:
         except (json.JSONDecodeError, KeyError, TypeError):
             break  # a row cut by a crash ends what can be trusted
     return rows
+
+
+def strict_json_row(row: dict) -> dict:
+    """``row`` with non-finite floats as ``None`` (JSON ``null``): strict JSON readers such as
+    ``jq`` reject the bare ``NaN`` and ``Infinity`` that Python's json writes."""
+    return {
+        key: None if isinstance(value, float) and not math.isfinite(value) else value
+        for key, value in row.items()
+    }

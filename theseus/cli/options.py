@@ -1,4 +1,5 @@
-"""The ``theseus`` command line.
+"""What the commands of the ``theseus`` command line share: flags declared once, how a user
+error becomes one paragraph and exit status 2, and how a process joins a job.
 
 JAX reads the device configuration when its backend starts, so nothing here touches devices
 before ``--cpu-devices`` has been applied; heavy imports happen inside the commands.
@@ -10,22 +11,14 @@ import contextlib
 import functools
 import inspect
 import sys
-import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from theseus.distributed import DEFAULT_HEARTBEAT_TIMEOUT_S
-
-app = typer.Typer(
-    help="theseus: train annotated JAX models under DP, TP, ZeRO or FSDP.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
+from theseus.distributed.join import DEFAULT_HEARTBEAT_TIMEOUT_S
 
 Overrides = Annotated[
     list[str] | None,
@@ -129,13 +122,13 @@ class ProcessFlags:
 def join_job(process: ProcessFlags, out: Path | None) -> None:
     """Take this process's place in the job (before any JAX operation).
 
-    A process of a multi-process job runs the command as a supervised worker (theseus/supervise.py)
+    A process of a multi-process job runs the command as a supervised worker (theseus/distributed/supervise.py)
     and exits with its status here; the worker itself, or a single process, continues.
     """
-    from theseus import distributed, supervise
+    from theseus.distributed import join, supervise
 
     with user_errors():
-        membership = distributed.resolve_membership(
+        membership = join.resolve_membership(
             process.distributed, process.coordinator, process.num_processes, process.process_id
         )
     if membership.joins and not supervise.is_worker():
@@ -144,7 +137,7 @@ def join_job(process: ProcessFlags, out: Path | None) -> None:
         raise typer.Exit(supervise.supervise(sys.argv[1:], out, membership.process_id))
     supervise.set_up_worker(process.heartbeat_timeout)
     use_cpu_devices(process.cpu_devices)
-    distributed.start(membership, process.heartbeat_timeout)
+    join.start(membership, process.heartbeat_timeout)
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -160,7 +153,7 @@ def user_errors(exit_codes: Mapping[type[Exception], int] | None = None) -> Iter
     import pydantic
 
     from theseus.config import describe_validation_error
-    from theseus.training.stops import RunInterrupted
+    from theseus.training.run.stops import RunInterrupted
 
     try:
         yield
@@ -287,132 +280,3 @@ def import_modules(modules: list[str] | None) -> None:
         sys.path.insert(0, str(Path.cwd()))
     for module in modules or ():
         importlib.import_module(module)
-
-
-@app.callback()
-def main() -> None:
-    """theseus: annotate a model once with logical axis names; train it under any layout."""
-
-
-@app.command()
-@job_options
-def train(
-    overrides: Overrides = None,
-    job: Annotated[str, typer.Option(help="registered training job")] = DEFAULT_JOB,
-    steps: Steps = None,
-    seed: Seed = None,
-    peak_tflops: PeakTflops = None,
-    out: RunDir = None,
-    imports: Imports = None,
-    flags: JobFlags | None = None,
-) -> None:
-    """Train a job (the default GPT on built-in data unless data.path is given)."""
-    join_job(flags.process, out)
-    shorthands = {
-        "training.steps": steps,
-        "training.seed": seed,
-        "logging.peak_tflops": peak_tflops,
-    }
-    extra = [*(overrides or []), *(f"{k}={v}" for k, v in shorthands.items() if v is not None)]
-    if flags.run.resume and out is None:
-        fail("--resume needs --out: the run directory to continue")
-    if flags.run.allow_changes and not flags.run.resume:
-        fail("--allow-changes applies to --resume only: add --resume, or drop --allow-changes")
-    out = out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-    with user_errors():
-        import_modules(imports)
-        from theseus.execution import quick
-
-        session = quick(job, out, **asdict(flags.run)).override(*extra)
-        session.shard(**flags.sharding)
-        summary = session()
-    echo_on_main(summary.describe())
-
-
-@app.command()
-@job_options
-def run(
-    chain_file: ChainFile,
-    out: Annotated[Path, typer.Argument(help="output directory of the chain")],
-    imports: Imports = None,
-    flags: JobFlags | None = None,
-) -> None:
-    """Run an execution chain saved as YAML; sharding flags merge into its policy."""
-    join_job(flags.process, out)
-    with user_errors():
-        import_modules(imports)
-        from theseus.execution import Chain
-
-        chain = Chain.load(chain_file).shard(**flags.sharding)
-        results = chain.run(out, **asdict(flags.run))
-    for result in results:
-        echo_on_main(result.describe())
-
-
-@app.command()
-@sharding_options
-def configure(
-    job: Annotated[str, typer.Argument(help="registered job name, see `theseus jobs`")],
-    out_file: Annotated[Path, typer.Argument(help="chain YAML to write")],
-    overrides: Overrides = None,
-    then: Annotated[
-        list[str] | None, typer.Option(help="another job to run after this one (repeatable)")
-    ] = None,
-    imports: Imports = None,
-    sharding: dict[str, Any] | None = None,
-) -> None:
-    """Write a job's full, resolved configuration as a chain YAML to edit and `theseus run`."""
-    with user_errors():
-        import_modules(imports)
-        from theseus.execution import chain
-
-        built = chain(job, *(overrides or [])).shard(**sharding)
-        for name in then or ():
-            built = built.then(name)
-        if imports:
-            built = type(built)(built.steps, built.policy, tuple(imports))
-        if out_file.exists():
-            fail(f"{out_file} exists; choose another file name or remove it first")
-        built.save(out_file)
-    typer.echo(f"wrote {out_file}: {len(built.steps)} step(s), sharding {built.policy.describe()}")
-
-
-@app.command()
-def jobs(imports: Imports = None) -> None:
-    """List the registered jobs with a one-line description."""
-    with user_errors():
-        import_modules(imports)
-        from theseus.jobs import all_jobs
-
-        for job in all_jobs():
-            typer.echo(f"{job.name:24s} {job.action:9s} {job.description}")
-
-
-@app.command()
-def plot(
-    run_dir: Annotated[Path, typer.Argument(help="a run directory holding metrics.jsonl")],
-    out: Annotated[
-        Path | None, typer.Option(help="image path \\[default: RUN_DIR/loss.png]")
-    ] = None,
-) -> None:
-    """Plot training and validation loss against step and tokens (loss.png)."""
-    with user_errors():
-        from theseus.plot import plot_losses
-
-        path = plot_losses(run_dir, out)
-    typer.echo(f"wrote {path}")
-
-
-# `theseus launch`, `theseus plan`, `theseus tokenize` and `theseus generate` live in their own
-# modules and register themselves.
-import theseus.launch_command  # noqa: E402, I001 - registers `theseus launch`
-import theseus.plan_command  # noqa: E402 - registers `theseus plan`
-import theseus.text_commands  # noqa: E402, F401 - registers the two commands
-
-
-if __name__ == "__main__":
-    # As `python -m theseus.cli` this file is __main__; the command modules above registered
-    # their commands on the app of the imported module theseus.cli.
-    from theseus.cli import app as registered_app
-
-    sys.exit(registered_app())

@@ -3,7 +3,7 @@
 A checkpoint is one step directory holding two items: ``state`` (any pytree of arrays, e.g. a
 ``TrainState``; each array written by the devices that hold its shards) and ``meta`` (JSON: the
 caller's metadata — for a training run policy, mesh shape, config and data position, see
-``theseus.training.checkpointing`` — plus a fingerprint of every array). Restoring takes a target
+``theseus.training.run.checkpointing`` — plus a fingerprint of every array). Restoring takes a target
 pytree of ``jax.ShapeDtypeStruct`` with shardings, so each device reads only its own shard from
 disk: a run saved under one policy or device count resumes under another, and no array is ever
 whole on one device.
@@ -32,9 +32,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from theseus.base.layout import path_str
-from theseus.fingerprints import fingerprints
-from theseus.training.stops import CheckpointSaveError
+from theseus.checkpoint.fingerprints import fingerprints
+from theseus.sharding.layout import path_str
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +45,11 @@ _MAX_LISTED = 5
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, damaged, or cannot be restored into the requested target."""
+
+
+class CheckpointWriteError(Exception):
+    """A checkpoint could not be written; the previously committed ones are intact. (A training
+    run stops with exit status 5 on it: :class:`theseus.training.run.stops.CheckpointWriteError`.)"""
 
 
 class IncompatibleCheckpointError(CheckpointError):
@@ -244,21 +248,21 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until every pending save is committed; a failed one raises
-        :class:`CheckpointSaveError`."""
+        :class:`CheckpointWriteError`."""
         step, self._saving = self._saving, None
         try:
             self._manager.wait_until_finished()
         except Exception as error:  # the background save's error, any type
             raise self._save_error(step, error) from error
 
-    def _save_error(self, step: int | None, error: BaseException) -> CheckpointSaveError:
+    def _save_error(self, step: int | None, error: BaseException) -> CheckpointWriteError:
         """Why a save failed, and what is left: orbax commits a step by renaming its temporary
         directory, so a failed save leaves no step behind and removes none."""
         try:
             committed = self.all_steps()
         except Exception:  # noqa: BLE001 - e.g. the directory itself was removed
             committed = "unreadable"
-        return CheckpointSaveError(
+        return CheckpointWriteError(
             f"cannot save checkpoint step {step} in {self.directory}: {_one_line(error)}. The "
             f"run stopped; committed steps there ({committed or 'none'}) are unchanged. Free "
             "space or fix the directory's permissions, then continue with --resume."
@@ -285,7 +289,7 @@ class Checkpointer:
         """Restore ``step`` (or, with ``None``, the newest good step) into ``target``'s layouts.
 
         ``target`` is a pytree of ``jax.ShapeDtypeStruct`` with shardings (for a training run,
-        ``theseus.training.checkpointing.restore_target``); each device reads its own shards.
+        ``theseus.training.run.checkpointing.restore_target``); each device reads its own shards.
         Returns the state and the metadata saved with it (``meta['step']`` is the restored
         step). Steps that ``None`` passed over are logged and kept in :attr:`skipped`.
 

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
-from theseus.base.axis import MESH_AXES, Axis, ShardingPolicy
+from theseus.sharding.axis import MESH_AXES, Axis, ShardingPolicy
 
 #: Tensor parallelism stays within one host; without ``devices_per_host``, hosts have this many.
 DEFAULT_DEVICES_PER_HOST = 8

@@ -14,23 +14,22 @@ from pathlib import Path
 import jax
 from jax.experimental import multihost_utils
 
-from theseus.base.memory import CompiledStep
-from theseus.base.records import as_json
-from theseus.checkpoint import Checkpointer
+from theseus.accounting.memory import CompiledStep
+from theseus.accounting.records import as_json
+from theseus.checkpoint.checkpointer import Checkpointer
 from theseus.config import save_yaml
 from theseus.data import Corpus, Sampler, load_corpus, validation_batches
-from theseus.distributed import check_same_everywhere, describe_processes
-from theseus.training.base import BaseTrainer, TrainState
-from theseus.training.checkpointing import checkpoint_meta, restore_target
+from theseus.distributed.join import check_same_everywhere, describe_processes
 from theseus.training.flops import count_flops
-from theseus.training.metrics import MetricsWriter
-from theseus.training.nonfinite import NonFiniteGuard
-from theseus.training.preemption import PreemptionWatch
-from theseus.training.resume import Change, check_resume, resume_changes, resume_history
-from theseus.training.stops import Preempted
+from theseus.training.run.checkpointing import checkpoint_meta, restore_target
+from theseus.training.run.metrics import MetricsWriter
+from theseus.training.run.preemption import PreemptionWatch
+from theseus.training.run.resume import Change, check_resume, resume_changes, resume_history
+from theseus.training.run.stops import NonFiniteGuard, Preempted, failed_saves_stop_the_run
+from theseus.training.run.tensorboard import TensorBoardWriter
+from theseus.training.run.throughput import speedometer
 from theseus.training.summary import layouts_text, one_line_plan
-from theseus.training.tensorboard import TensorBoardWriter
-from theseus.training.throughput import speedometer
+from theseus.training.trainer import BaseTrainer, TrainState
 
 # Files a run writes: an output directory holding any of them holds a run.
 RUN_FILES = (
@@ -250,8 +249,8 @@ def train(
 
     With ``resume``, continue from the newest good checkpoint there: same data position, RNG and
     optimizer state, so the losses equal those of an uninterrupted run. Settings that would
-    change those numbers are refused unless ``allow_changes`` (see :mod:`theseus.training.resume`).
-    Raises a :class:`~theseus.training.stops.RunInterrupted` when the run stops early on purpose.
+    change those numbers are refused unless ``allow_changes`` (see :mod:`theseus.training.run.resume`).
+    Raises a :class:`~theseus.training.run.stops.RunInterrupted` when the run stops early on purpose.
     """
     out_dir = Path(out_dir)
     config = trainer.config
@@ -269,7 +268,7 @@ def train(
         async_save=config.checkpointing.async_save,
         log=log,
     )
-    with checkpointer:
+    with failed_saves_stop_the_run(), checkpointer:
         start = starting_point(
             trainer, checkpointer, out_dir, resume=resume, allow_changes=allow_changes
         )

@@ -1,0 +1,1 @@
+"""The ``theseus`` command line; the app is :data:`theseus.cli.app.app`."""

@@ -1,0 +1,32 @@
+"""The ``theseus`` command line: the app, and the one place where its commands are registered.
+
+Command modules define plain functions and never import this module, so there is no import cycle
+and ``python -m theseus`` needs no workaround.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from theseus.cli import launch, plan, text, training
+
+app = typer.Typer(
+    help="theseus: train annotated JAX models under DP, TP, ZeRO or FSDP.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+@app.callback()
+def main() -> None:
+    """theseus: annotate a model once with logical axis names; train it under any layout."""
+
+
+# In the order `theseus --help` lists them.
+for command in (training.train, training.run, training.configure, training.jobs, training.plot):
+    app.command()(command)
+app.command(context_settings={"allow_interspersed_args": False})(launch.launch)
+app.command(name="plan", context_settings={"allow_extra_args": False})(plan.plan_command)
+app.command()(text.tokenize)
+app.command()(text.generate)

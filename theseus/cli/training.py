@@ -1,0 +1,134 @@
+"""`theseus train`, `run`, `configure`, `jobs` and `plot`: the commands that configure, run and
+show training jobs."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from theseus.cli.options import (
+    DEFAULT_JOB,
+    ChainFile,
+    Imports,
+    JobFlags,
+    Overrides,
+    PeakTflops,
+    RunDir,
+    Seed,
+    Steps,
+    echo_on_main,
+    fail,
+    import_modules,
+    job_options,
+    join_job,
+    sharding_options,
+    user_errors,
+)
+
+
+@job_options
+def train(
+    overrides: Overrides = None,
+    job: Annotated[str, typer.Option(help="registered training job")] = DEFAULT_JOB,
+    steps: Steps = None,
+    seed: Seed = None,
+    peak_tflops: PeakTflops = None,
+    out: RunDir = None,
+    imports: Imports = None,
+    flags: JobFlags | None = None,
+) -> None:
+    """Train a job (the default GPT on built-in data unless data.path is given)."""
+    join_job(flags.process, out)
+    shorthands = {
+        "training.steps": steps,
+        "training.seed": seed,
+        "logging.peak_tflops": peak_tflops,
+    }
+    extra = [*(overrides or []), *(f"{k}={v}" for k, v in shorthands.items() if v is not None)]
+    if flags.run.resume and out is None:
+        fail("--resume needs --out: the run directory to continue")
+    if flags.run.allow_changes and not flags.run.resume:
+        fail("--allow-changes applies to --resume only: add --resume, or drop --allow-changes")
+    out = out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    with user_errors():
+        import_modules(imports)
+        from theseus.execution import quick
+
+        session = quick(job, out, **asdict(flags.run)).override(*extra)
+        session.shard(**flags.sharding)
+        summary = session()
+    echo_on_main(summary.describe())
+
+
+@job_options
+def run(
+    chain_file: ChainFile,
+    out: Annotated[Path, typer.Argument(help="output directory of the chain")],
+    imports: Imports = None,
+    flags: JobFlags | None = None,
+) -> None:
+    """Run an execution chain saved as YAML; sharding flags merge into its policy."""
+    join_job(flags.process, out)
+    with user_errors():
+        import_modules(imports)
+        from theseus.execution import Chain
+
+        chain = Chain.load(chain_file).shard(**flags.sharding)
+        results = chain.run(out, **asdict(flags.run))
+    for result in results:
+        echo_on_main(result.describe())
+
+
+@sharding_options
+def configure(
+    job: Annotated[str, typer.Argument(help="registered job name, see `theseus jobs`")],
+    out_file: Annotated[Path, typer.Argument(help="chain YAML to write")],
+    overrides: Overrides = None,
+    then: Annotated[
+        list[str] | None, typer.Option(help="another job to run after this one (repeatable)")
+    ] = None,
+    imports: Imports = None,
+    sharding: dict[str, Any] | None = None,
+) -> None:
+    """Write a job's full, resolved configuration as a chain YAML to edit and `theseus run`."""
+    with user_errors():
+        import_modules(imports)
+        from theseus.execution import chain
+
+        built = chain(job, *(overrides or [])).shard(**sharding)
+        for name in then or ():
+            built = built.then(name)
+        if imports:
+            built = type(built)(built.steps, built.policy, tuple(imports))
+        if out_file.exists():
+            fail(f"{out_file} exists; choose another file name or remove it first")
+        built.save(out_file)
+    typer.echo(f"wrote {out_file}: {len(built.steps)} step(s), sharding {built.policy.describe()}")
+
+
+def jobs(imports: Imports = None) -> None:
+    """List the registered jobs with a one-line description."""
+    with user_errors():
+        import_modules(imports)
+        from theseus.jobs import all_jobs
+
+        for job in all_jobs():
+            typer.echo(f"{job.name:24s} {job.action:9s} {job.description}")
+
+
+def plot(
+    run_dir: Annotated[Path, typer.Argument(help="a run directory holding metrics.jsonl")],
+    out: Annotated[
+        Path | None, typer.Option(help="image path \\[default: RUN_DIR/loss.png]")
+    ] = None,
+) -> None:
+    """Plot training and validation loss against step and tokens (loss.png)."""
+    with user_errors():
+        from theseus.plot import plot_losses
+
+        path = plot_losses(run_dir, out)
+    typer.echo(f"wrote {path}")
