@@ -150,6 +150,27 @@ def test_quick_session_shard_before_creation(tmp_path):
             q.shard(tp=4)
 
 
+def test_quick_session_config_is_frozen_once_the_job_exists(tmp_path):
+    """The trainer fixed its batch plan and layouts at creation: a later change would be
+    silently ignored, so it is refused, with what to do instead."""
+    with quick("gpt/train/pretrain", tmp_path / "q") as q:
+        q.override(*TINY)
+        q.config.training.steps = 3  # before create(): accepted
+        trainer = q.create()
+        for section, name, value in (("training", "batch_size", 64), ("model", "n_layer", 3)):
+            with pytest.raises(ValueError, match=rf"cannot set {section}\.{name} = .*Configure before"):
+                setattr(getattr(q.config, section), name, value)
+        with pytest.raises(ValueError, match="already created"):
+            q.config.logging = q.config.logging
+        with pytest.raises(ValueError, match="cannot apply overrides"):
+            q.override("training.steps=5")
+        assert trainer.config is q.config
+        assert (q.config.training.batch_size, q.config.training.steps) == (16, 3)
+        copy = apply_overrides(q.config, ["training.steps=4"])  # copies are not frozen
+        copy.training.steps = 5
+        assert copy.training.steps == 5
+
+
 def test_quick_session_config_assignment_is_checked_at_once(tmp_path):
     with quick("gpt/train/pretrain", tmp_path / "q") as q:
         q.override(*TINY)

@@ -15,11 +15,26 @@ class ConfigError(ValueError):
 
 
 class Section(pydantic.BaseModel):
-    """A group of settings: unknown keys and wrong types are errors; assignments are validated."""
+    """A group of settings: unknown keys and wrong types are errors; assignments are validated,
+    and refused once the section is frozen (:meth:`freeze`)."""
 
     model_config = pydantic.ConfigDict(extra="forbid", validate_assignment=True)
+    # (dotted path of this section, why it is frozen) once frozen; copies are never frozen.
+    _frozen: tuple[str, str] | None = pydantic.PrivateAttr(default=None)
+
+    def freeze(self, because: str, *, path: str = "") -> None:
+        """Refuse every later assignment to this section and the sections in it, saying
+        ``because``: a job built from this config would silently ignore the change."""
+        for name, value in self.__dict__.items():
+            if isinstance(value, Section):
+                value.freeze(because, path=f"{path}{name}.")
+        self._frozen = (path, because)
 
     def __setattr__(self, name: str, value: Any) -> None:
+        frozen = (getattr(self, "__pydantic_private__", None) or {}).get("_frozen")
+        if frozen is not None and not name.startswith("_"):
+            path, because = frozen
+            raise ConfigError(f"cannot set {path}{name} = {value!r}: {because}")
         # Pydantic keeps a value that fails a whole-section check; put the old one back.
         previous = self.__dict__.get(name)
         try:

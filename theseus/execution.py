@@ -223,14 +223,25 @@ class QuickSession:
         return self
 
     def override(self, *items: str) -> QuickSession:
+        if self.trainer is not None:
+            raise ConfigError(f"cannot apply overrides {list(items)}: {self._created()}")
         self.config = apply_overrides(self.config, items)
         return self
 
     def create(self) -> BaseTrainer:
-        """Create the job: mesh, layouts and pre-flight checks (nothing allocated)."""
+        """Create the job: mesh, layouts and pre-flight checks (nothing allocated). The config
+        is frozen from then on: the job's batch plan and layouts are fixed."""
         if self.trainer is None:
             self.trainer = self.job.trainer_class(self.config, self.policy)
+            self.config.freeze(self._created())
         return self.trainer
+
+    def _created(self) -> str:
+        return (
+            f"the {self.job.name!r} job was already created with this config (its batch plan "
+            "and layouts are fixed). Configure before q.create() or q(), or start a new quick "
+            "session."
+        )
 
     def __call__(self) -> Any:
         return run_trainer(
