@@ -22,15 +22,12 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
-# About 7.5B parameters; the vocabulary padded to 50432 = 197 × 256 so ZeRO divides it by 256.
+from support import GPT_7_5B  # noqa: E402 - the 7.5B GPT of the tests, defined once
+
 BIG = [
-    "model.vocab_size=50432",
-    "model.block_size=2048",
-    "model.n_layer=36",
-    "model.n_head=32",
-    "model.n_embd=4096",
+    *GPT_7_5B,
     "training.batch_size=256",
     "training.per_device_batch_size=1",
 ]

@@ -1,7 +1,12 @@
-"""What several test files share: a tiny GPT configuration and the environment of subprocesses."""
+"""What several test files share: tiny GPT configurations, the 7.5B configuration of the scale
+tests and benches, tiny corpora, the CLI and the environment of subprocesses."""
 
 import os
+from pathlib import Path
 
+from typer.testing import CliRunner, Result
+
+from theseus.cli.app import app
 from theseus.config import apply_overrides
 from theseus.model import GPTConfig
 from theseus.training.gpt import GPTTrainerConfig
@@ -28,6 +33,33 @@ TINY_GPT = (
     "checkpointing.interval=2",
     "logging.progress_bar=false",
 )
+
+
+# About 7.5B parameters (Ψ = 7,464,640,512): the GPT of the planner's and FSDP's scale figures.
+# The vocabulary is padded to 50432 = 197 × 256, so ZeRO divides it over up to 256 devices.
+GPT_7_5B = (
+    "model.vocab_size=50432",
+    "model.block_size=2048",
+    "model.n_layer=36",
+    "model.n_head=32",
+    "model.n_embd=4096",
+)
+
+# A few lines of text that tiny corpora repeat (bytes are tokens unless a tokenizer is trained).
+TEXT = "Beautiful is better than ugly.\nExplicit is better than implicit.\nSimple beats complex.\n"
+
+
+def write_corpus(folder: Path, num_files: int = 3) -> Path:
+    """A folder of ``num_files`` small text files of different lengths; returns the folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for index in range(num_files):
+        (folder / f"part{index}.txt").write_text(TEXT * (40 + 7 * index) + f"file {index}\n")
+    return folder
+
+
+def invoke(*args: object) -> Result:
+    """Run the ``theseus`` command in this process (``result.exit_code``, ``result.output``)."""
+    return CliRunner().invoke(app, [str(a) for a in args])
 
 
 def subprocess_env() -> dict[str, str]:

@@ -11,16 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
-from support import TINY_GPT, subprocess_env
-from typer.testing import CliRunner
+from support import TINY_GPT, invoke, subprocess_env
 
-from theseus.cli.app import app
+from theseus.plot import read_metrics
 
 TINY = [*TINY_GPT, "training.steps=4"]
-
-
-def invoke(*args):
-    return CliRunner().invoke(app, [str(a) for a in args])
 
 
 def snapshot(directory: Path) -> dict[str, str]:
@@ -155,8 +150,7 @@ def test_overwrite_replaces_previous_run(run_copy):
     (run_copy / "notes.txt").write_text("mine")
     result = invoke("train", "--out", run_copy, *TINY, "--overwrite", "training.steps=2")
     assert result.exit_code == 0, result.output
-    rows = (run_copy / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(r)["step"] for r in rows] == [1, 2]
+    assert [r["step"] for r in read_metrics(run_copy)] == [1, 2]
     assert (run_copy / "notes.txt").read_text() == "mine"  # not a theseus file: kept
 
 
@@ -231,7 +225,7 @@ def test_sigkill_or_sigterm_then_resume_matches_uninterrupted(tmp_path):
     )
 
     def losses(run_dir):
-        rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        rows = read_metrics(run_dir)
         return {r["step"]: (r["loss"], r.get("val_loss")) for r in rows}
 
     for signum in (signal.SIGKILL, signal.SIGTERM):

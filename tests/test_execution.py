@@ -12,16 +12,12 @@ from theseus.config import ConfigError, apply_overrides, load_yaml, save_yaml
 from theseus.data import write_tokens
 from theseus.execution import Chain, chain, quick
 from theseus.jobs import all_jobs, get_job
-from theseus.plot import plot_losses
+from theseus.plot import plot_losses, read_metrics
 from theseus.sharding.axis import ShardingPolicy
 from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
 from theseus.training.run.loop import evaluate
 
 TINY = (*TINY_GPT, "training.steps=6", "checkpointing.keep=5")
-
-
-def metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 # --- configs -------------------------------------------------------------------------------
@@ -158,7 +154,9 @@ def test_quick_session_config_is_frozen_once_the_job_exists(tmp_path):
         q.config.training.steps = 3  # before create(): accepted
         trainer = q.create()
         for section, name, value in (("training", "batch_size", 64), ("model", "n_layer", 3)):
-            with pytest.raises(ValueError, match=rf"cannot set {section}\.{name} = .*Configure before"):
+            with pytest.raises(
+                ValueError, match=rf"cannot set {section}\.{name} = .*Configure before"
+            ):
                 setattr(getattr(q.config, section), name, value)
         with pytest.raises(ValueError, match="already created"):
             q.config.logging = q.config.logging
@@ -211,7 +209,7 @@ def test_resume_reproduces_uninterrupted_losses(tmp_path):
     with quick("gpt/train/pretrain", run_dir) as q:
         q.override(*TINY)
         q()
-    full = metrics(run_dir)
+    full = read_metrics(run_dir)
     assert [row["step"] for row in full] == [1, 2, 3, 4, 5, 6]
     # Stop at step 4: drop what steps 5 and 6 left behind, then resume.
     import shutil
@@ -221,7 +219,7 @@ def test_resume_reproduces_uninterrupted_losses(tmp_path):
         q.override(*TINY)
         summary = q()
     assert summary.first_step == 5
-    resumed = metrics(run_dir)
+    resumed = read_metrics(run_dir)
     assert [row["step"] for row in resumed] == [1, 2, 3, 4, 5, 6]
     for before, after in zip(full, resumed, strict=True):
         assert before["loss"] == after["loss"]
@@ -234,7 +232,7 @@ def test_resume_onto_other_policy_continues_with_matching_numbers(tmp_path):
         q.shard(tp=2, fsdp=True)
         q.override(*TINY)
         q()
-    full = metrics(run_dir)
+    full = read_metrics(run_dir)
     import shutil
 
     shutil.rmtree(run_dir / "checkpoints" / "6")
@@ -242,7 +240,7 @@ def test_resume_onto_other_policy_continues_with_matching_numbers(tmp_path):
         q.shard(tp=4)
         q.override(*TINY)
         q()
-    resumed = metrics(run_dir)
+    resumed = read_metrics(run_dir)
     np.testing.assert_allclose(
         [r["loss"] for r in resumed[4:]], [r["loss"] for r in full[4:]], rtol=1e-5
     )

@@ -116,8 +116,8 @@ class NaNOnChosenSteps(GPTTrainer):
             ]
         )  # (bad steps × examples, seq_len + 1)
 
-    def loss_fn(self, model, tokens, keys, *, train):  # tokens: (examples, seq_len + 1)
-        loss = super().loss_fn(model, tokens, keys, train=train)
+    def loss(self, model, tokens, keys, *, train):  # tokens: (examples, seq_len + 1)
+        loss = super().loss(model, tokens, keys, train=train)
         same = jnp.all(tokens[:, None, :] == self.bad_examples[None], axis=-1)
         return jnp.where(jnp.any(same), jnp.nan, loss)
 

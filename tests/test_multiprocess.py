@@ -18,13 +18,12 @@ import time
 
 import numpy as np
 import pytest
-from support import TINY_GPT, subprocess_env
-from typer.testing import CliRunner
+from support import TINY_GPT, invoke, subprocess_env
 
-from theseus.cli.app import app
 from theseus.distributed.join import differing_processes, mismatch_message
 from theseus.distributed.launch import check_command, free_port
 from theseus.distributed.supervise import lost_processes, report_uncaught, restart_command
+from theseus.plot import read_metrics
 
 STEPS = 16  # room after step 5, where process 1 is killed, on a fast machine
 ARGS = ["--tp", "2", "--fsdp", *TINY_GPT, f"training.steps={STEPS}", "checkpointing.keep=20"]
@@ -67,7 +66,7 @@ def run(argv, **env):
 
 
 def losses(run_dir):
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run_dir)
     return [(r["step"], r["loss"], r.get("val_loss")) for r in rows]
 
 
@@ -337,9 +336,9 @@ def test_distributed_flags_are_checked_before_anything_starts(tmp_path):
         (["--coordinator", "127.0.0.1:9", "--num-processes", "2"], "needs --num-processes and"),
     ]
     for extra, fragment in cases:
-        result = CliRunner().invoke(app, ["train", "--out", str(tmp_path / "x"), *extra])
+        result = invoke("train", "--out", tmp_path / "x", *extra)
         assert result.exit_code == 2 and fragment in result.output, result.output
     joined = ["--coordinator", "127.0.0.1:9", "--num-processes", "2", "--process-id", "1"]
-    result = CliRunner().invoke(app, ["train", *joined])
+    result = invoke("train", *joined)
     assert result.exit_code == 2 and "a multi-process run needs --out" in result.output
     assert not (tmp_path / "x").exists()

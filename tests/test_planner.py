@@ -12,12 +12,11 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from typer.testing import CliRunner
+from support import GPT_7_5B, invoke
 
 import theseus.plan as planner
 from theseus.accounting.collectives import OPS
 from theseus.accounting.memory import device_bytes
-from theseus.cli.app import app
 from theseus.config import apply_overrides, save_yaml
 from theseus.jobs import register_job
 from theseus.sharding.axis import Axis, ShardingPlan, ShardingPolicy
@@ -44,13 +43,8 @@ SMALL = (
     "training.per_device_batch_size=2",
     "training.seq_len=16",
 )
-# About 7.5B parameters; the vocabulary is padded to a multiple of 256 (50304 is not one).
 BIG = (
-    "model.vocab_size=50432",
-    "model.block_size=2048",
-    "model.n_layer=36",
-    "model.n_head=32",
-    "model.n_embd=4096",
+    *GPT_7_5B,
     "training.batch_size=256",
     "training.per_device_batch_size=1",
 )
@@ -279,7 +273,7 @@ def test_cli_budget_with_compile_picks_the_fewest_collective_bytes(monkeypatch):
     monkeypatch.setattr(planner.budget, "plan", recording_plan)
     budget = "1.6MiB"  # measured: DP's compiled peak 1.94 MiB, ZeRO's 1.29 MiB, FSDP's 976 KiB
     flags = ["--devices", "4", "--devices-per-host", "1", "--budget", budget, "--compile", "--json"]
-    result = runner.invoke(app, ["plan", *flags, *COMPILED_BUDGET])
+    result = invoke("plan", *flags, *COMPILED_BUDGET)
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     limit = planner.parse_bytes(budget)
@@ -414,18 +408,16 @@ def test_one_line_plan_of_a_trainer():
 
 # --- command line -----------------------------------------------------------------------------
 
-runner = CliRunner()
-
 
 def test_cli_text_and_json_agree_with_the_planner():
     args = ["plan", "--devices", "8", "--tp", "2", "--fsdp", *SMALL]
-    text = runner.invoke(app, args)
+    text = invoke(*args)
     assert text.exit_code == 0, text.output
     plan = planner.plan(GPTTrainer, gpt(*SMALL), ShardingPolicy(tp=2, fsdp=True), 8)
     assert text.output.strip() == planner.render(plan)
     assert "blocks/{attn_k,attn_q,attn_v}/kernel" in text.output
     assert f"{plan.totals.total:,}" in text.output and "verdict: ok" in text.output
-    as_json = runner.invoke(app, [*args, "--json"])
+    as_json = invoke(*args, "--json")
     assert as_json.exit_code == 0
     data = json.loads(as_json.output)
     assert data == json.loads(json.dumps(plan.to_json()))
@@ -437,7 +429,7 @@ def test_cli_text_and_json_agree_with_the_planner():
 def test_cli_reads_a_config_yaml_a_chain_yaml_and_registered_jobs(tmp_path):
     path = tmp_path / "config.yaml"
     save_yaml(gpt(*SMALL, "model.n_layer=5"), path)
-    result = runner.invoke(app, ["plan", str(path), "--devices", "8", "--json", "model.n_head=6"])
+    result = invoke("plan", str(path), "--devices", "8", "--json", "model.n_head=6")
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     expected = planner.plan(GPTTrainer, gpt(*SMALL, "model.n_layer=5", "model.n_head=6"), ZERO, 8)
@@ -445,31 +437,27 @@ def test_cli_reads_a_config_yaml_a_chain_yaml_and_registered_jobs(tmp_path):
 
     # A chain from `theseus configure` brings its job, config and policy; flags merge into it.
     chain_file = tmp_path / "chain.yaml"
-    configured = runner.invoke(
-        app, ["configure", "gpt/train/pretrain", str(chain_file), "--tp", "2", *SMALL]
-    )
+    configured = invoke("configure", "gpt/train/pretrain", str(chain_file), "--tp", "2", *SMALL)
     assert configured.exit_code == 0, configured.output
-    result = runner.invoke(app, ["plan", str(chain_file), "--devices", "8", "--json", "--fsdp"])
+    result = invoke("plan", str(chain_file), "--devices", "8", "--json", "--fsdp")
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     assert data["policy"]["name"] == "FSDP tp=2" and data["trainer"] == "GPTTrainer"
 
     # Any registered job plans with its own trainer and plan.
     register_job("test/planner-no-mlp-zero", NoMlpZeroTrainer, "GPT without MLP ZeRO rules")
-    result = runner.invoke(app, ["plan", "test/planner-no-mlp-zero", "--devices", "8", *SMALL])
+    result = invoke("plan", "test/planner-no-mlp-zero", "--devices", "8", *SMALL)
     assert result.exit_code == 0, result.output
     assert "plan: NoMlpZeroTrainer" in result.output and "largest: blocks/mlp_fc" in result.output
 
 
 def test_cli_budget_and_failures():
-    ok = runner.invoke(app, ["plan", "--devices", "64", "--budget", "10GiB", *BIG])
+    ok = invoke("plan", "--devices", "64", "--budget", "10GiB", *BIG)
     assert ok.exit_code == 0 and "chose FSDP, the least communication that fits" in ok.output
     assert "ZeRO: model state needs 56.5 GiB > budget" in ok.output
-    none = runner.invoke(app, ["plan", "--devices", "64", "--budget", "1GiB", *BIG])
+    none = invoke("plan", "--devices", "64", "--budget", "1GiB", *BIG)
     assert none.exit_code == 1 and "no valid policy fits" in none.output
-    failing = runner.invoke(
-        app, ["plan", "--devices", "8", "--fsdp", *SMALL, "model.vocab_size=257"]
-    )
+    failing = invoke("plan", "--devices", "8", "--fsdp", *SMALL, "model.vocab_size=257")
     assert failing.exit_code == 1 and "Layout check failed" in failing.output
     for bad, message in (
         (["--tp", "3"], "tp=3 does not divide 8 devices"),
@@ -480,7 +468,7 @@ def test_cli_budget_and_failures():
         (["nosuchjob"], "unknown job 'nosuchjob'; registered jobs:"),
         (["--zero", "--budget", "1GiB"], "--budget chooses the policy itself"),
     ):
-        result = runner.invoke(app, ["plan", "--devices", "8", *bad])
+        result = invoke("plan", "--devices", "8", *bad)
         assert result.exit_code == 2, (bad, result.output)
         assert message in result.output and "Traceback" not in result.output
         assert result.output.startswith("error: ") and result.output.count("\n") == 1

@@ -14,6 +14,7 @@ import pytest
 from support import TINY_GPT
 
 from theseus.config import apply_overrides
+from theseus.plot import read_metrics
 from theseus.sharding.axis import ShardingPolicy
 from theseus.training.flops import FlopsCount, device_peak, xla_flops_per_token
 from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
@@ -117,7 +118,7 @@ def test_run_records_speed_and_tensorboard_events(tmp_path):
     trainer = GPTTrainer(apply_overrides(GPTTrainerConfig(), overrides), ShardingPolicy(tp=2))
     logged = []  # (host time, line): the metrics lines of steps 1, 2 and 4 among them
     train(trainer, tmp_path, log=lambda line: logged.append((time.perf_counter(), line)))
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(tmp_path)
     run = json.loads((tmp_path / "run.json").read_text())
 
     tokens_per_step = trainer.batch_plan.global_batch_size * trainer.batch_plan.seq_len

@@ -16,6 +16,7 @@ from flax import nnx
 import theseus
 from theseus.config import Section, apply_overrides
 from theseus.plan import plan, render
+from theseus.plot import read_metrics
 from theseus.sharding.topology import Topology
 from theseus.training.run.loop import train
 
@@ -67,7 +68,7 @@ class BigramTrainer(theseus.BaseTrainer):
     def build_model(self, rngs):
         return BigramMLP(self.config.model, rngs)
 
-    def loss_fn(self, model, tokens, keys, *, train):
+    def loss(self, model, tokens, keys, *, train):
         logits = model(tokens[:, :-1], keys.examples, train=train)
         return theseus.next_token_loss(logits, tokens[:, 1:])
 
@@ -117,7 +118,7 @@ OVERRIDES = (
 
 
 def losses(run_dir):
-    rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run_dir)
     return np.array([r["loss"] for r in rows]), [r["val_loss"] for r in rows if "val_loss" in r]
 
 

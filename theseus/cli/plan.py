@@ -4,6 +4,7 @@ Registered by :mod:`theseus.cli.app`."""
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -76,8 +77,9 @@ def plan_command(
         from theseus.config import apply_overrides
         from theseus.plan import parse_bytes, plan, plan_for_budget, render
 
-        trainer_class, config, policy = plan_source(source)
-        config = apply_overrides(config, rest)
+        chosen = plan_source(source)
+        trainer_class, policy = chosen.trainer_class, chosen.policy
+        config = apply_overrides(chosen.config, rest)
         if devices is None:
             import jax
 
@@ -111,9 +113,18 @@ def plan_command(
         raise typer.Exit(code=1)
 
 
-def plan_source(source: str) -> tuple[type, Any, Any]:
-    """The trainer class, config and policy that ``theseus plan SOURCE`` plans: a registered
-    job, a chain YAML (its first step and its policy) or a GPT config YAML."""
+@dataclass(frozen=True)
+class PlanSource:
+    """What ``theseus plan SOURCE`` plans: a trainer class, its config and a policy."""
+
+    trainer_class: type
+    config: Any
+    policy: Any
+
+
+def plan_source(source: str) -> PlanSource:
+    """The source of ``theseus plan SOURCE``: a registered job, a chain YAML (its first step and
+    its policy) or a GPT config YAML."""
     from theseus.config import read_yaml, validate
     from theseus.execution import Chain
     from theseus.jobs import get_job
@@ -122,10 +133,10 @@ def plan_source(source: str) -> tuple[type, Any, Any]:
 
     if not (source.endswith((".yaml", ".yml")) or Path(source).is_file()):
         trainer_class = get_job(source).trainer_class
-        return trainer_class, trainer_class.config_class(), ShardingPolicy()
+        return PlanSource(trainer_class, trainer_class.config_class(), ShardingPolicy())
     data = read_yaml(source)
     if isinstance(data, dict) and "steps" in data:
         chain = Chain.from_dict(data, where=source)
         first = chain.steps[0]
-        return get_job(first.job).trainer_class, first.config, chain.policy
-    return GPTTrainer, validate(GPTTrainerConfig, data or {}), ShardingPolicy()
+        return PlanSource(get_job(first.job).trainer_class, first.config, chain.policy)
+    return PlanSource(GPTTrainer, validate(GPTTrainerConfig, data or {}), ShardingPolicy())

@@ -69,16 +69,16 @@ class Generator:
     """A trainer's model with parameters in the compute layout, ready to decode token ids."""
 
     def __init__(self, trainer: BaseTrainer, params: Any):
-        decoder = getattr(trainer, "decoder", None)
+        decoder = trainer.decoder()
         if decoder is None:
             raise TypeError(
-                f"{type(trainer).__name__} cannot generate: give it a decoder() method returning "
-                "an object with the interface of theseus.model.decode.Decoder"
+                f"{type(trainer).__name__} cannot generate: its decoder() returns None; override "
+                "it to return an object with the interface of theseus.model.decode.Decoder"
             )
         if jax.process_count() > 1:
             raise ValueError("generation runs in one process; start it without --coordinator")
         self.trainer = trainer
-        self.decoder = decoder()
+        self.decoder = decoder
         self.params = params
         self.mesh = trainer.mesh
         self.rules = (*trainer.plan.rules(trainer.policy, "compute"), (ROWS, Axis.BATCH))

@@ -200,7 +200,8 @@ def block(
 
 class GPT(nnx.Module):
     """GPT-2: token and learned position embeddings, ``n_layer`` pre-LayerNorm blocks scanned
-    with ``jax.lax.scan`` (compile time independent of depth), a final LayerNorm and an output
+    with :func:`theseus.scan_layers` (compile time independent of depth; one layer gathered at a
+    time under FSDP), a final LayerNorm and an output
     head tied to the token embedding.
 
     State paths and logical names: ``wte`` (vocab, n_embd); ``wpe`` (block_size, n_embd);
@@ -260,7 +261,7 @@ class GPT(nnx.Module):
         elif keys is None:
             raise ValueError(
                 f"GPT with dropout {self.dropout} called with deterministic=False needs one "
-                "key per example: pass keys (batch,), e.g. Keys.examples in a loss_fn"
+                "key per example: pass keys (batch,), e.g. Keys.examples in a trainer's loss"
             )
         wte = self.wte[...]  # (vocab, n_embd)
         x = wte[tokens] + self.wpe[...][:seq]  # (batch, seq, n_embd) float32 residual stream

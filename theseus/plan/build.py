@@ -22,9 +22,9 @@ from theseus.accounting.preflight import BatchPlan, preflight
 from theseus.config import apply_overrides
 from theseus.plan.policies import candidate_policies, communication_key
 from theseus.plan.results import ClosedForm, Plan, PolicyOption, Verdict
-from theseus.sharding.axis import Axis, ShardingPolicy, partition_spec
+from theseus.sharding.axis import MESH_AXES, Axis, ShardingPolicy, partition_spec
 from theseus.sharding.layout import LayoutError, shard_shape
-from theseus.sharding.topology import Topology, resolve_devices_per_host
+from theseus.sharding.topology import Topology, mesh_grid_shape, resolve_devices_per_host
 from theseus.training.summary import plan_rows, replicated_share
 from theseus.training.trainer import BaseTrainer, TrainerConfig
 
@@ -123,7 +123,7 @@ def _option(
     """One policy's mesh, totals and verdict: the trainer constructor's pre-flight check on the
     shape trainer's abstract state. When a non-layout error comes first, the layout check's error
     (if any) is kept as ``also``."""
-    mesh_shape = {Axis.BATCH: num_devices // policy.tp, Axis.SHARD: policy.tp}
+    mesh_shape = dict(zip(MESH_AXES, mesh_grid_shape(policy, num_devices), strict=True))
     try:
         topology = Topology.abstract(policy, num_devices, devices_per_host)
     except ValueError as error:

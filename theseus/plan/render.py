@@ -3,19 +3,11 @@
 from __future__ import annotations
 
 from theseus.accounting.memory import CompiledStep, format_bytes
+from theseus.accounting.text import mesh_text, number_text, percent, shape_text, text_table
 from theseus.plan.policies import COMMUNICATION
 from theseus.plan.results import BudgetChoice, Plan
 from theseus.sharding.axis import Axis
-from theseus.training.summary import (
-    REPLICATED_WARNING_SHARE,
-    ReplicatedShare,
-    layout_table,
-    mesh_text,
-    number_text,
-    percent,
-    shape_text,
-    text_table,
-)
+from theseus.training.summary import REPLICATED_WARNING_SHARE, ReplicatedShare, layout_table
 
 _num = number_text
 

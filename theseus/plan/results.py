@@ -8,10 +8,10 @@ from typing import Any, ClassVar, NamedTuple
 
 from theseus.accounting.memory import CompiledStep, MemoryTotals
 from theseus.accounting.records import as_json, json_field
+from theseus.accounting.text import number_text as _num
 from theseus.plan.policies import communication
 from theseus.sharding.axis import ShardingPolicy
 from theseus.training.summary import PlanRow, ReplicatedShare
-from theseus.training.summary import number_text as _num
 
 
 class NoPolicyFits(ValueError):

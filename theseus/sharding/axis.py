@@ -86,6 +86,11 @@ def mesh_axes(entry: MeshAxes) -> tuple[str, ...]:
     return tuple(entry)
 
 
+def uses_axis(spec: PartitionSpec, axis: str) -> bool:
+    """Whether any dimension of ``spec`` is split over mesh axis ``axis``."""
+    return any(axis in mesh_axes(entry) for entry in tuple(spec))
+
+
 def _spec_entry(axes: Sequence[str]) -> MeshAxes:
     """One PartitionSpec entry: None, a single axis name, or a tuple of axis names."""
     if not axes:

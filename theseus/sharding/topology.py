@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import jax
@@ -36,7 +36,7 @@ class Topology:
         per_process = Counter(d.process_index for d in devices)
         for process, num_local in sorted(per_process.items()):
             check_tp_within_host(policy.tp, num_local, f"local devices of process {process}")
-        grid = np.array(devices, dtype=object).reshape(len(devices) // policy.tp, policy.tp)
+        grid = np.array(devices, dtype=object).reshape(mesh_grid_shape(policy, len(devices)))
         mesh = Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
         return cls(mesh=mesh, policy=policy)
 
@@ -47,8 +47,11 @@ class Topology:
         """The topology of ``num_devices`` on an ``AbstractMesh``: shapes only, no devices."""
         per_host = resolve_devices_per_host(num_devices, devices_per_host)
         check_tp_within_host(policy.tp, per_host, "devices of one host")
-        shape = (num_devices // policy.tp, policy.tp)
-        mesh = AbstractMesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+        mesh = AbstractMesh(
+            mesh_grid_shape(policy, num_devices),
+            MESH_AXES,
+            axis_types=(AxisType.Auto,) * len(MESH_AXES),
+        )
         return cls(mesh=mesh, policy=policy)
 
     @property
@@ -73,6 +76,27 @@ class Topology:
     @property
     def mesh_shape(self) -> dict[str, int]:
         return dict(self.mesh.shape)
+
+
+def mesh_grid_shape(policy: ShardingPolicy, num_devices: int) -> tuple[int, int]:
+    """The mesh's shape ``(batch, shard)``: ``num_devices // tp`` replicas of ``tp`` devices."""
+    return (num_devices // policy.tp, policy.tp)
+
+
+def under_mesh(fn: Callable, mesh: Mesh) -> Callable:
+    """``fn`` (a jitted function) run and lowered with ``mesh`` as the ambient mesh, which
+    sharding constraints in traced code resolve against."""
+
+    def wrapped(*args, **kwargs):
+        with jax.set_mesh(mesh):
+            return fn(*args, **kwargs)
+
+    def lower(*args, **kwargs):
+        with jax.set_mesh(mesh):
+            return fn.lower(*args, **kwargs)
+
+    wrapped.lower = lower
+    return wrapped
 
 
 def check_tp_within_host(tp: int, num_devices: int, which: str) -> None:

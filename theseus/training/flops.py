@@ -6,10 +6,8 @@ update are left out, as in the PaLM paper's MFU. A trainer that defines ``flops_
 (GPT does, analytically) gives its own count; any other model gets XLA's: ``cost_analysis()`` of
 the loss gradient of one microbatch, lowered for one device with every ``lax.scan`` unrolled
 first. Unrolling is needed because XLA's cost analysis counts a loop body once, whatever its trip
-count (measured: the compiled step of the 4-layer default GPT with 2 accumulation steps reports
-1/7 of its FLOPs). The lowered module is counted rather than the compiled one because compiling
-an unrolled model is slow (25 s for 12 layers 768 wide on 2 cores, against under 1 s to lower)
-and the two counts agree within 1% (measured on that model).
+count. The lowered module is counted rather than the compiled one because compiling an unrolled
+model is slow, and the two counts agree (the README's "How fast it trains" has the figures).
 """
 
 from __future__ import annotations
@@ -19,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.extend import core
 
 from theseus.training.keys import validation_keys
@@ -53,7 +52,10 @@ def xla_flops_per_token(trainer: BaseTrainer) -> float:
     tokens = jax.ShapeDtypeStruct((plan.per_device_batch_size, plan.seq_len + 1), jnp.int32)
 
     def loss(params, batch):  # the keys are made inside the trace, in training's shapes
-        return trainer._loss(params, batch, validation_keys((plan.per_device_batch_size,)), True)
+        model = nnx.merge(trainer.graphdef, params)
+        return trainer.loss(
+            model, batch, validation_keys((plan.per_device_batch_size,)), train=True
+        )
 
     closed = jax.make_jaxpr(jax.value_and_grad(loss))(trainer.abstract_state.params, tokens)
     unrolled = core.jaxpr_as_fun(_unrolled(closed))
@@ -109,8 +111,8 @@ def gpt_flops_per_token(
     one multiply-add (2 FLOPs) per token forward and two backward (input and weight gradients): 6
     FLOPs. Attention's ``q kᵀ`` and ``probs v`` are ``2 T n_attn`` multiply-adds per token and
     layer forward, over all ``T`` keys of a sequence since the causal mask skips no work: 3 × 2 × 2
-    = 12 FLOPs each for training. Biases, LayerNorm, softmax and the loss are left out; XLA's count
-    of the default GPT agrees within 10% (tested).
+    = 12 FLOPs each for training. Biases, LayerNorm, softmax and the loss are left out (the tests
+    hold it to XLA's count of the default GPT).
     """
     weights = n_layer * (4 * n_embd * n_attn + 2 * n_embd * n_mlp) + vocab_size * n_embd
     return 6 * weights + 12 * n_layer * seq_len * n_attn

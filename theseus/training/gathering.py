@@ -17,7 +17,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from theseus.sharding.axis import Axis
+from theseus.sharding.axis import Axis, uses_axis
 from theseus.sharding.layer_scan import LayerLayouts, layer_layouts
 from theseus.sharding.layout import Layouts, is_sharding, path_str
 
@@ -60,7 +60,7 @@ def accumulating_replicas(storage_layout: Any, replicas: int, accumulation_steps
     else 1 (one microbatch reduces once per step anyway, without the replica dimension's extra
     gradient copy and step time)."""
     storage = jax.tree.leaves(storage_layout, is_leaf=is_sharding)
-    split = any(Axis.BATCH in jax.tree.leaves(tuple(s.spec)) for s in storage)
+    split = any(uses_axis(s.spec, Axis.BATCH) for s in storage)
     return 1 if split or accumulation_steps == 1 else replicas
 
 
@@ -73,8 +73,7 @@ def per_replica(fn: Callable[..., Any], replicas: int) -> Callable[..., Any]:
     ``batch`` only (TP over ``shard`` stays automatic). ``check_vma=False``: ``shared`` holds the
     parameters, the same on every row, and their gradient must stay the row's own partial sum,
     not be summed across rows. A ``vmap`` with ``spmd_axis_name`` computes the same, but the
-    degenerate dims it leaves on each device cost XLA:CPU step time: 6% of theseus's FSDP step
-    with one replica (``bench/step_bench.py``), 12% of a plain-JAX DP step with 8.
+    degenerate dims it leaves on each device cost step time (README, "How fast it trains").
     """
 
     def local(shared, *rows):  # each array of rows: (1, ...) on this row of the mesh

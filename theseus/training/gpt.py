@@ -50,7 +50,7 @@ class GPTTrainer(BaseTrainer):
         """Cached decoding for ``theseus generate`` (see theseus.model.decode)."""
         return GPTDecoder(self.config.model, self.compute_dtype)
 
-    def loss_fn(self, model: GPT, tokens: jax.Array, keys: Keys, *, train: bool) -> jax.Array:
+    def loss(self, model: GPT, tokens: jax.Array, keys: Keys, *, train: bool) -> jax.Array:
         """Next-token loss; dropout (``model.dropout``) in training only, one key per example."""
         logits = model(tokens[:, :-1], keys.examples, deterministic=not train)
         return next_token_loss(logits, tokens[:, 1:])

@@ -25,7 +25,7 @@ class Keys:
     """The random keys one loss evaluation receives (typed keys, ``jax.random.key``).
 
     Attributes:
-        examples: ``(examples,)``, one key per example of the microbatch (in ``loss_fn``; a step
+        examples: ``(examples,)``, one key per example of the microbatch (in ``BaseTrainer.loss``; a step
             holds them for its whole batch): per-example randomness such as dropout masks drawn
             from it is the same under every layout.
         step: one key for the whole step, shared by all its microbatches and replicas.

@@ -17,7 +17,14 @@ from jax.sharding import PartitionSpec
 
 from theseus.accounting.memory import format_bytes
 from theseus.accounting.records import json_field
-from theseus.sharding.axis import PHASES, Axis, Phase, ShardingPolicy, mesh_axes, partition_spec
+from theseus.accounting.text import (
+    group_path,
+    mesh_text,
+    percent,
+    shape_text,
+    text_table,
+)
+from theseus.sharding.axis import PHASES, Axis, Phase, ShardingPolicy, partition_spec, uses_axis
 from theseus.sharding.layout import LayoutError, indivisible_dims, shard_shape
 from theseus.training.trainer import BaseTrainer
 
@@ -88,10 +95,6 @@ class ReplicatedShare:
         return self.num_params / self.total_params if self.total_params else 0.0
 
 
-def _uses_batch(spec: PartitionSpec) -> bool:
-    return any(Axis.BATCH in mesh_axes(entry) for entry in tuple(spec))
-
-
 def plan_rows(
     trainer: BaseTrainer, policy: ShardingPolicy, mesh_shape: dict[str, int]
 ) -> tuple[PlanRow, ...]:
@@ -120,7 +123,7 @@ def plan_rows(
                 shards={
                     p: shard_shape(shape, s, mesh_shape) for p, s in zip(PHASES, specs, strict=True)
                 },
-                replicated_over_batch=not _uses_batch(partition_spec(names, merged)),
+                replicated_over_batch=not uses_axis(partition_spec(names, merged), Axis.BATCH),
                 problems=tuple(problems),
             )
         )
@@ -133,7 +136,7 @@ def replicated_share(trainer: BaseTrainer) -> ReplicatedShare:
     replicated = [
         ReplicatedTensor(leaf.path, leaf.shape, math.prod(leaf.shape))
         for leaf in trainer.abstract_leaves
-        if not _uses_batch(partition_spec(leaf.names, merged))
+        if not uses_axis(partition_spec(leaf.names, merged), Axis.BATCH)
     ]
     count = sum(t.params for t in replicated)
     if count / max(trainer.num_params, 1) <= REPLICATED_WARNING_SHARE:
@@ -190,36 +193,6 @@ def layouts_text(trainer: BaseTrainer) -> str:
     return "\n".join(lines)
 
 
-# --- text -------------------------------------------------------------------------------------
-
-
-def mesh_text(mesh_shape: dict[str, int]) -> str:
-    return " × ".join(f"{axis}={size}" for axis, size in mesh_shape.items())
-
-
-def number_text(n: float) -> str:
-    return f"{n:,.0f}"
-
-
-def percent(fraction: float) -> str:
-    return f"{fraction:.2%}" if fraction >= 0.0001 or fraction == 0 else f"{fraction:.1e}"
-
-
-def shape_text(shape: Sequence[int]) -> str:
-    return "(" + ", ".join(str(d) for d in shape) + ")"
-
-
-def text_table(
-    header: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "  "
-) -> list[str]:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    out = [indent + "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip()]
-    for row in rows:
-        cells = [str(c).ljust(w) for c, w in zip(row, widths, strict=True)]
-        out.append(indent + "  ".join(cells).rstrip())
-    return out
-
-
 def layout_table(rows: Sequence[PlanRow]) -> list[str]:
     """The parameters section of a plan: path, shape, names, the three specs and shards."""
     tensors = sum(len(r.paths) for r in rows)
@@ -239,34 +212,3 @@ def layout_table(rows: Sequence[PlanRow]) -> list[str]:
     if any(r.problems for r in rows):
         lines.append("  ! a layout of this policy cannot divide the tensor (shards rounded up)")
     return lines
-
-
-def group_path(paths: Sequence[str], width: int | None = None) -> str:
-    """``blocks/{attn_q,attn_k}/kernel``: the paths' common leading and trailing segments once,
-    the differing middles in braces; with ``width``, middles beyond it are elided (``…``) and the
-    count given (``×6``)."""
-    if len(paths) == 1:
-        return paths[0]
-    split = [p.split("/") for p in paths]
-    shortest = min(len(s) for s in split)
-    lead = 0
-    while lead < shortest - 1 and len({s[lead] for s in split}) == 1:
-        lead += 1
-    trail = 0
-    while trail < shortest - 1 - lead and len({s[-1 - trail] for s in split}) == 1:
-        trail += 1
-    middles = ["/".join(s[lead : len(s) - trail]) for s in split]
-    head = "/".join(split[0][:lead])
-    tail = "/".join(split[0][len(split[0]) - trail :]) if trail else ""
-
-    def assemble(items: list[str]) -> str:
-        middle = "{" + ",".join(items) + "}"
-        return (head + "/" if head else "") + middle + ("/" + tail if tail else "")
-
-    text = assemble(middles)
-    if width is None or len(text) <= width:
-        return text
-    shown = list(middles)
-    while len(shown) > 1 and len(assemble([*shown, "…"])) + 4 > width:
-        shown.pop()
-    return f"{assemble([*shown, '…'])} ×{len(paths)}"

@@ -33,6 +33,7 @@ from theseus.config import (
     TrainingConfig,
 )
 from theseus.data import Corpus
+from theseus.model.decode import Decoder
 from theseus.sharding.axis import PHASES, Axis, ShardingPlan, ShardingPolicy
 from theseus.sharding.layout import (
     AbstractLeaf,
@@ -43,7 +44,7 @@ from theseus.sharding.layout import (
     path_str,
     resolve_layouts,
 )
-from theseus.sharding.topology import Topology
+from theseus.sharding.topology import Topology, under_mesh
 from theseus.training import gathering
 from theseus.training.keys import Keys, step_keys, validation_keys
 from theseus.training.nonfinite import update_if_finite
@@ -138,10 +139,17 @@ class BaseTrainer(abc.ABC):
         """Reject data the model cannot read (e.g. token ids beyond its vocabulary)."""
         del corpus  # any data is fine unless a subclass says otherwise
 
-    def loss_fn(self, model: nnx.Module, tokens: jax.Array, keys: Keys, *, train: bool):
-        """Mean next-token loss (override for other tasks); ``train`` is False in validation."""
+    def loss(self, model: nnx.Module, tokens: jax.Array, keys: Keys, *, train: bool) -> jax.Array:
+        """The mean loss of ``model`` on ``tokens`` (examples, seq_len + 1): next-token prediction
+        unless a subclass overrides it; ``keys`` are the examples' random keys, ``train`` is False
+        in validation. The one loss of a trainer: the step, validation and FLOP counting call it."""
         del keys, train
         return next_token_loss(model(tokens[:, :-1]), tokens[:, 1:])
+
+    def decoder(self) -> Decoder | None:
+        """Cached decoding for ``theseus generate`` (:class:`theseus.model.decode.Decoder`);
+        None when the model cannot generate."""
+        return None
 
     # --- derived facts -----------------------------------------------------------------------
 
@@ -291,13 +299,18 @@ class BaseTrainer(abc.ABC):
         """(accumulation, examples, seq_len + 1): examples over ``batch``, shared by ``shard``."""
         return NamedSharding(self.mesh, P(None, Axis.BATCH, None))
 
-    def _loss(self, params, tokens, keys: Keys, train: bool, gathered: set[str] | None = None):
-        """``loss_fn`` with the layouts installed for :func:`theseus.scan_layers`."""
+    def _model_loss(self, tokens: jax.Array, keys: Keys, *, train: bool) -> Callable:
+        """``params -> loss``: :meth:`loss` of the model built from ``params``."""
 
-        def model_loss(p):
-            return self.loss_fn(nnx.merge(self.graphdef, p), tokens, keys, train=train)
+        def model_loss(params: Any) -> jax.Array:
+            return self.loss(nnx.merge(self.graphdef, params), tokens, keys, train=train)
 
-        return gathering.loss_with_layouts(model_loss, params, self.layouts, gathered)
+        return model_loss
+
+    def _loss_in_layouts(self, params: Any, tokens: jax.Array, keys: Keys, *, train: bool):
+        """:meth:`loss` with the layouts installed for :func:`theseus.scan_layers`."""
+        model_loss = self._model_loss(tokens, keys, train=train)
+        return gathering.loss_with_layouts(model_loss, params, self.layouts, None)
 
     @cached_property
     def per_layer_paths(self) -> frozenset[str]:
@@ -307,7 +320,8 @@ class BaseTrainer(abc.ABC):
         shape = (self.batch_plan.per_device_batch_size, self.seq_len + 1)
 
         def loss(p, t):  # traced
-            return self._loss(p, t, validation_keys(shape[:1]), True, found)
+            model_loss = self._model_loss(t, validation_keys(shape[:1]), train=True)
+            return gathering.loss_with_layouts(model_loss, p, self.layouts, found)
 
         jax.eval_shape(loss, self.abstract_state.params, jax.ShapeDtypeStruct(shape, jnp.int32))
         return frozenset(found)
@@ -336,7 +350,9 @@ class BaseTrainer(abc.ABC):
         rng = step_keys(state.rng, state.step, batch.shape[:3])  # one key per example, and step
 
         def replica_grads(params, step_key, tokens, rows):  # a replica's examples and keys
-            loss, grads = jax.value_and_grad(self._loss)(params, tokens, Keys(rows, step_key), True)
+            loss, grads = jax.value_and_grad(self._loss_in_layouts)(
+                params, tokens, Keys(rows, step_key), train=True
+            )
             return loss, jax.tree.map(lambda g: g.astype(jnp.float32), grads)  # (), parameters
 
         per_replica = gathering.per_replica(replica_grads, replicas)
@@ -382,7 +398,7 @@ class BaseTrainer(abc.ABC):
             out_shardings=(self.state_layout, replicated),
             donate_argnums=0,
         )
-        return _under_mesh(step, self.mesh)
+        return under_mesh(step, self.mesh)
 
     def compile(self) -> CompiledStep:
         """The train step compiled ahead of time for this mesh (nothing allocated): the
@@ -395,7 +411,9 @@ class BaseTrainer(abc.ABC):
         keys = validation_keys(batches.shape[:2])  # examples: (num_batches, examples)
 
         def one(total, inputs):  # (examples, seq_len + 1), (examples,)
-            return total + self._loss(params, inputs[0], Keys(inputs[1], keys.step), False), None
+            return total + self._loss_in_layouts(
+                params, inputs[0], Keys(inputs[1], keys.step), train=False
+            ), None
 
         total, _ = jax.lax.scan(one, jnp.zeros((), jnp.float32), (batches, keys.examples))
         return total / batches.shape[0]
@@ -408,7 +426,7 @@ class BaseTrainer(abc.ABC):
             in_shardings=(self.layouts.storage, self.batch_sharding),
             out_shardings=NamedSharding(self.mesh, P()),
         )
-        return _under_mesh(step, self.mesh)
+        return under_mesh(step, self.mesh)
 
     def put_batch(
         self, rows_for: Callable[[slice], np.ndarray], shape: tuple[int, ...]
@@ -419,19 +437,3 @@ class BaseTrainer(abc.ABC):
             return np.asarray(rows_for(index[1]), dtype=np.int32)[:, :, index[2]]
 
         return jax.make_array_from_callback(shape, self.batch_sharding, fetch)
-
-
-def _under_mesh(fn: Callable, mesh) -> Callable:
-    """Run ``fn`` with ``mesh`` as the ambient mesh (for sharding constraints in traced code)."""
-
-    def wrapped(*args, **kwargs):
-        with jax.set_mesh(mesh):
-            return fn(*args, **kwargs)
-
-    wrapped.lower = lambda *a, **k: _lower_under_mesh(fn, mesh, *a, **k)
-    return wrapped
-
-
-def _lower_under_mesh(fn, mesh, *args, **kwargs):
-    with jax.set_mesh(mesh):
-        return fn.lower(*args, **kwargs)
