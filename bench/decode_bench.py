@@ -51,8 +51,8 @@ def main() -> None:
 
     cached()  # compile
     cached_runs = [cached() for _ in range(args.repeats)]
-    cached_ids = cached_runs[0][0]
-    cached_rate = max(rate for _, rate, _ in cached_runs)
+    cached_ids = cached_runs[0].ids
+    cached_rate = max(run.tokens_per_s for run in cached_runs)
 
     def step(params, buffer, position):  # buffer (batch, width): tokens so far, then zeros
         model = nnx.merge(trainer.graphdef, params)

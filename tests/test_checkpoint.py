@@ -1,7 +1,9 @@
-"""Checkpoints: reshard on restore, keep-last-K, metadata, and damaged or foreign checkpoints."""
+"""Checkpoints: reshard on restore, keep-last-K, metadata, parameters alone, and damaged or
+foreign checkpoints."""
 
 import functools
 import glob
+import json
 import os
 import shutil
 from pathlib import Path
@@ -18,6 +20,7 @@ from theseus.checkpoint.checkpointer import (
     IncompatibleCheckpointError,
     fingerprints,
 )
+from theseus.checkpoint.meta import CheckpointMeta
 from theseus.data import Sampler, load_corpus
 from theseus.sharding.axis import ShardingPolicy
 from theseus.sharding.topology import Topology
@@ -68,7 +71,10 @@ def saved(tmp_path_factory):
     checkpointer = Checkpointer(directory, keep=3, async_save=True)
     for index in range(2):
         state, _ = trainer.train_step(state, batch(trainer, index))
-        checkpointer.save(index + 1, state, checkpoint_meta(trainer, (index + 1) * GLOBAL_BATCH))
+        step = index + 1
+        checkpointer.save(
+            state, checkpoint_meta(trainer, step=step, data_position=step * GLOBAL_BATCH)
+        )
     # A device-side copy: reading the state to the host here would give numpy views of the CPU
     # buffers, and XLA does not donate buffers that have outside references.
     saved_copy, saved_arrays = jax.tree.map(jnp.copy, state), jax.tree.leaves(state)
@@ -125,8 +131,9 @@ def test_restore_reshards_and_training_continues(saved, name):
     target = restore_target(trainer)
     with Checkpointer(saved["directory"]) as checkpointer:
         assert checkpointer.latest_step() == 2
-        state, meta = checkpointer.restore(None, target)
+        restored = checkpointer.restore(None, target)
         assert checkpointer.skipped == ()
+    state, meta = restored.state, restored.meta
 
     for got, want in zip(host(state), saved["state"], strict=True):
         np.testing.assert_array_equal(got, want)
@@ -134,12 +141,11 @@ def test_restore_reshards_and_training_continues(saved, name):
     assert int(state.step) == 2
 
     # What was saved is what the saving run described.
-    assert meta["step"] == 2
-    assert meta["data_position"] == 2 * GLOBAL_BATCH
-    assert meta["policy"] == SAVED_POLICY.model_dump()
-    assert meta["mesh_shape"] == {"batch": 4, "shard": 2}
-    assert meta["num_devices"] == 8
-    assert meta["config"] == saved["trainer"].config.model_dump(mode="json")
+    assert meta == checkpoint_meta(saved["trainer"], step=2, data_position=2 * GLOBAL_BATCH)
+    assert meta.policy == SAVED_POLICY.model_dump()
+    assert meta.mesh_shape == {"batch": 4, "shard": 2}
+    assert meta.num_devices == 8
+    assert meta.config == saved["trainer"].config.model_dump(mode="json")
 
     # The math does not depend on the layout: the third step agrees with the saving run's.
     _, metrics = trainer.train_step(state, batch(trainer, 2))
@@ -155,6 +161,21 @@ def tiny_state(seed: int) -> TrainState:
     return TrainState(params, (jnp.zeros((8, 4)),), jnp.asarray(seed, jnp.int32), key)
 
 
+def tiny_meta(step: int, data_position: int = 0) -> CheckpointMeta:
+    """Metadata of a tiny state: a config of its own, one device."""
+    one = dict.fromkeys(
+        ("num_devices", "num_processes", "replicas", "per_device_batch_size"), 1
+    ) | {"accumulation_steps": 1, "global_batch_size": 1, "seq_len": 1}
+    return CheckpointMeta(
+        step=step,
+        data_position=data_position,
+        config={"note": [1, "x"]},
+        policy={},
+        mesh_shape={"batch": 1},
+        **one,
+    )
+
+
 def test_keep_last_k_latest_step_and_metadata(tmp_path):
     directory = tmp_path / "checkpoints"
     with Checkpointer(directory, keep=2) as checkpointer:
@@ -162,7 +183,7 @@ def test_keep_last_k_latest_step_and_metadata(tmp_path):
         with pytest.raises(CheckpointError, match="no checkpoints in"):
             checkpointer.restore(None, tiny_state(0))
         for step in (10, 20, 30, 40):
-            checkpointer.save(step, tiny_state(step), {"data_position": step * 3, "note": [1, "x"]})
+            checkpointer.save(tiny_state(step), tiny_meta(step, data_position=step * 3))
         checkpointer.wait()
         assert checkpointer.all_steps() == [30, 40]
         assert checkpointer.latest_step() == 40
@@ -175,26 +196,32 @@ def test_keep_last_k_latest_step_and_metadata(tmp_path):
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one_device),
             jax.eval_shape(lambda: tiny_state(0)),
         )
-        state, meta = reopened.restore(30, target)
-        assert meta == {"data_position": 90, "note": [1, "x"], "step": 30}
-        for got, want in zip(host(state), host(tiny_state(30)), strict=True):
+        restored = reopened.restore(30, target)
+        assert restored.meta == tiny_meta(30, data_position=90) and restored.step == 30
+        for got, want in zip(host(restored.state), host(tiny_state(30)), strict=True):
             np.testing.assert_array_equal(got, want)
         with pytest.raises(CheckpointError, match=r"step 20\) does not exist"):
             reopened.restore(20, tiny_state(0))
         # Steps behind the newest would mix two timelines: refused, naming the directory.
         with pytest.raises(CheckpointError, match="already holds step"):
-            reopened.save(35, tiny_state(35), {})
+            reopened.save(tiny_state(35), tiny_meta(35))
 
 
 def test_checkpoint_meta_describes_the_run(saved):
     trainer = saved["trainer"]
-    meta = checkpoint_meta(trainer, data_position=96, step=3)
-    assert ShardingPolicy(**meta["policy"]) == SAVED_POLICY
-    assert meta["mesh_shape"] == {"batch": 4, "shard": 2}
-    assert meta["num_devices"] == 8
-    assert meta["data_position"] == 96
-    assert meta["step"] == 3
-    assert meta["config"]["model"]["n_embd"] == MODEL.n_embd
+    meta = checkpoint_meta(trainer, step=3, data_position=96)
+    assert ShardingPolicy(**meta.policy) == SAVED_POLICY
+    assert meta.mesh_shape == {"batch": 4, "shard": 2}
+    assert meta.num_devices == 8
+    assert meta.data_position == 96
+    assert meta.step == 3
+    assert meta.config["model"]["n_embd"] == MODEL.n_embd
+    # Written and read as JSON by one function each; anything else is refused by name.
+    assert CheckpointMeta.from_json(json.loads(json.dumps(meta.to_json()))) == meta
+    with pytest.raises(ValueError, match=r"missing keys: \['data_position'\]"):
+        CheckpointMeta.from_json({k: v for k, v in meta.to_json().items() if k != "data_position"})
+    with pytest.raises(ValueError, match="step=-1 must be an int >= 0"):
+        CheckpointMeta.from_json({**meta.to_json(), "step": -1})
 
 
 def test_fingerprints_ignore_layout_and_see_one_bit():
@@ -259,19 +286,21 @@ def test_damaged_latest_falls_back_to_previous(saved, tmp_path, damage):
         assert not isinstance(error.value, IncompatibleCheckpointError)
         assert f"{directory / '2'} (step 2) is damaged" in str(error.value)
 
-        state, meta = checkpointer.restore(None, target)
-        assert meta["step"] == 1 and int(state.step) == 1
+        restored = checkpointer.restore(None, target)
+        state = restored.state
+        assert restored.step == 1 and int(state.step) == 1
         assert [s.step for s in checkpointer.skipped] == [2]
         assert any("restored step 1" in m and "step 2" in m for m in messages), messages
         assert_follows(state, target)
 
         # Resuming from step 1 and saving step 2 again replaces the damaged step.
         state, _ = trainer.train_step(state, batch(trainer, 1))
-        checkpointer.save(2, state, checkpoint_meta(trainer, 2 * GLOBAL_BATCH))
+        checkpointer.save(state, checkpoint_meta(trainer, step=2, data_position=2 * GLOBAL_BATCH))
         resaved = host(state)
         checkpointer.wait()
-        state, meta = checkpointer.restore(None, target)
-        assert checkpointer.skipped == () and meta["step"] == 2
+        restored = checkpointer.restore(None, target)
+        state = restored.state
+        assert checkpointer.skipped == () and restored.step == 2
     for got, want in zip(host(state), resaved, strict=True):
         np.testing.assert_array_equal(got, want)
     # Same data, same examples, same layout: the resumed run reproduces the original step 2.
@@ -302,14 +331,13 @@ def test_interrupted_save_is_ignored_and_cleaned_up(saved, tmp_path):
     # A reader (say, evaluating a running job) ignores it and leaves it alone.
     with Checkpointer(directory, read_only=True) as reader:
         assert reader.all_steps() == [1, 2]
-        assert reader.restore(None, target)[1]["step"] == 2
+        assert reader.restore(None, target).step == 2
         with pytest.raises(CheckpointError, match="read-only"):
-            reader.save(3, tiny_state(3), {})
+            reader.save(tiny_state(3), tiny_meta(3))
     assert partial.exists()
     with Checkpointer(directory) as checkpointer:
         assert checkpointer.all_steps() == [1, 2]
-        _, meta = checkpointer.restore(None, target)
-        assert meta["step"] == 2 and checkpointer.skipped == ()
+        assert checkpointer.restore(None, target).step == 2 and checkpointer.skipped == ()
     assert not partial.exists()
 
 
@@ -337,3 +365,81 @@ def test_incompatible_shapes_name_the_path(saved):
             checkpointer.restore(2, target.replace(params=params))
     assert "params/extra: in the target" in str(error.value)
     assert "params/wpe: in the checkpoint" in str(error.value)
+
+
+# --- parameters alone ----------------------------------------------------------------------------
+
+
+def test_params_only_restore_reads_the_params_into_another_layout(saved):
+    policy, per_device, num_devices = TARGETS["tp4-8devices"]
+    trainer = make_trainer(policy, per_device, devices=jax.devices()[:num_devices])
+    target = restore_target(trainer).params
+    asked = []
+
+    def target_for(meta):  # generation lays the parameters out by the saved config
+        asked.append(meta.step)
+        return target
+
+    with Checkpointer(saved["directory"], read_only=True) as checkpointer:
+        restored = checkpointer.restore(None, target_for, params_only=True)
+        assert asked == [2] and checkpointer.skipped == ()
+        assert restored.meta == checkpoint_meta(
+            saved["trainer"], step=2, data_position=2 * GLOBAL_BATCH
+        )
+        num_params = len(jax.tree.leaves(target))  # a TrainState flattens its params first
+        for got, want in zip(host(restored.state), saved["state"][:num_params], strict=True):
+            np.testing.assert_array_equal(got, want)
+        assert_follows(restored.state, target)
+
+        # Another model's parameters are named, and never fall back.
+        wider = make_trainer(SAVED_POLICY, 2, model=MODEL.model_copy(update={"n_embd": 48}))
+        with pytest.raises(IncompatibleCheckpointError) as error:
+            checkpointer.restore(None, restore_target(wider).params, params_only=True)
+    assert "params/blocks/attn_k/bias: checkpoint has (3, 40) float32" in str(error.value)
+
+
+def _edit_metadata(directory, step, edit):
+    path = directory / str(step) / "meta" / "metadata"
+    payload = json.loads(path.read_text())
+    edit(payload)
+    path.write_text(json.dumps(payload))
+
+
+def _wrong_fingerprint(payload, path="params/wpe"):
+    payload["fingerprints"][path] = (payload["fingerprints"][path] + 1) % 2**32
+
+
+PARAMS_DAMAGE = {
+    "metadata-garbage": (DAMAGE["metadata-garbage"], "is damaged: JSONDecodeError"),
+    "state-dir-deleted": (DAMAGE["state-dir-deleted"], "is damaged"),
+    "format-version-unknown": (
+        lambda d: _edit_metadata(d, 2, lambda p: p.update(format_version=2)),
+        "format_version is 2, expected 1",
+    ),
+    "params-fingerprint-wrong": (
+        lambda d: _edit_metadata(d, 2, _wrong_fingerprint),
+        "(fingerprint mismatch): params/wpe",
+    ),
+}
+
+
+@orbax_abandoned_reads
+@pytest.mark.parametrize("damage", PARAMS_DAMAGE)
+def test_params_only_restore_checks_every_step_and_falls_back(saved, tmp_path, damage):
+    directory = damaged_copy(saved, tmp_path)
+    damage_fn, reason = PARAMS_DAMAGE[damage]
+    damage_fn(directory)
+    target = restore_target(saved["trainer"]).params
+    with Checkpointer(saved["directory"], read_only=True) as intact:
+        step_1 = host(intact.restore(1, target, params_only=True).state)
+    messages = []
+    with Checkpointer(directory, read_only=True, log=messages.append) as checkpointer:
+        with pytest.raises(CheckpointError) as error:
+            checkpointer.restore(2, target, params_only=True)
+        assert f"{directory / '2'} (step 2) is damaged" in str(error.value)
+        assert reason in str(error.value)
+        restored = checkpointer.restore(None, target, params_only=True)
+    assert restored.step == 1 and [s.step for s in checkpointer.skipped] == [2]
+    assert any("restored step 1" in m and reason in m for m in messages), messages
+    for got, want in zip(host(restored.state), step_1, strict=True):
+        np.testing.assert_array_equal(got, want)

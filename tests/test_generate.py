@@ -123,7 +123,7 @@ def complete(generator, sampling):
         seed=7,
         num_samples=2,
         log=lambda _: None,
-    )[0]
+    ).ids
 
 
 def test_same_completions_under_every_layout(run_dir):
@@ -134,10 +134,12 @@ def test_same_completions_under_every_layout(run_dir):
         ("tp=2 on 8", {"tp": 2, "fsdp": False}, None),
         ("tp=4 fsdp on 8", {"tp": 4, "fsdp": True}, None),
     ]:
-        generator, step, _ = load_generator(
+        loaded = load_generator(
             run_dir, policy_changes=changes, devices=devices, log=lambda _: None
         )
-        assert step == 4 and generator.trainer.topology.num_devices == len(devices or jax.devices())
+        generator = loaded.generator
+        assert loaded.step == 4 and loaded.meta.data_position > 0
+        assert generator.trainer.topology.num_devices == len(devices or jax.devices())
         results[name] = (complete(generator, greedy), complete(generator, sampled))
         if name == "tp=1 on 1":
             expected = full_forward_greedy(generator, PROMPTS, NEW_TOKENS)

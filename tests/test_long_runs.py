@@ -18,6 +18,7 @@ from support import TINY_GPT
 from typer.testing import CliRunner
 
 from theseus.checkpoint.checkpointer import Checkpointer
+from theseus.checkpoint.meta import CheckpointMeta
 from theseus.cli.app import app
 from theseus.config import apply_overrides
 from theseus.data import Sampler, load_corpus
@@ -137,7 +138,7 @@ def test_skip_keeps_the_state_marks_the_step_and_stops_after_a_streak(tmp_path):
     assert rows[1]["loss"] is None and np.isfinite(rows[1]["grad_norm"])
     with Checkpointer(tmp_path / "checkpoints", read_only=True) as checkpointer:
         assert checkpointer.all_steps() == [1, 2, 3, 4]  # nothing saved at the stopping step
-        states = {s: checkpointer.restore(s, restore_target(trainer))[0] for s in (1, 2, 3, 4)}
+        states = {s: checkpointer.restore(s, restore_target(trainer)).state for s in (1, 2, 3, 4)}
     for before, after in ((1, 2), (3, 4)):
         same = (states[before].params, states[before].opt_state)
         now = (states[after].params, states[after].opt_state)
@@ -175,7 +176,9 @@ def test_the_nonfinite_guard_keeps_no_second_copy_of_the_state(monkeypatch):
 def test_resume_changes_that_keep_the_numbers_are_accepted_and_others_refused():
     saved = GPTTrainerConfig().model_dump(mode="json")
     facts = {"policy": {"tp": 1}, "mesh_shape": {"batch": 8}, "num_devices": 8, "num_processes": 1}
-    meta = {"config": saved, **facts}
+    batch = {"replicas": 8, "per_device_batch_size": 4, "accumulation_steps": 1}
+    batch |= {"global_batch_size": 32, "seq_len": 64}
+    meta = CheckpointMeta(step=10, data_position=320, config=saved, **facts, **batch)
     kept = apply_overrides(
         GPTTrainerConfig(),
         ["training.steps=500", "logging.log_interval=3", "checkpointing.interval=7"],
@@ -261,9 +264,9 @@ def test_failed_save_stops_the_run_and_keeps_committed_checkpoints(tmp_path):
     assert failed.value.exit_code == 5
     with Checkpointer(tmp_path / "checkpoints") as checkpointer:
         assert checkpointer.all_steps() == [2]
-        state, meta = checkpointer.restore(None, restore_target(trainer))
-    assert meta["step"] == 2 and checkpointer.skipped == ()
-    assert isinstance(state, TrainState)
+        restored = checkpointer.restore(None, restore_target(trainer))
+    assert restored.step == 2 and checkpointer.skipped == ()
+    assert isinstance(restored.state, TrainState)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2"]
 
 

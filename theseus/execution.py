@@ -15,6 +15,7 @@ from typing import Any
 from theseus.config import ConfigError, apply_overrides, read_yaml, validate, write_yaml
 from theseus.jobs import Job, get_job
 from theseus.sharding.axis import ShardingPolicy
+from theseus.training.run.mode import NEW_RUN, RunMode
 from theseus.training.trainer import BaseTrainer, TrainerConfig
 
 
@@ -40,18 +41,15 @@ def run_trainer(
     trainer: BaseTrainer,
     out_dir: str | Path,
     *,
-    resume: bool = False,
-    overwrite: bool = False,
-    allow_changes: bool = False,
+    mode: RunMode = NEW_RUN,
     source_dir: str | Path | None = None,
     log=print,
 ) -> Any:
-    """Train or evaluate with an already created trainer, as the job says."""
+    """Train (as ``mode`` says) or evaluate with an already created trainer, as the job says."""
     from theseus.training.run.loop import evaluate, train
 
     if job.action == "train":
-        options = {"resume": resume, "overwrite": overwrite, "allow_changes": allow_changes}
-        return train(trainer, out_dir, **options, log=log)
+        return train(trainer, out_dir, mode=mode, log=log)
     return evaluate(trainer, out_dir, source_dir=source_dir, log=log)
 
 
@@ -143,12 +141,15 @@ class Chain:
         self,
         out_dir: str | Path,
         *,
+        mode: RunMode | None = None,
         resume: bool = False,
         overwrite: bool = False,
         allow_changes: bool = False,
         log=print,
     ) -> list[Any]:
-        """Run every step in order; returns each step's result."""
+        """Run every step in order; returns each step's result. Each training step treats its
+        folder as ``mode`` says (or the keywords: ``resume=True`` continues each one)."""
+        mode = RunMode.given(mode, resume=resume, overwrite=overwrite, allow_changes=allow_changes)
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         self.save(out_dir / "chain.yaml")
@@ -163,9 +164,7 @@ class Chain:
                     step.config,
                     self.policy,
                     directory,
-                    resume=resume,
-                    overwrite=overwrite,
-                    allow_changes=allow_changes,
+                    mode=mode,
                     source_dir=last_train_dir,
                     log=log,
                 )
@@ -184,6 +183,8 @@ class QuickSession:
     """One job, configured in Python and run in place.
 
     ``with theseus.quick("gpt/train/pretrain", out) as q: q.shard(tp=2); q.config...; q()``.
+    What a training job does with a run already in ``out_dir`` is ``mode``, or the keywords
+    (``resume=True``, ``overwrite=True``, ``allow_changes=True``): see :class:`RunMode`.
     """
 
     def __init__(
@@ -191,18 +192,19 @@ class QuickSession:
         job_name: str,
         out_dir: str | Path,
         *,
+        mode: RunMode | None = None,
         resume: bool = False,
         overwrite: bool = False,
         allow_changes: bool = False,
         log=print,
     ):
+        self.mode = RunMode.given(
+            mode, resume=resume, overwrite=overwrite, allow_changes=allow_changes
+        )
         self.job = get_job(job_name)
         self.out_dir = Path(out_dir)
         self.config = self.job.trainer_class.config_class()
         self.policy = ShardingPolicy()
-        self.resume = resume
-        self.overwrite = overwrite
-        self.allow_changes = allow_changes
         self.log = log
         self.trainer: BaseTrainer | None = None
 
@@ -244,15 +246,7 @@ class QuickSession:
         )
 
     def __call__(self) -> Any:
-        return run_trainer(
-            self.job,
-            self.create(),
-            self.out_dir,
-            resume=self.resume,
-            overwrite=self.overwrite,
-            allow_changes=self.allow_changes,
-            log=self.log,
-        )
+        return run_trainer(self.job, self.create(), self.out_dir, mode=self.mode, log=self.log)
 
 
 def quick(job_name: str, out_dir: str | Path, **options: Any) -> QuickSession:

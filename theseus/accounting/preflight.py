@@ -36,6 +36,10 @@ class BatchPlan:
         return self.examples_per_microbatch * self.accumulation_steps
 
     @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.seq_len
+
+    @property
     def shape(self) -> tuple[int, int, int]:
         """The global batch of one step: (accumulation, examples, seq_len + 1) token ids."""
         return (self.accumulation_steps, self.examples_per_microbatch, self.seq_len + 1)

@@ -2,11 +2,13 @@
 
 A checkpoint is one step directory holding two items: ``state`` (any pytree of arrays, e.g. a
 ``TrainState``; each array written by the devices that hold its shards) and ``meta`` (JSON: the
-caller's metadata — for a training run policy, mesh shape, config and data position, see
-``theseus.training.run.checkpointing`` — plus a fingerprint of every array). Restoring takes a target
-pytree of ``jax.ShapeDtypeStruct`` with shardings, so each device reads only its own shard from
-disk: a run saved under one policy or device count resumes under another, and no array is ever
-whole on one device.
+format version, a :class:`~theseus.checkpoint.meta.CheckpointMeta` — step, data position, config,
+policy, mesh — and a fingerprint of every array). Restoring takes a target pytree of
+``jax.ShapeDtypeStruct`` with shardings, so each device reads only its own shard from disk: a run
+saved under one policy or device count resumes under another, and no array is ever whole on one
+device. ``params_only`` restores the ``params`` entry of the state alone (generation needs neither
+the optimizer state nor the data position): Adam's moments are never read, and every check below
+applies the same way.
 
 Robustness: orbax writes a step into a temporary directory and renames it on commit, so an
 interrupted save leaves no step behind (temporary directories are ignored and removed when a
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,14 +34,16 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from theseus.checkpoint.checks import compatibility_problems, one_line
 from theseus.checkpoint.fingerprints import fingerprints
-from theseus.sharding.layout import path_str
+from theseus.checkpoint.meta import CheckpointMeta, MetadataFile
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
 _STATE = "state"
 _META = "meta"
+#: The entry of a state that ``restore(..., params_only=True)`` reads.
+PARAMS = "params"
 _MAX_LISTED = 5
 
 
@@ -57,60 +61,24 @@ class IncompatibleCheckpointError(CheckpointError):
 
 
 @dataclass(frozen=True)
+class Restored:
+    """What :meth:`Checkpointer.restore` returns: the state (with ``params_only``, the
+    parameters alone) in the target's layouts, and the metadata saved with it."""
+
+    state: Any
+    meta: CheckpointMeta
+
+    @property
+    def step(self) -> int:
+        return self.meta.step
+
+
+@dataclass(frozen=True)
 class SkippedCheckpoint:
     """A step that ``restore(None, ...)`` passed over, and why."""
 
     step: int
     reason: str
-
-
-# --- structure checks ------------------------------------------------------------------------
-
-
-def _flat_shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    return {
-        path_str(path): (tuple(leaf.shape), np.dtype(leaf.dtype))
-        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
-    }
-
-
-def _compatibility_problems(saved: Any, target: Any) -> list[str]:
-    saved_leaves = _flat_shapes(saved)
-    target_leaves = _flat_shapes(target)
-    problems = []
-    for path, (shape, dtype) in target_leaves.items():
-        if path not in saved_leaves:
-            problems.append(f"{path}: in the target {shape} {dtype}, not in the checkpoint")
-            continue
-        saved_shape, saved_dtype = saved_leaves[path]
-        if saved_shape != shape or saved_dtype != dtype:
-            problems.append(
-                f"{path}: checkpoint has {saved_shape} {saved_dtype}, target {shape} {dtype}"
-            )
-    problems += [
-        f"{path}: in the checkpoint {shape} {dtype}, not in the target"
-        for path, (shape, dtype) in saved_leaves.items()
-        if path not in target_leaves
-    ]
-    return problems
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().split("\n", 1)[0].split(" See full TensorStore details", 1)[0]
-    text = text if len(text) <= 300 else text[:297] + "..."
-    return f"{type(error).__name__}: {text}"
-
-
-def _one_line(error: BaseException) -> str:
-    """The gist of a library error: its first line and its root cause's, without TensorStore's
-    spec dump."""
-    root, seen = error, {id(error)}
-    while (cause := root.__cause__ or root.__context__) is not None and id(cause) not in seen:
-        root = cause
-        seen.add(id(root))
-    if root is error:
-        return _first_line(error)
-    return f"{_first_line(error)} (caused by {_first_line(root)})"
 
 
 # --- the checkpointer ------------------------------------------------------------------------
@@ -166,6 +134,8 @@ class Checkpointer:
         meta_handler = ocp.handlers.JsonCheckpointHandler()
         registry.add(_STATE, ocp.args.StandardSave, state_handler)
         registry.add(_STATE, ocp.args.StandardRestore, state_handler)
+        # The params-only restore: orbax's partial restore reads one entry of the state item.
+        registry.add(_STATE, ocp.args.PyTreeRestore, ocp.handlers.PyTreeCheckpointHandler())
         registry.add(_META, ocp.args.JsonSave, meta_handler)
         registry.add(_META, ocp.args.JsonRestore, meta_handler)
         try:
@@ -174,7 +144,7 @@ class Checkpointer:
             )
         except Exception as error:  # any failure to open is reported the same way
             raise CheckpointError(
-                f"cannot open checkpoint directory {self.directory}: {_one_line(error)}"
+                f"cannot open checkpoint directory {self.directory}: {one_line(error)}"
             ) from error
 
     # --- queries -------------------------------------------------------------------------------
@@ -192,29 +162,22 @@ class Checkpointer:
 
     # --- saving ---------------------------------------------------------------------------------
 
-    def save(self, step: int, state: Any, meta: Mapping[str, Any]) -> None:
-        """Start saving ``state`` and the JSON-serialisable ``meta`` as ``step``.
+    def save(self, state: Any, meta: CheckpointMeta) -> None:
+        """Start saving ``state`` and its ``meta`` as step ``meta.step``.
 
         Returns once the arrays are copied to host memory, so the caller may donate ``state`` to
         the next train step at once. Older steps beyond ``keep`` are removed after the commit.
         """
+        step = meta.step
         if self.read_only:
             raise CheckpointError(f"{self.directory} was opened read-only; cannot save step {step}")
-        step = int(step)
-        meta = dict(meta)
-        if meta.setdefault("step", step) != step:
-            raise ValueError(f"meta['step']={meta['step']} but the checkpoint step is {step}")
         try:
-            json.dumps(meta, allow_nan=False)
+            json.dumps(meta.to_json(), allow_nan=False)
         except (TypeError, ValueError) as error:
             raise TypeError(f"checkpoint metadata must be plain JSON: {error}") from None
         self.wait()  # a failure of the previous save is reported as that step's
         self._clear_way_for(step)
-        payload = {
-            "format_version": FORMAT_VERSION,
-            "meta": meta,
-            "fingerprints": fingerprints(state),
-        }
+        payload = MetadataFile(meta, fingerprints(state)).to_json()
         try:
             started = self._manager.save(
                 step,
@@ -263,7 +226,7 @@ class Checkpointer:
         except Exception:  # noqa: BLE001 - e.g. the directory itself was removed
             committed = "unreadable"
         return CheckpointWriteError(
-            f"cannot save checkpoint step {step} in {self.directory}: {_one_line(error)}. The "
+            f"cannot save checkpoint step {step} in {self.directory}: {one_line(error)}. The "
             f"run stopped; committed steps there ({committed or 'none'}) are unchanged. Free "
             "space or fix the directory's permissions, then continue with --resume."
         )
@@ -285,13 +248,21 @@ class Checkpointer:
 
     # --- restoring ------------------------------------------------------------------------------
 
-    def restore(self, step: int | None, target: Any) -> tuple[Any, dict]:
+    def restore(
+        self,
+        step: int | None,
+        target: Any | Callable[[CheckpointMeta], Any],
+        *,
+        params_only: bool = False,
+    ) -> Restored:
         """Restore ``step`` (or, with ``None``, the newest good step) into ``target``'s layouts.
 
         ``target`` is a pytree of ``jax.ShapeDtypeStruct`` with shardings (for a training run,
-        ``theseus.training.run.checkpointing.restore_target``); each device reads its own shards.
-        Returns the state and the metadata saved with it (``meta['step']`` is the restored
-        step). Steps that ``None`` passed over are logged and kept in :attr:`skipped`.
+        ``theseus.training.run.checkpointing.restore_target``), or a function that builds one
+        from the step's metadata (generation lays the parameters out by the saved config and
+        policy); each device reads its own shards. With ``params_only``, ``target`` describes
+        the state's ``params`` entry, and only that entry is read and checked. Steps that
+        ``None`` passed over are logged and kept in :attr:`skipped`.
 
         Raises :class:`CheckpointError` when the step is missing or damaged (with ``None``: when
         no step is good) and :class:`IncompatibleCheckpointError` when the checkpoint holds
@@ -300,14 +271,14 @@ class Checkpointer:
         self.skipped = ()
         self.wait()
         if step is not None:
-            return self._restore_step(int(step), target)
+            return self._restore_step(int(step), target, params_only)
         steps = self.all_steps()
         if not steps:
             raise CheckpointError(f"no checkpoints in {self.directory}")
         skipped = []
         for candidate in reversed(steps):
             try:
-                restored = self._restore_step(candidate, target)
+                restored = self._restore_step(candidate, target, params_only)
             except IncompatibleCheckpointError:
                 raise
             except CheckpointError as error:
@@ -326,11 +297,11 @@ class Checkpointer:
             + "\n".join(f"  {s.reason}" for s in skipped)
         )
 
-    def _restore_step(self, step: int, target: Any) -> tuple[Any, dict]:
+    def _restore_step(self, step: int, target: Any, params_only: bool) -> Restored:
         """Read and check one step; every process reaches the same verdict."""
         where = f"checkpoint {self.step_directory(step)} (step {step})"
         try:
-            restored, error = self._read_step(step, target, where), None
+            restored, error = self._read_step(step, target, params_only, where), None
         except CheckpointError as caught:
             restored, error = None, caught
         failing = _failing_processes(error is not None)
@@ -343,7 +314,7 @@ class Checkpointer:
         self._bad_steps.discard(step)
         return restored
 
-    def _read_step(self, step: int, target: Any, where: str) -> tuple[Any, dict]:
+    def _read_step(self, step: int, target: Any, params_only: bool, where: str) -> Restored:
         if step not in self._manager.all_steps():
             raise CheckpointError(
                 f"{where} does not exist; committed steps in {self.directory}: "
@@ -353,28 +324,29 @@ class Checkpointer:
             payload = self._manager.restore(
                 step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()})
             )[_META]
-            meta, expected = _parse_payload(payload)
+            saved = MetadataFile.from_json(payload)
+            meta, expected = saved.meta, saved.fingerprints
             saved_tree = self._manager.item_metadata(step)[_STATE]
             if saved_tree is None:
                 raise ValueError("the state's metadata is missing")
+            saved_tree = getattr(saved_tree, "tree", saved_tree)
         except Exception as error:  # orbax and tensorstore raise many types
-            raise CheckpointError(f"{where} is damaged: {_one_line(error)}") from error
-        problems = _compatibility_problems(saved_tree, target)
-        if problems:
-            more = len(problems) - _MAX_LISTED
-            raise IncompatibleCheckpointError(
-                f"{where} does not fit the target state ({len(problems)} mismatching "
-                "path(s)); it was saved from another model or optimizer:\n"
-                + "\n".join(f"  {p}" for p in problems[:_MAX_LISTED])
-                + (f"\n  ... and {more} more" if more > 0 else "")
-            )
+            raise CheckpointError(f"{where} is damaged: {one_line(error)}") from error
+        if meta.step != step:
+            raise CheckpointError(f"{where} is damaged: its metadata says step {meta.step}")
+        target = target(meta) if callable(target) else target
+        if params_only:
+            saved_tree = {PARAMS: saved_tree.get(PARAMS) if isinstance(saved_tree, dict) else None}
+            expected = {p: v for p, v in expected.items() if p.startswith(f"{PARAMS}/")}
+        _check_compatible(saved_tree, {PARAMS: target} if params_only else target, where)
         try:
             state = self._manager.restore(
-                step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(target)})
+                step, args=ocp.args.Composite(**{_STATE: _restore_args(target, params_only)})
             )[_STATE]
-            got = fingerprints(state)
+            state = state[PARAMS] if params_only else state
+            got = fingerprints({PARAMS: state} if params_only else state)
         except Exception as error:
-            raise CheckpointError(f"{where} is damaged: {_one_line(error)}") from error
+            raise CheckpointError(f"{where} is damaged: {one_line(error)}") from error
         wrong = [path for path, value in expected.items() if got.get(path) != value]
         wrong += [path for path in got if path not in expected]
         if wrong:
@@ -383,9 +355,32 @@ class Checkpointer:
                 f"saved (fingerprint mismatch): {', '.join(wrong[:_MAX_LISTED])}"
                 + (" ..." if len(wrong) > _MAX_LISTED else "")
             )
-        if meta.get("step", step) != step:
-            raise CheckpointError(f"{where} is damaged: its metadata says step {meta['step']}")
-        return state, meta
+        return Restored(state, meta)
+
+
+def _restore_args(target: Any, params_only: bool) -> Any:
+    """Orbax's arguments for reading the state item into ``target``: the whole state, or only
+    its ``params`` entry (a partial restore: the other entries are never read)."""
+    if not params_only:
+        return ocp.args.StandardRestore(target)
+    item = {PARAMS: target}
+    return ocp.args.PyTreeRestore(
+        item=item,
+        restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+        partial_restore=True,
+    )
+
+
+def _check_compatible(saved_tree: Any, target: Any, where: str) -> None:
+    problems = compatibility_problems(saved_tree, target)
+    if problems:
+        more = len(problems) - _MAX_LISTED
+        raise IncompatibleCheckpointError(
+            f"{where} does not fit the target state ({len(problems)} mismatching "
+            "path(s)); it was saved from another model or optimizer:\n"
+            + "\n".join(f"  {p}" for p in problems[:_MAX_LISTED])
+            + (f"\n  ... and {more} more" if more > 0 else "")
+        )
 
 
 def _failing_processes(failed_here: bool) -> list[int]:
@@ -396,17 +391,3 @@ def _failing_processes(failed_here: bool) -> list[int]:
 
     flags = multihost_utils.process_allgather(np.array([failed_here], dtype=np.int32))
     return [int(i) for i in np.flatnonzero(np.asarray(flags).reshape(-1))]
-
-
-def _parse_payload(payload: Any) -> tuple[dict, dict[str, int]]:
-    if not isinstance(payload, dict):
-        raise ValueError(f"metadata is a {type(payload).__name__}, not a JSON object")
-    version = payload.get("format_version")
-    if version != FORMAT_VERSION:
-        raise ValueError(f"metadata format_version is {version!r}, expected {FORMAT_VERSION}")
-    meta, expected = payload.get("meta"), payload.get("fingerprints")
-    if not isinstance(meta, dict) or not isinstance(expected, dict):
-        raise ValueError("metadata lacks 'meta' or 'fingerprints'")
-    if not all(isinstance(v, int) and 0 <= v < 2**32 for v in expected.values()):
-        raise ValueError("metadata fingerprints are not 32-bit unsigned integers")
-    return meta, expected

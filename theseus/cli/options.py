@@ -19,6 +19,7 @@ from typing import Annotated, Any
 import typer
 
 from theseus.distributed.join import DEFAULT_HEARTBEAT_TIMEOUT_S
+from theseus.training.run.mode import RunMode
 
 Overrides = Annotated[
     list[str] | None,
@@ -169,9 +170,9 @@ def user_errors(exit_codes: Mapping[type[Exception], int] | None = None) -> Iter
 
 def echo_on_main(text: str) -> None:
     """Print on the first process only (every process of a multi-process job runs the CLI)."""
-    import jax
+    from theseus.distributed.join import is_main_process
 
-    if jax.process_index() == 0:
+    if is_main_process():
         typer.echo(text)
 
 
@@ -223,15 +224,6 @@ layout_options = shared_options(
 )
 
 
-@dataclass(frozen=True)
-class RunFlags:
-    """What a training command does with a run directory that already holds a run."""
-
-    resume: bool = False
-    allow_changes: bool = False
-    overwrite: bool = False
-
-
 RUN_FLAGS = {"resume": Resume, "allow_changes": AllowChanges, "overwrite": Overwrite}
 PROCESS_FLAGS = {
     "distributed": Distributed,
@@ -249,7 +241,7 @@ class JobFlags:
     with an existing run (``run``) and how this process joins a job (``process``)."""
 
     sharding: dict[str, Any]
-    run: RunFlags
+    run: RunMode
     process: ProcessFlags
 
 
@@ -257,10 +249,10 @@ def job_flags(**given: Any) -> JobFlags:
     def picked(flags: Mapping[str, Any]) -> dict[str, Any]:
         return sharding_changes(**{flag: given[flag] for flag in flags})
 
+    with user_errors():  # e.g. --resume with --overwrite
+        run = RunMode(**{flag: bool(given[flag]) for flag in RUN_FLAGS})
     return JobFlags(
-        sharding=picked(SHARDING_FLAGS),
-        run=RunFlags(**{flag: bool(given[flag]) for flag in RUN_FLAGS}),
-        process=ProcessFlags(**picked(PROCESS_FLAGS)),
+        sharding=picked(SHARDING_FLAGS), run=run, process=ProcessFlags(**picked(PROCESS_FLAGS))
     )
 
 

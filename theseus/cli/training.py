@@ -4,7 +4,6 @@ show training jobs."""
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -51,14 +50,12 @@ def train(
     extra = [*(overrides or []), *(f"{k}={v}" for k, v in shorthands.items() if v is not None)]
     if flags.run.resume and out is None:
         fail("--resume needs --out: the run directory to continue")
-    if flags.run.allow_changes and not flags.run.resume:
-        fail("--allow-changes applies to --resume only: add --resume, or drop --allow-changes")
     out = out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     with user_errors():
         import_modules(imports)
         from theseus.execution import quick
 
-        session = quick(job, out, **asdict(flags.run)).override(*extra)
+        session = quick(job, out, mode=flags.run).override(*extra)
         session.shard(**flags.sharding)
         summary = session()
     echo_on_main(summary.describe())
@@ -78,7 +75,7 @@ def run(
         from theseus.execution import Chain
 
         chain = Chain.load(chain_file).shard(**flags.sharding)
-        results = chain.run(out, **asdict(flags.run))
+        results = chain.run(out, mode=flags.run)
     for result in results:
         echo_on_main(result.describe())
 

@@ -149,6 +149,14 @@ def start(membership: Membership, heartbeat_timeout_s: int) -> None:
     _joined = membership
 
 
+def is_main_process() -> bool:
+    """Whether this is the job's first process: the one that writes run records and prints (all
+    processes compute and checkpoint)."""
+    import jax
+
+    return jax.process_index() == 0
+
+
 def describe_processes() -> str:
     """The run's first line: cluster kind, process index and count, local devices."""
     import jax

@@ -35,6 +35,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import TextIO
 
+from theseus.checkpoint.meta import CHECKPOINTS
+
 # Set in a worker's environment: the file descriptors of the terminal's stdout and stderr.
 WORKER_ENV = "THESEUS_WORKER_TERMINAL_FDS"
 EXIT_PEER_LOST = 1
@@ -159,7 +161,7 @@ def newest_checkpoint(run_dir: Path) -> Path | None:
     directory to the bare step number)."""
     steps = [
         path
-        for folder in (run_dir / "checkpoints", *run_dir.glob("*/checkpoints"))
+        for folder in (run_dir / CHECKPOINTS, *run_dir.glob(f"*/{CHECKPOINTS}"))
         if folder.is_dir()
         for path in folder.iterdir()
         if path.name.isdigit() and path.is_dir()

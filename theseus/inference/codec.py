@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from theseus.data.bpe import load_tokenizer
 from theseus.data.tokens import BYTE_VOCAB_SIZE, TOKENIZED_RECORD, TOKENIZER_FILE
@@ -49,11 +49,11 @@ class TokenizerCodec:
 
 
 def resolve_codec(
-    run_dir: Path, tokenizer: str | Path | None, meta: dict[str, Any], model_vocab: int
+    run_dir: Path, tokenizer: str | Path | None, data_path: str | None, model_vocab: int
 ) -> Codec:
     """``tokenizer`` when given, else the run's ``tokenizer.json``, else the tokenizer of the
-    tokenized folder it trained on, else bytes; it must fit the model's vocabulary."""
-    data_path = ((meta.get("config") or {}).get("data") or {}).get("path")
+    tokenized folder it trained on (``data_path``, the run's ``data.path``), else bytes; it must
+    fit the model's vocabulary."""
     folder = Path(data_path) if data_path else None
     if tokenizer is not None:
         codec: Codec = TokenizerCodec(Path(tokenizer))

@@ -25,17 +25,17 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from theseus.checkpoint.params import restore_params
+from theseus.checkpoint.checkpointer import Checkpointer
+from theseus.checkpoint.meta import CHECKPOINTS, CheckpointMeta
 from theseus.config import apply_overrides, validate
 from theseus.inference.codec import Codec, resolve_codec
 from theseus.inference.sampling import Sampling, next_tokens, sample_keys
 from theseus.jobs import get_job
 from theseus.model.decode import ROWS
 from theseus.sharding.axis import Axis, ShardingPolicy, partition_spec
+from theseus.sharding.layout import abstract_with
 from theseus.sharding.topology import Topology
 from theseus.training.trainer import BaseTrainer
-
-CHECKPOINTS = "checkpoints"
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,15 @@ class Generation:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class GeneratedIds:
+    """What :meth:`Generator.generate_ids` returns."""
+
+    ids: np.ndarray  # (prompts × num_samples rows, prompt-major; new tokens)
+    tokens_per_s: float  # generated tokens per second, prefill included, compilation excluded
+    notes: list[str]  # what the user should know (a shortened generation, idle rows)
 
 
 class Generator:
@@ -94,10 +103,9 @@ class Generator:
         num_samples: int = 1,
         num_valid: int | None = None,
         log: Callable[[str], None] = print,
-    ) -> tuple[np.ndarray, float, list[str]]:
-        """New token ids (prompts × num_samples rows, prompt-major; new tokens), generated
-        tokens per second (prefill included, compilation excluded) and notes for the user.
-        Ids from ``num_valid`` (default: the whole vocabulary) on are never chosen."""
+    ) -> GeneratedIds:
+        """New token ids of every prompt's ``num_samples`` rows, the rate and notes for the
+        user. Ids from ``num_valid`` (default: the whole vocabulary) on are never chosen."""
         lengths = self._check(prompts, max_new_tokens, num_samples)
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
             raise ValueError(f"seed={seed!r} must be an int in [0, 2**32)")
@@ -141,7 +149,7 @@ class Generator:
             chosen.append(token)
         ids = np.stack(jax.device_get(chosen), axis=1)[:num_rows]  # (rows, new)
         seconds = time.perf_counter() - start
-        return ids, num_rows * new / seconds, notes
+        return GeneratedIds(ids, num_rows * new / seconds, notes)
 
     def _check(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int, num_samples: int
@@ -218,11 +226,7 @@ class Generator:
                 out_shardings=outputs,
                 donate_argnums=1,
             )
-            abstract = jax.tree.map(
-                lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),
-                self.trainer.abstract_state.params,
-                params_layout,
-            )
+            abstract = abstract_with(self.trainer.abstract_state.params, params_layout)
             row_ints = jax.ShapeDtypeStruct((num_rows,), jnp.int32, sharding=rows)
             controls = {
                 name: jax.ShapeDtypeStruct((), dtype, sharding=replicated)
@@ -234,10 +238,7 @@ class Generator:
                 )
             }
             tokens = jax.ShapeDtypeStruct((num_rows, width), jnp.int32, sharding=tokens_sharding)
-            cache = {
-                name: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=cache_layout[name])
-                for name, a in arrays.items()
-            }
+            cache = abstract_with(arrays, cache_layout)
             compiled_prefill = prefill.lower(abstract, tokens, row_ints, row_ints, controls)
             compiled_step = step.lower(abstract, cache, row_ints, row_ints, row_ints, controls)
         return compiled_prefill.compile(), compiled_step.compile()
@@ -250,9 +251,9 @@ def load_generator(
     devices: Sequence[jax.Device] | None = None,
     job: str = "gpt/train/pretrain",
     log: Callable[[str], None] = print,
-) -> tuple[Generator, int, dict]:
+) -> LoadedGenerator:
     """A :class:`Generator` with the newest good checkpoint of ``run_dir`` in the compute layout
-    of the run's policy merged with ``policy_changes``; also the step and its metadata."""
+    of the run's policy merged with ``policy_changes``, and that checkpoint's metadata."""
     run_dir = Path(run_dir)
     if not (run_dir / CHECKPOINTS).is_dir():
         raise ValueError(
@@ -260,25 +261,35 @@ def load_generator(
             "run, or the run saved no checkpoint yet; pass the --out directory of `theseus train`"
         )
     trainer_class = get_job(job).trainer_class
-    trainers: dict[str, BaseTrainer] = {}
+    trainers: dict[int, BaseTrainer] = {}  # by step: the layouts of each step read
 
-    def target_for(meta: dict) -> Any:
-        policy = validate(ShardingPolicy, meta.get("policy") or {}).merge(**(policy_changes or {}))
+    def target_for(meta: CheckpointMeta) -> Any:
+        policy = validate(ShardingPolicy, meta.policy).merge(**(policy_changes or {}))
         topology = Topology.new(policy, devices)
-        config = validate(trainer_class.config_class, meta.get("config") or {})
+        config = validate(trainer_class.config_class, meta.config)
         # Generation never splits a training batch: make the batch accounting fit any mesh.
         config = apply_overrides(
             config, [f"training.batch_size={topology.replicas}", "training.per_device_batch_size=1"]
         )
-        trainer = trainers["trainer"] = trainer_class(config, policy, topology)
-        return jax.tree.map(
-            lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),
-            trainer.abstract_state.params,
-            trainer.layouts.compute,
-        )
+        trainer = trainers[meta.step] = trainer_class(config, policy, topology)
+        return abstract_with(trainer.abstract_state.params, trainer.layouts.compute)
 
-    restored = restore_params(run_dir / CHECKPOINTS, target_for, log=log)
-    return Generator(trainers["trainer"], restored.params), restored.step, restored.meta
+    with Checkpointer(run_dir / CHECKPOINTS, read_only=True, log=log) as checkpointer:
+        restored = checkpointer.restore(None, target_for, params_only=True)
+    return LoadedGenerator(Generator(trainers[restored.step], restored.state), restored.meta)
+
+
+@dataclass(frozen=True)
+class LoadedGenerator:
+    """What :func:`load_generator` returns: the generator and the metadata of the checkpoint
+    whose parameters it holds."""
+
+    generator: Generator
+    meta: CheckpointMeta
+
+    @property
+    def step(self) -> int:
+        return self.meta.step
 
 
 def generate(
@@ -309,12 +320,16 @@ def generate(
         raise TypeError("prompts must be a list of strings")
     if not prompts or not all(prompts):
         raise ValueError("give one or more prompts, none of them empty (--prompt TEXT)")
-    generator, step, meta = load_generator(
+    loaded = load_generator(
         run_dir, policy_changes=policy_changes, devices=devices, job=job, log=log
     )
-    codec: Codec = resolve_codec(Path(run_dir), tokenizer, meta, generator.decoder.vocab_size)
+    generator = loaded.generator
+    trainer = generator.trainer
+    codec: Codec = resolve_codec(
+        Path(run_dir), tokenizer, trainer.config.data.path, generator.decoder.vocab_size
+    )
     prompt_ids = [codec.encode(text) for text in prompts]
-    ids, tokens_per_s, notes = generator.generate_ids(
+    generated = generator.generate_ids(
         prompt_ids,
         max_new_tokens=max_new_tokens,
         sampling=sampling,
@@ -323,6 +338,7 @@ def generate(
         num_valid=codec.vocab_size,
         log=log,
     )
+    ids = generated.ids  # (rows, new tokens)
     completions = [
         Completion(
             prompt=prompts[row // num_samples],
@@ -333,13 +349,12 @@ def generate(
         )
         for row in range(ids.shape[0])
     ]
-    trainer = generator.trainer
     return Generation(
         completions,
-        step,
+        loaded.step,
         int(ids.shape[1]),
-        tokens_per_s,
+        generated.tokens_per_s,
         trainer.policy.describe(),
         trainer.topology.mesh_shape,
-        notes,
+        generated.notes,
     )

@@ -112,6 +112,17 @@ def layout(abstract_state: Any, rules: Sequence[Rule], mesh: Mesh) -> Any:
     return jax.tree_util.tree_unflatten(treedef, shardings)
 
 
+def abstract_with(tree: Any, shardings: Any) -> Any:
+    """``tree``'s shapes and dtypes as ``jax.ShapeDtypeStruct`` leaves placed by ``shardings`` (a
+    layout of the same structure): the target of a restore, or an argument of an ahead-of-time
+    compile, that allocates nothing."""
+    return jax.tree.map(
+        lambda value, sharding: jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding),
+        tree,
+        shardings,
+    )
+
+
 def resolve_layouts(
     abstract_state: Any, plan: ShardingPlan, policy: ShardingPolicy, mesh: Mesh
 ) -> Layouts:

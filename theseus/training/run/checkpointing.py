@@ -4,31 +4,23 @@ itself stores any pytree)."""
 
 from __future__ import annotations
 
-import jax
-
+from theseus.checkpoint.meta import CheckpointMeta
+from theseus.sharding.layout import abstract_with
 from theseus.training.trainer import BaseTrainer, TrainState
 
 
 def restore_target(trainer: BaseTrainer) -> TrainState:
     """The trainer's abstract state with its state layout: where restored arrays must land."""
-    return jax.tree.map(
-        lambda value, sharding: jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding),
-        trainer.abstract_state,
-        trainer.state_layout,
-    )
+    return abstract_with(trainer.abstract_state, trainer.state_layout)
 
 
-def checkpoint_meta(trainer: BaseTrainer, data_position: int, step: int | None = None) -> dict:
-    """What a checkpoint records besides the state: enough to resume and to audit the run.
-
-    ``data_position`` is the index of the next training example to draw (the loop's position
-    after the last completed step). ``step`` is filled in by ``Checkpointer.save`` when absent.
-    """
-    meta = {
+def checkpoint_meta(trainer: BaseTrainer, *, step: int, data_position: int) -> CheckpointMeta:
+    """What a checkpoint of ``step`` records besides the state: enough to resume and to audit
+    the run. ``data_position`` is the index of the next training example to draw (the loop's
+    position after step ``step``)."""
+    return CheckpointMeta(
+        step=int(step),
+        data_position=int(data_position),
+        config=trainer.config.model_dump(mode="json"),
         **trainer.execution_facts(),
-        "config": trainer.config.model_dump(mode="json"),
-        "data_position": int(data_position),
-    }
-    if step is not None:
-        meta["step"] = int(step)
-    return meta
+    )

@@ -17,12 +17,14 @@ from jax.experimental import multihost_utils
 from theseus.accounting.memory import CompiledStep
 from theseus.accounting.records import as_json
 from theseus.checkpoint.checkpointer import Checkpointer
+from theseus.checkpoint.meta import CHECKPOINTS
 from theseus.config import save_yaml
 from theseus.data import Corpus, Sampler, load_corpus, validation_batches
-from theseus.distributed.join import check_same_everywhere, describe_processes
+from theseus.distributed.join import check_same_everywhere, describe_processes, is_main_process
 from theseus.training.flops import count_flops
 from theseus.training.run.checkpointing import checkpoint_meta, restore_target
 from theseus.training.run.metrics import MetricsWriter
+from theseus.training.run.mode import NEW_RUN, RunMode
 from theseus.training.run.preemption import PreemptionWatch
 from theseus.training.run.resume import Change, check_resume, resume_changes, resume_history
 from theseus.training.run.stops import NonFiniteGuard, Preempted, failed_saves_stop_the_run
@@ -30,18 +32,6 @@ from theseus.training.run.tensorboard import TensorBoardWriter
 from theseus.training.run.throughput import speedometer
 from theseus.training.summary import layouts_text, one_line_plan
 from theseus.training.trainer import BaseTrainer, TrainState
-
-# Files a run writes: an output directory holding any of them holds a run.
-RUN_FILES = (
-    "run.json",
-    "metrics.jsonl",
-    "config.yaml",
-    "layouts.txt",
-    "checkpoints",
-    "eval.json",
-    "tokenizer.json",
-)
-CHECKPOINTS = "checkpoints"
 
 
 @dataclass(frozen=True)
@@ -122,40 +112,23 @@ def train_batch(trainer: BaseTrainer, sampler: Sampler, position: int) -> jax.Ar
     )
 
 
-def is_main_process() -> bool:
-    """Only the first process writes run records and prints; all of them checkpoint."""
-    return jax.process_index() == 0
-
-
 def sync_processes(name: str) -> None:
     """Wait until every process of a multi-process run reaches this point."""
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(name)
 
 
-def prepare_run_dir(out_dir: Path, *, resume: bool, overwrite: bool) -> None:
-    """Refuse to mix two runs in one directory unless the user said how.
+def prepare_run_dir(out_dir: Path, mode: RunMode) -> None:
+    """Check the run directory against ``mode`` (see :meth:`RunMode.runs_to_replace`), then clear
+    a run it replaces.
 
     Every process checks before any of them writes (process 0 then clears an overwritten run),
     so the check never sees a run that this very job has begun.
     """
-    if resume and overwrite:
-        raise ValueError("--resume and --overwrite contradict each other; choose one")
-    present = [name for name in RUN_FILES if (out_dir / name).exists()]
-    if resume and not (out_dir / CHECKPOINTS).is_dir():
-        raise ValueError(
-            f"nothing to resume in {out_dir}: it holds no {CHECKPOINTS}/ folder; start a new "
-            "run without --resume"
-        )
-    if present and not (resume or overwrite):
-        raise ValueError(
-            f"{out_dir} already holds a run ({', '.join(present)}); pass --resume to continue it, "
-            "--overwrite to replace it, or choose another output directory"
-        )
+    replaced = mode.runs_to_replace(out_dir)
     sync_processes("theseus: run directory checked")
-    if is_main_process() and not resume:
-        for name in present:
-            path = out_dir / name
+    if is_main_process() and not mode.resume:
+        for path in replaced:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
         out_dir.mkdir(parents=True, exist_ok=True)
     sync_processes("theseus: run directory ready")
@@ -210,29 +183,28 @@ def starting_point(
     trainer: BaseTrainer,
     checkpointer: Checkpointer,
     out_dir: Path,
-    *,
-    resume: bool,
-    allow_changes: bool,
+    mode: RunMode,
 ) -> StartingPoint:
     """A fresh state, or the newest good checkpoint's state and data position (after the checks
     that the resumed run can continue with the same numbers)."""
-    if not resume:
+    if not mode.resume:
         return StartingPoint(trainer.init_state(), first_step=1, data_position=0)
-    state, meta = checkpointer.restore(None, restore_target(trainer))
+    restored = checkpointer.restore(None, restore_target(trainer))
+    meta = restored.meta
     changes = resume_changes(
         meta, trainer.config.model_dump(mode="json"), trainer.execution_facts()
     )
-    check_resume(changes, f"{out_dir} from step {meta['step']}", allow_changes=allow_changes)
+    check_resume(changes, f"{out_dir} from step {meta.step}", allow_changes=mode.allow_changes)
     return StartingPoint(
-        state,
-        first_step=meta["step"] + 1,
-        data_position=meta["data_position"],
+        restored.state,
+        first_step=meta.step + 1,
+        data_position=meta.data_position,
         resumed_from=(
-            f"resumed from step {meta['step']} (saved under {meta['policy']} on mesh "
-            f"{meta['mesh_shape']}), data position {meta['data_position']}"
+            f"resumed from step {meta.step} (saved under {meta.policy} on mesh "
+            f"{meta.mesh_shape}), data position {meta.data_position}"
         ),
         changes=tuple(changes),
-        resumes=resume_history(out_dir / "run.json", meta["step"], changes),
+        resumes=resume_history(out_dir / "run.json", meta.step, changes),
     )
 
 
@@ -240,16 +212,15 @@ def train(
     trainer: BaseTrainer,
     out_dir: str | Path,
     *,
-    resume: bool = False,
-    overwrite: bool = False,
-    allow_changes: bool = False,
+    mode: RunMode = NEW_RUN,
     log: Callable[[str], None] = print,
 ) -> RunSummary:
     """Train to ``training.steps``, writing run records, metrics and checkpoints to ``out_dir``.
 
-    With ``resume``, continue from the newest good checkpoint there: same data position, RNG and
-    optimizer state, so the losses equal those of an uninterrupted run. Settings that would
-    change those numbers are refused unless ``allow_changes`` (see :mod:`theseus.training.run.resume`).
+    With ``mode.resume``, continue from the newest good checkpoint there: same data position,
+    RNG and optimizer state, so the losses equal those of an uninterrupted run. Settings that
+    would change those numbers are refused unless ``mode.allow_changes`` (see
+    :mod:`theseus.training.run.resume`).
     Raises a :class:`~theseus.training.run.stops.RunInterrupted` when the run stops early on purpose.
     """
     out_dir = Path(out_dir)
@@ -258,7 +229,7 @@ def train(
     log = log if is_main_process() else _silent
     corpus = load_data(trainer)
     validation = validation_array(trainer, corpus)
-    prepare_run_dir(out_dir, resume=resume, overwrite=overwrite)
+    prepare_run_dir(out_dir, mode)
     tensorboard = None
     if config.logging.tensorboard and is_main_process():
         tensorboard = TensorBoardWriter(out_dir, config.model_dump(mode="json"))
@@ -269,9 +240,7 @@ def train(
         log=log,
     )
     with failed_saves_stop_the_run(), checkpointer:
-        start = starting_point(
-            trainer, checkpointer, out_dir, resume=resume, allow_changes=allow_changes
-        )
+        start = starting_point(trainer, checkpointer, out_dir, mode)
         log(describe_processes())  # the run's first line
         for change in start.changes:
             log(f"resuming with a changed setting: {change.describe()}")
@@ -304,14 +273,10 @@ def train(
         )
         metrics = MetricsWriter(
             out_dir / "metrics.jsonl",
+            trainer,
+            speed,
             first_step=start.first_step,
-            total_steps=config.training.steps,
-            tokens_per_step=batch_plan.global_batch_size * batch_plan.seq_len,
-            logging=config.logging,
             log=log,
-            resume=resume,
-            main=is_main_process(),
-            speed=speed,
             events=tensorboard,
             check_row=guard.check,
         )
@@ -376,7 +341,7 @@ def _steps(
         metrics.push(step, step_metrics, val_loss)
         if preempted or step % trainer.config.checkpointing.interval == 0 or last:
             metrics.flush()
-            checkpointer.save(step, state, checkpoint_meta(trainer, position, step))
+            checkpointer.save(state, checkpoint_meta(trainer, step=step, data_position=position))
         if preempted and not last:
             checkpointer.wait()
             raise Preempted(
@@ -419,9 +384,9 @@ def evaluate(
     validation = validation_array(trainer, corpus)
     # Read-only: a training job may still be saving there.
     with Checkpointer(source / CHECKPOINTS, read_only=True, log=log) as checkpointer:
-        state, meta = checkpointer.restore(None, restore_target(trainer))
-    val_loss = float(trainer.validation_step(state.params, validation))
-    result = EvalResult(str(out_dir), str(source), int(meta["step"]), val_loss)
+        restored = checkpointer.restore(None, restore_target(trainer).params, params_only=True)
+    val_loss = float(trainer.validation_step(restored.state, validation))
+    result = EvalResult(str(out_dir), str(source), restored.step, val_loss)
     if is_main_process():
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "eval.json").write_text(

@@ -12,10 +12,11 @@ from typing import IO, Any
 
 import jax
 
-from theseus.config import LoggingConfig
+from theseus.distributed.join import is_main_process
 from theseus.training.run.progress import Reporter
 from theseus.training.run.tensorboard import TensorBoardWriter
 from theseus.training.run.throughput import Speedometer, StepClock
+from theseus.training.trainer import BaseTrainer
 
 
 @dataclass(frozen=True)
@@ -40,41 +41,38 @@ class MetricsWriter:
     one-step-late read: :meth:`push` hands in step n's device metrics and records step n - 1's,
     which the device has finished by then; leaving the ``with`` block records the last one.
 
-    On resume, the rows of the earlier run up to ``first_step - 1`` are kept and the rest dropped.
+    The run's length and logging settings come from ``trainer``'s config, the tokens per step
+    and the rates from ``speed``. A run that starts at ``first_step`` (after a resume) keeps the
+    rows of the earlier segment up to ``first_step - 1`` and drops the rest; a new run starts at
+    step 1 and keeps none.
     """
 
     def __init__(
         self,
         path: Path,
+        trainer: BaseTrainer,
+        speed: Speedometer,
         *,
         first_step: int,
-        total_steps: int,
-        tokens_per_step: int,
-        logging: LoggingConfig,
         log: Callable[[str], None],
-        resume: bool,
-        main: bool,
-        speed: Speedometer,
         events: TensorBoardWriter | None = None,
         check_row: Callable[[dict], None] = lambda row: None,
     ):
         self.path = path
         self.first_step = first_step
-        self.tokens_per_step = tokens_per_step
-        self.resume = resume
-        self.main = main
         self.speed = speed  # step time → tokens/s and MFU
         self.events = events  # TensorBoard, when asked for
         self.check_row = check_row  # e.g. stop after a non-finite step
         self._clock = StepClock()
         self.history = MetricsHistory()
-        self._reporter = Reporter(first_step - 1, total_steps, logging, log)
+        config = trainer.config
+        self._reporter = Reporter(first_step - 1, config.training.steps, config.logging, log)
         self._file: IO[str] | None = None
         self._pending: PendingStep | None = None
 
     def __enter__(self) -> MetricsWriter:
-        if self.main:
-            kept = _kept_rows(self.path, self.first_step - 1) if self.resume else []
+        if is_main_process():
+            kept = _kept_rows(self.path, self.first_step - 1)
             self.path.write_text("".join(row + "\n" for row in kept))
             self._file = open(self.path, "a")  # closed in __exit__
         self._reporter.__enter__()
@@ -101,7 +99,7 @@ class MetricsWriter:
         row = {"step": pending.step}
         row |= {k: bool(v) if v.dtype == bool else float(v) for k, v in metrics.items()}
         row |= self.speed.rates(self._clock.lap())  # device_get returned when the step finished
-        row["tokens"] = pending.step * self.tokens_per_step
+        row["tokens"] = pending.step * self.speed.tokens_per_step
         if pending.val_loss is not None:
             row["val_loss"] = float(pending.val_loss)
         return row

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import jax
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -18,6 +17,7 @@ from rich.progress import (
 )
 
 from theseus.config import LoggingConfig
+from theseus.distributed.join import is_main_process
 
 
 class Reporter:
@@ -28,7 +28,7 @@ class Reporter:
     ):
         self.total = total
         self.config = config
-        self.main = jax.process_index() == 0
+        self.main = is_main_process()
         self.log = log if self.main else (lambda _: None)
         self.first_done = first_done
         self.progress: Progress | None = None

@@ -9,6 +9,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from theseus.checkpoint.meta import CheckpointMeta
+
 # Keys (or key prefixes ending in ".") whose change keeps the numbers of the steps: how the same
 # global batch is split over devices, how long to train, what to validate, log and save, and what
 # to do about non-finite steps. Any other change (optimizer, schedule, data, seed, model, batch
@@ -66,14 +68,15 @@ def config_diff(old: Mapping, new: Mapping) -> list[Change]:
     ]
 
 
-def resume_changes(saved_meta: Mapping, config: Mapping, facts: Mapping) -> list[Change]:
+def resume_changes(saved: CheckpointMeta, config: Mapping, facts: Mapping) -> list[Change]:
     """Changes from a checkpoint's metadata to the resuming run's config (JSON form) and
     execution facts."""
-    changes = config_diff(saved_meta.get("config", {}), config)
+    changes = config_diff(saved.config, config)
+    saved_facts = saved.to_json()
     changes += [
-        Change(key, saved_meta.get(key, ABSENT), facts[key])
+        Change(key, saved_facts[key], facts[key])
         for key in EXECUTION_KEYS
-        if saved_meta.get(key, ABSENT) != facts[key]
+        if saved_facts[key] != facts[key]
     ]
     return changes
 

@@ -58,9 +58,7 @@ def speedometer(trainer, flops: FlopsCount) -> Speedometer:
     plan = trainer.batch_plan
     device = trainer.mesh.devices.flat[0]
     peak = device_peak(device, trainer.config.training.dtype, trainer.config.logging.peak_tflops)
-    return Speedometer(
-        plan.global_batch_size * plan.seq_len, flops, peak, trainer.topology.num_devices
-    )
+    return Speedometer(plan.tokens_per_step, flops, peak, trainer.topology.num_devices)
 
 
 class StepClock:

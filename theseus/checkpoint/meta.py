@@ -1,0 +1,120 @@
+"""What a checkpoint records besides its arrays, and where a run directory keeps its checkpoints.
+
+:class:`CheckpointMeta` is the one description of a saved step: enough to resume it (step, data
+position, the job's config) and to audit it (the policy, mesh and batch accounting it was saved
+under, as ``BaseTrainer.execution_facts()`` gives them). It is written and read as JSON by
+:meth:`CheckpointMeta.to_json` and :meth:`CheckpointMeta.from_json` alone, as the ``meta`` entry of
+a checkpoint's metadata file (:class:`MetadataFile`). This module imports
+nothing of theseus, so every layer (the supervisor of a multi-process job included) can name the
+run directory's checkpoint folder, :data:`CHECKPOINTS`, from here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+#: The folder of a run directory that holds its checkpoints (one folder per committed step).
+CHECKPOINTS = "checkpoints"
+#: The layout of a checkpoint's metadata file. Version 1: ``{"format_version": 1, "meta": {...},
+#: "fingerprints": {path: uint32}}``, ``meta`` holding exactly the fields of CheckpointMeta.
+FORMAT_VERSION = 1
+
+_COUNTS = (
+    "step",
+    "data_position",
+    "num_devices",
+    "num_processes",
+    "replicas",
+    "per_device_batch_size",
+    "accumulation_steps",
+    "global_batch_size",
+    "seq_len",
+)
+_OBJECTS = ("config", "policy", "mesh_shape")
+
+
+@dataclass(frozen=True)
+class CheckpointMeta:
+    """One saved step: where the run stands and how it ran.
+
+    ``data_position`` is the index of the next training example to draw (the loop's position
+    after step ``step``); ``config`` is the job's config in JSON form; ``policy`` the sharding
+    policy in JSON form; the other fields are the run's execution facts (mesh, device and process
+    counts, batch accounting).
+    """
+
+    step: int
+    data_position: int
+    config: dict[str, Any]
+    policy: dict[str, Any]
+    mesh_shape: dict[str, int]
+    num_devices: int
+    num_processes: int
+    replicas: int
+    per_device_batch_size: int
+    accumulation_steps: int
+    global_batch_size: int
+    seq_len: int
+
+    def __post_init__(self) -> None:
+        for name in _COUNTS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"checkpoint metadata {name}={value!r} must be an int >= 0")
+        for name in _OBJECTS:
+            value = getattr(self, name)
+            if not isinstance(value, dict):
+                raise ValueError(
+                    f"checkpoint metadata {name} must be a JSON object, not {type(value).__name__}"
+                )
+
+    def to_json(self) -> dict[str, Any]:
+        """The metadata as plain JSON data (the form a checkpoint stores)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Any) -> CheckpointMeta:
+        """Read what :meth:`to_json` wrote; ``ValueError`` names missing or unknown keys."""
+        if not isinstance(data, dict):
+            raise ValueError(f"checkpoint metadata is a {type(data).__name__}, not a JSON object")
+        names = {field.name for field in dataclasses.fields(cls)}
+        missing, unknown = sorted(names - data.keys()), sorted(data.keys() - names)
+        if missing or unknown:
+            raise ValueError(
+                f"checkpoint metadata does not describe a training step (missing keys: "
+                f"{missing or 'none'}; unknown keys: {unknown or 'none'})"
+            )
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class MetadataFile:
+    """A checkpoint's metadata item: its :class:`CheckpointMeta` and the fingerprint of every
+    array of the state (``theseus.checkpoint.fingerprints``), keyed by state path."""
+
+    meta: CheckpointMeta
+    fingerprints: dict[str, int]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format_version": FORMAT_VERSION,
+            "meta": self.meta.to_json(),
+            "fingerprints": self.fingerprints,
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> MetadataFile:
+        """Read what :meth:`to_json` wrote; ``ValueError`` says what is wrong with it."""
+        if not isinstance(data, dict):
+            raise ValueError(f"metadata is a {type(data).__name__}, not a JSON object")
+        version = data.get("format_version")
+        if version != FORMAT_VERSION:
+            raise ValueError(f"metadata format_version is {version!r}, expected {FORMAT_VERSION}")
+        prints = data.get("fingerprints")
+        if not isinstance(prints, dict):
+            raise ValueError("metadata lacks 'fingerprints'")
+        if not all(isinstance(v, int) and 0 <= v < 2**32 for v in prints.values()):
+            raise ValueError("metadata fingerprints are not 32-bit unsigned integers")
+        return cls(CheckpointMeta.from_json(data.get("meta")), prints)

@@ -1,0 +1,90 @@
+"""What a training job does with a run directory that may already hold a run: start it, continue
+it (``resume``, optionally accepting changed settings) or replace it (``overwrite``). One object,
+:class:`RunMode`, passed whole from the command line or the Python API down to the loop; every
+check of what the user asked for lives here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from theseus.checkpoint.meta import CHECKPOINTS
+
+# Files a run writes: an output directory holding any of them holds a run.
+RUN_FILES = (
+    "run.json",
+    "metrics.jsonl",
+    "config.yaml",
+    "layouts.txt",
+    CHECKPOINTS,
+    "eval.json",
+    "tokenizer.json",
+)
+
+
+@dataclass(frozen=True)
+class RunMode:
+    """``resume``: continue from the newest good checkpoint of the run directory;
+    ``allow_changes``: with ``resume``, accept settings that change the numbers (see
+    :mod:`theseus.training.run.resume`); ``overwrite``: replace a run already there. Neither
+    flag: the directory must not hold a run yet."""
+
+    resume: bool = False
+    overwrite: bool = False
+    allow_changes: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("resume", "overwrite", "allow_changes"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}={getattr(self, name)!r} must be True or False")
+        if self.resume and self.overwrite:
+            raise ValueError(
+                "--resume and --overwrite (resume=True, overwrite=True) contradict each other; "
+                "choose one"
+            )
+        if self.allow_changes and not self.resume:
+            raise ValueError(
+                "--allow-changes (allow_changes=True) applies to --resume only: add --resume, or "
+                "drop --allow-changes"
+            )
+
+    @classmethod
+    def given(
+        cls,
+        mode: RunMode | None,
+        *,
+        resume: bool = False,
+        overwrite: bool = False,
+        allow_changes: bool = False,
+    ) -> RunMode:
+        """The mode of a Python call that takes either ``mode=`` or the three keywords."""
+        if mode is None:
+            return cls(resume=resume, overwrite=overwrite, allow_changes=allow_changes)
+        if resume or overwrite or allow_changes:
+            raise TypeError(
+                f"give either mode={mode!r} or resume/overwrite/allow_changes, not both"
+            )
+        return mode
+
+    def runs_to_replace(self, out_dir: Path) -> list[Path]:
+        """The files of an earlier run in ``out_dir`` that this run replaces (none when it
+        resumes), after refusing to mix two runs in one directory unless the user said how."""
+        present = [out_dir / name for name in RUN_FILES if (out_dir / name).exists()]
+        if self.resume:
+            if not (out_dir / CHECKPOINTS).is_dir():
+                raise ValueError(
+                    f"nothing to resume in {out_dir}: it holds no {CHECKPOINTS}/ folder; start a "
+                    "new run without --resume"
+                )
+            return []
+        if present and not self.overwrite:
+            raise ValueError(
+                f"{out_dir} already holds a run ({', '.join(p.name for p in present)}); pass "
+                "--resume to continue it, --overwrite to replace it, or choose another output "
+                "directory"
+            )
+        return present
+
+
+#: A new run: the output directory must not hold one yet.
+NEW_RUN = RunMode()
