@@ -146,6 +146,18 @@ def test_resume_without_checkpoints(tmp_path):
     assert_user_error(invoke("train", "--out", tmp_path, *TINY, "--resume"), "nothing to resume")
 
 
+def test_run_flags_that_contradict_each_other(tmp_path):
+    """One RunMode checks the combination, for `train` and `run` alike (before any work)."""
+    out = tmp_path / "out"
+    for command in (["train", "--out", out], ["run", tmp_path / "chain.yaml", out]):
+        for flags, fragments in [
+            (["--resume", "--overwrite"], ["--resume and --overwrite", "choose one"]),
+            (["--allow-changes"], ["--allow-changes", "applies to --resume only"]),
+        ]:
+            assert_user_error(invoke(*command, *flags), *fragments)
+    assert not (tmp_path / "out").exists()
+
+
 def test_overwrite_replaces_previous_run(run_copy):
     (run_copy / "notes.txt").write_text("mine")
     result = invoke("train", "--out", run_copy, *TINY, "--overwrite", "training.steps=2")

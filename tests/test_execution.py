@@ -204,6 +204,28 @@ def test_trains_on_own_text_and_token_files(tmp_path):
 # --- resume --------------------------------------------------------------------------------
 
 
+def test_run_mode_is_one_object_checked_once(tmp_path):
+    """The keywords and ``mode=`` make the same RunMode; contradictions are refused at once."""
+    from theseus.training.run.mode import RunMode
+
+    assert quick("gpt/train/pretrain", tmp_path, resume=True).mode == RunMode(resume=True)
+    mode = RunMode(resume=True, allow_changes=True)
+    assert quick("gpt/train/pretrain", tmp_path, mode=mode).mode is mode
+    with pytest.raises(ValueError, match="contradict each other"):
+        quick("gpt/train/pretrain", tmp_path, resume=True, overwrite=True)
+    with pytest.raises(ValueError, match="applies to --resume only"):
+        chain("gpt/train/pretrain").run(tmp_path / "chain", allow_changes=True)
+    with pytest.raises(TypeError, match="not both"):
+        quick("gpt/train/pretrain", tmp_path, mode=mode, resume=True)
+    with pytest.raises(ValueError, match="nothing to resume"):
+        RunMode(resume=True).runs_to_replace(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text("")
+    with pytest.raises(ValueError, match=r"already holds a run \(metrics.jsonl\)"):
+        RunMode().runs_to_replace(tmp_path)
+    assert RunMode(overwrite=True).runs_to_replace(tmp_path) == [tmp_path / "metrics.jsonl"]
+    assert not (tmp_path / "chain").exists()
+
+
 def test_resume_reproduces_uninterrupted_losses(tmp_path):
     run_dir = tmp_path / "run"
     with quick("gpt/train/pretrain", run_dir) as q:
