@@ -127,8 +127,8 @@ def prepare_run_dir(out_dir: Path, mode: RunMode) -> None:
     """
     replaced = mode.runs_to_replace(out_dir)
     sync_processes("theseus: run directory checked")
-    if is_main_process() and not mode.resume:
-        for path in replaced:
+    if is_main_process():
+        for path in replaced:  # none when resuming
             shutil.rmtree(path) if path.is_dir() else path.unlink()
         out_dir.mkdir(parents=True, exist_ok=True)
     sync_processes("theseus: run directory ready")
