@@ -7,33 +7,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support import TINY_GPT
-from typer.testing import CliRunner
+from support import TINY_GPT, invoke, write_corpus
 
 import theseus
-from theseus.cli.app import app
 from theseus.data import load_corpus
 from theseus.data.bpe import load_tokenizer, tokenize
 from theseus.inference import Sampling, load_generator
 from theseus.inference.sampling import next_tokens, sample_keys
 from theseus.model import GPT
 
-TEXT = "Beautiful is better than ugly.\nExplicit is better than implicit.\nSimple beats complex.\n"
 PROMPTS = [[66, 101, 97], [73, 109, 112, 108, 105, 99, 105], [83, 105, 109, 112, 108, 101, 32]]
 NEW_TOKENS = 32
-
-
-def invoke(*args):
-    return CliRunner().invoke(app, [str(a) for a in args])
 
 
 @pytest.fixture(scope="module")
 def token_folder(tmp_path_factory):
     root = tmp_path_factory.mktemp("bpe")
-    corpus = root / "corpus"
-    corpus.mkdir()
-    for index in range(3):  # three files: split by file, as the byte loader splits them
-        (corpus / f"part{index}.txt").write_text(TEXT * (40 + 7 * index) + f"file {index}\n")
+    corpus = write_corpus(root / "corpus")  # three files: split by file, as bytes are split
     result = invoke("tokenize", corpus, root / "tokens", "--vocab-size", 263)
     assert result.exit_code == 0, result.output
     return corpus, root / "tokens"

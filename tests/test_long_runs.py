@@ -14,12 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support import TINY_GPT
-from typer.testing import CliRunner
+from support import TINY_GPT, invoke
 
 from theseus.checkpoint.checkpointer import Checkpointer
 from theseus.checkpoint.meta import CheckpointMeta
-from theseus.cli.app import app
 from theseus.config import apply_overrides
 from theseus.data import Sampler, load_corpus
 from theseus.sharding.axis import ShardingPolicy
@@ -36,10 +34,6 @@ DIVERGING = (
     "optimization.warmup_steps=0",
     "optimization.grad_clip=1e9",
 )
-
-
-def invoke(*args):
-    return CliRunner().invoke(app, [str(a) for a in args])
 
 
 def strict_rows(run_dir):
