@@ -16,6 +16,7 @@ from theseus.plot import plot_losses, read_metrics
 from theseus.sharding.axis import ShardingPolicy
 from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
 from theseus.training.run.loop import evaluate
+from theseus.training.run.mode import RunMode
 
 TINY = (*TINY_GPT, "training.steps=6", "checkpointing.keep=5")
 
@@ -205,18 +206,14 @@ def test_trains_on_own_text_and_token_files(tmp_path):
 
 
 def test_run_mode_is_one_object_checked_once(tmp_path):
-    """The keywords and ``mode=`` make the same RunMode; contradictions are refused at once."""
-    from theseus.training.run.mode import RunMode
-
-    assert quick("gpt/train/pretrain", tmp_path, resume=True).mode == RunMode(resume=True)
+    """One RunMode travels whole; contradictions are refused when it is made."""
     mode = RunMode(resume=True, allow_changes=True)
     assert quick("gpt/train/pretrain", tmp_path, mode=mode).mode is mode
+    assert theseus.RunMode is RunMode
     with pytest.raises(ValueError, match="contradict each other"):
-        quick("gpt/train/pretrain", tmp_path, resume=True, overwrite=True)
+        RunMode(resume=True, overwrite=True)
     with pytest.raises(ValueError, match="applies to --resume only"):
-        chain("gpt/train/pretrain").run(tmp_path / "chain", allow_changes=True)
-    with pytest.raises(TypeError, match="not both"):
-        quick("gpt/train/pretrain", tmp_path, mode=mode, resume=True)
+        RunMode(allow_changes=True)
     with pytest.raises(ValueError, match="nothing to resume"):
         RunMode(resume=True).runs_to_replace(tmp_path)
     (tmp_path / "metrics.jsonl").write_text("")
@@ -237,7 +234,7 @@ def test_resume_reproduces_uninterrupted_losses(tmp_path):
     import shutil
 
     shutil.rmtree(run_dir / "checkpoints" / "6")
-    with quick("gpt/train/pretrain", run_dir, resume=True) as q:
+    with quick("gpt/train/pretrain", run_dir, mode=RunMode(resume=True)) as q:
         q.override(*TINY)
         summary = q()
     assert summary.first_step == 5
@@ -258,7 +255,7 @@ def test_resume_onto_other_policy_continues_with_matching_numbers(tmp_path):
     import shutil
 
     shutil.rmtree(run_dir / "checkpoints" / "6")
-    with quick("gpt/train/pretrain", run_dir, resume=True) as q:
+    with quick("gpt/train/pretrain", run_dir, mode=RunMode(resume=True)) as q:
         q.shard(tp=4)
         q.override(*TINY)
         q()

@@ -21,6 +21,7 @@ _LAZY = {
     "tokenize": "theseus.data.bpe",
     "next_token_loss": "theseus.training.trainer",
     "Keys": "theseus.training.keys",
+    "RunMode": "theseus.training.run.mode",
 }
 
 __all__ = ["Axis", "ShardingPlan", "ShardingPolicy", "Topology", "partition_spec", *_LAZY]

@@ -141,15 +141,11 @@ class Chain:
         self,
         out_dir: str | Path,
         *,
-        mode: RunMode | None = None,
-        resume: bool = False,
-        overwrite: bool = False,
-        allow_changes: bool = False,
+        mode: RunMode = RunMode(),
         log=print,
     ) -> list[Any]:
         """Run every step in order; returns each step's result. Each training step treats its
-        folder as ``mode`` says (or the keywords: ``resume=True`` continues each one)."""
-        mode = RunMode.given(mode, resume=resume, overwrite=overwrite, allow_changes=allow_changes)
+        folder as ``mode`` says (``mode=RunMode(resume=True)`` continues each one)."""
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         self.save(out_dir / "chain.yaml")
@@ -183,8 +179,8 @@ class QuickSession:
     """One job, configured in Python and run in place.
 
     ``with theseus.quick("gpt/train/pretrain", out) as q: q.shard(tp=2); q.config...; q()``.
-    What a training job does with a run already in ``out_dir`` is ``mode``, or the keywords
-    (``resume=True``, ``overwrite=True``, ``allow_changes=True``): see :class:`RunMode`.
+    What a training job does with a run already in ``out_dir`` is ``mode``, e.g.
+    ``mode=RunMode(resume=True)``: see :class:`RunMode`.
     """
 
     def __init__(
@@ -192,15 +188,10 @@ class QuickSession:
         job_name: str,
         out_dir: str | Path,
         *,
-        mode: RunMode | None = None,
-        resume: bool = False,
-        overwrite: bool = False,
-        allow_changes: bool = False,
+        mode: RunMode = RunMode(),
         log=print,
     ):
-        self.mode = RunMode.given(
-            mode, resume=resume, overwrite=overwrite, allow_changes=allow_changes
-        )
+        self.mode = mode
         self.job = get_job(job_name)
         self.out_dir = Path(out_dir)
         self.config = self.job.trainer_class.config_class()

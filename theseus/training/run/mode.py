@@ -48,24 +48,6 @@ class RunMode:
                 "drop --allow-changes"
             )
 
-    @classmethod
-    def given(
-        cls,
-        mode: RunMode | None,
-        *,
-        resume: bool = False,
-        overwrite: bool = False,
-        allow_changes: bool = False,
-    ) -> RunMode:
-        """The mode of a Python call that takes either ``mode=`` or the three keywords."""
-        if mode is None:
-            return cls(resume=resume, overwrite=overwrite, allow_changes=allow_changes)
-        if resume or overwrite or allow_changes:
-            raise TypeError(
-                f"give either mode={mode!r} or resume/overwrite/allow_changes, not both"
-            )
-        return mode
-
     def runs_to_replace(self, out_dir: Path) -> list[Path]:
         """The files of an earlier run in ``out_dir`` that this run replaces (none when it
         resumes), after refusing to mix two runs in one directory unless the user said how."""
