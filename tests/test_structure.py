@@ -23,7 +23,7 @@ LAYERS = [
     ["training"],
     ["training.run"],
     ["jobs", "plot"],
-    ["inference"],
+    ["inference", "hf"],
     ["plan"],
     ["execution"],
     ["cli", "__main__"],

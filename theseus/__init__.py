@@ -1,7 +1,8 @@
 """theseus: annotate a model once with logical axis names, train it under DP, TP, ZeRO or FSDP.
 
 ``theseus.chain``, ``theseus.quick``, ``theseus.register``, ``theseus.BaseTrainer``,
-``theseus.tokenize`` and ``theseus.generate`` load the training stack on first use, so
+``theseus.tokenize``, ``theseus.generate``, ``theseus.logits``, ``theseus.import_hf`` and
+``theseus.export_hf`` load the training stack on first use, so
 ``import theseus`` (and the command line) stay light.
 """
 
@@ -18,6 +19,9 @@ _LAZY = {
     "TrainerConfig": "theseus.training.trainer",
     "scan_layers": "theseus.sharding.layer_scan",
     "generate": "theseus.inference",
+    "logits": "theseus.inference.logits",
+    "import_hf": "theseus.hf.importer",
+    "export_hf": "theseus.hf.exporter",
     "tokenize": "theseus.data.bpe",
     "next_token_loss": "theseus.training.trainer",
     "Keys": "theseus.training.keys",

@@ -72,12 +72,24 @@ def all_jobs() -> list[Job]:
 
 def _register_builtin() -> None:
     from theseus.training.gpt import GPTTrainer
+    from theseus.training.llama import LlamaTrainer
 
     register_job("gpt/train/pretrain", GPTTrainer, "pretrain GPT on byte or token data")
     register_job(
         "gpt/evaluate",
         GPTTrainer,
         "validation loss of the latest GPT checkpoint of a run",
+        action="evaluate",
+    )
+    register_job(
+        "llama/train/pretrain",
+        LlamaTrainer,
+        "train a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) on byte or token data",
+    )
+    register_job(
+        "llama/evaluate",
+        LlamaTrainer,
+        "validation loss of the latest Llama-family checkpoint of a run",
         action="evaluate",
     )
 

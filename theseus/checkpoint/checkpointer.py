@@ -23,9 +23,10 @@ ones it skipped. A checkpoint of another model (different tree or shapes) is an
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,25 @@ class SkippedCheckpoint:
     reason: str
 
 
+class _BelowError(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR
+
+
+@contextlib.contextmanager
+def _quiet_orbax_warnings() -> Iterator[None]:
+    """Keep orbax's absl warnings about options it adjusts (a read-only manager "setting
+    save_interval_steps=0", "Given directory is read only") off the user's terminal: they
+    describe what this class asked for, not a problem."""
+    absl = logging.getLogger("absl")
+    quiet = _BelowError()
+    absl.addFilter(quiet)
+    try:
+        yield
+    finally:
+        absl.removeFilter(quiet)
+
+
 # --- the checkpointer ------------------------------------------------------------------------
 
 
@@ -118,17 +138,18 @@ class Checkpointer:
         self.skipped: tuple[SkippedCheckpoint, ...] = ()
         if read_only and not self.directory.is_dir():
             raise CheckpointError(f"no checkpoints in {self.directory}: it is not a directory")
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=None if read_only else keep,
-            enable_async_checkpointing=async_save,
-            create=not read_only,
-            # Temporary directories are saves that never committed (e.g. a killed process). A
-            # reader leaves them alone: they may be a running job's saves in progress.
-            cleanup_tmp_directories=not read_only,
-            read_only=read_only,
-            # Do not read every step's metadata on open: a damaged step must not stop the open.
-            lightweight_initialize=True,
-        )
+        with _quiet_orbax_warnings():
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=None if read_only else keep,
+                enable_async_checkpointing=async_save,
+                create=not read_only,
+                # Temporary directories are saves that never committed (e.g. a killed process). A
+                # reader leaves them alone: they may be a running job's saves in progress.
+                cleanup_tmp_directories=not read_only,
+                read_only=read_only,
+                # Do not read every step's metadata on open: a damaged step must not stop the open.
+                lightweight_initialize=True,
+            )
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
         state_handler = ocp.handlers.StandardCheckpointHandler()
         meta_handler = ocp.handlers.JsonCheckpointHandler()
@@ -139,9 +160,10 @@ class Checkpointer:
         registry.add(_META, ocp.args.JsonSave, meta_handler)
         registry.add(_META, ocp.args.JsonRestore, meta_handler)
         try:
-            self._manager = ocp.CheckpointManager(
-                self.directory, options=options, handler_registry=registry
-            )
+            with _quiet_orbax_warnings():
+                self._manager = ocp.CheckpointManager(
+                    self.directory, options=options, handler_registry=registry
+                )
         except Exception as error:  # any failure to open is reported the same way
             raise CheckpointError(
                 f"cannot open checkpoint directory {self.directory}: {one_line(error)}"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import typer
 
-from theseus.cli import launch, plan, text, training
+from theseus.cli import hf, launch, plan, text, training
 
 app = typer.Typer(
     help="theseus: train annotated JAX models under DP, TP, ZeRO or FSDP.",
@@ -30,3 +30,5 @@ app.command(context_settings={"allow_interspersed_args": False})(launch.launch)
 app.command(name="plan", context_settings={"allow_extra_args": False})(plan.plan_command)
 app.command()(text.tokenize)
 app.command()(text.generate)
+app.command(name="import-hf")(hf.import_hf)
+app.command(name="export-hf")(hf.export_hf)

@@ -224,7 +224,19 @@ layout_options = shared_options(
 )
 
 
-RUN_FLAGS = {"resume": Resume, "allow_changes": AllowChanges, "overwrite": Overwrite}
+InitFrom = Annotated[
+    Path | None,
+    typer.Option(
+        help="start from this run's newest parameters (a run directory or `theseus import-hf`); "
+        "fresh optimizer and schedule"
+    ),
+]
+RUN_FLAGS = {
+    "resume": Resume,
+    "allow_changes": AllowChanges,
+    "overwrite": Overwrite,
+    "init_from": InitFrom,
+}
 PROCESS_FLAGS = {
     "distributed": Distributed,
     "coordinator": Coordinator,
@@ -250,13 +262,14 @@ def job_flags(**given: Any) -> JobFlags:
         return sharding_changes(**{flag: given[flag] for flag in flags})
 
     with user_errors():  # e.g. --resume with --overwrite
-        run = RunMode(**{flag: bool(given[flag]) for flag in RUN_FLAGS})
+        switches = {flag: bool(given[flag]) for flag in RUN_FLAGS if flag != "init_from"}
+        run = RunMode(**switches, init_from=given["init_from"])
     return JobFlags(
         sharding=picked(SHARDING_FLAGS), run=run, process=ProcessFlags(**picked(PROCESS_FLAGS))
     )
 
 
-#: The sharding flags, --resume/--allow-changes/--overwrite and the process flags (--distributed,
+#: The sharding flags, --resume/--allow-changes/--overwrite/--init-from and the process flags (--distributed,
 #: --coordinator, --num-processes, --process-id, --heartbeat-timeout, --cpu-devices), declared
 #: once for `train` and `run`, which receive them as ``flags`` (a :class:`JobFlags`).
 job_options = shared_options(

@@ -9,7 +9,6 @@ from typing import Annotated
 import typer
 
 from theseus.cli.options import (
-    DEFAULT_JOB,
     CPUDevices,
     Imports,
     Overwrite,
@@ -74,7 +73,13 @@ def generate(
     json_output: Annotated[
         bool, typer.Option("--json", help="print prompts, completions, token ids and tokens/s")
     ] = False,
-    job: Annotated[str, typer.Option(help="registered job that trained the run")] = DEFAULT_JOB,
+    prompt_ids: Annotated[
+        list[str] | None,
+        typer.Option(help="a prompt as comma-separated token ids, e.g. 1,15043,29892 (repeatable)"),
+    ] = None,
+    job: Annotated[
+        str | None, typer.Option(help="registered job of the run \\[default: read from the run]")
+    ] = None,
     cpu_devices: CPUDevices = None,
     imports: Imports = None,
     sharding: dict | None = None,
@@ -84,7 +89,8 @@ def generate(
     import json
 
     with user_errors():
-        prompts = list(prompt or [])
+        prompts: list = list(prompt or [])
+        prompts += [_token_ids(text) for text in prompt_ids or []]
         if prompt_file is not None:
             lines = prompt_file.read_text().splitlines()
             prompts += [line for line in lines if line.strip()]
@@ -116,3 +122,13 @@ def generate(
         f"checkpoint step {result.checkpoint_step}, {result.policy}",
         err=True,
     )
+
+
+def _token_ids(text: str) -> list[int]:
+    """``"1,2,3"`` as token ids; anything else is a user error naming it."""
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(
+            f"--prompt-ids {text!r}: give comma-separated integer token ids, e.g. 1,15043,29892"
+        ) from None

@@ -25,16 +25,13 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from theseus.checkpoint.checkpointer import Checkpointer
-from theseus.checkpoint.meta import CHECKPOINTS, CheckpointMeta
-from theseus.config import apply_overrides, validate
+from theseus.checkpoint.meta import CheckpointMeta
 from theseus.inference.codec import Codec, resolve_codec
+from theseus.inference.logits import load_run
 from theseus.inference.sampling import Sampling, next_tokens, sample_keys
-from theseus.jobs import get_job
 from theseus.model.decode import ROWS
-from theseus.sharding.axis import Axis, ShardingPolicy, partition_spec
+from theseus.sharding.axis import Axis, partition_spec
 from theseus.sharding.layout import abstract_with
-from theseus.sharding.topology import Topology
 from theseus.training.trainer import BaseTrainer
 
 
@@ -249,34 +246,14 @@ def load_generator(
     *,
     policy_changes: dict[str, Any] | None = None,
     devices: Sequence[jax.Device] | None = None,
-    job: str = "gpt/train/pretrain",
+    job: str | None = None,
     log: Callable[[str], None] = print,
 ) -> LoadedGenerator:
     """A :class:`Generator` with the newest good checkpoint of ``run_dir`` in the compute layout
-    of the run's policy merged with ``policy_changes``, and that checkpoint's metadata."""
-    run_dir = Path(run_dir)
-    if not (run_dir / CHECKPOINTS).is_dir():
-        raise ValueError(
-            f"{run_dir} holds no {CHECKPOINTS}/ folder: it is not the directory of a training "
-            "run, or the run saved no checkpoint yet; pass the --out directory of `theseus train`"
-        )
-    trainer_class = get_job(job).trainer_class
-    trainers: dict[int, BaseTrainer] = {}  # by step: the layouts of each step read
-
-    def target_for(meta: CheckpointMeta) -> Any:
-        policy = validate(ShardingPolicy, meta.policy).merge(**(policy_changes or {}))
-        topology = Topology.new(policy, devices)
-        config = validate(trainer_class.config_class, meta.config)
-        # Generation never splits a training batch: make the batch accounting fit any mesh.
-        config = apply_overrides(
-            config, [f"training.batch_size={topology.replicas}", "training.per_device_batch_size=1"]
-        )
-        trainer = trainers[meta.step] = trainer_class(config, policy, topology)
-        return abstract_with(trainer.abstract_state.params, trainer.layouts.compute)
-
-    with Checkpointer(run_dir / CHECKPOINTS, read_only=True, log=log) as checkpointer:
-        restored = checkpointer.restore(None, target_for, params_only=True)
-    return LoadedGenerator(Generator(trainers[restored.step], restored.state), restored.meta)
+    of the run's policy merged with ``policy_changes``, and that checkpoint's metadata. The job
+    is read from the run (``job`` names it when its config fits several registered jobs)."""
+    loaded = load_run(run_dir, policy_changes=policy_changes, devices=devices, job=job, log=log)
+    return LoadedGenerator(Generator(loaded.trainer, loaded.params), loaded.meta)
 
 
 @dataclass(frozen=True)
@@ -294,7 +271,7 @@ class LoadedGenerator:
 
 def generate(
     run_dir: str | Path,
-    prompts: Sequence[str],
+    prompts: Sequence[str | Sequence[int]],
     *,
     max_new_tokens: int = 64,
     temperature: float = 1.0,
@@ -305,20 +282,21 @@ def generate(
     tokenizer: str | Path | None = None,
     policy_changes: dict[str, Any] | None = None,
     devices: Sequence[jax.Device] | None = None,
-    job: str = "gpt/train/pretrain",
+    job: str | None = None,
     log: Callable[[str], None] = print,
 ) -> Generation:
     """Complete ``prompts`` with the newest good checkpoint of ``run_dir``.
 
-    Text is encoded with ``tokenizer`` (a ``tokenizer.json``), else the run's own tokenizer (a
-    run trained on a ``theseus tokenize`` folder keeps a copy), else as UTF-8 bytes.
+    A prompt is text or a list of token ids. Text is encoded with ``tokenizer`` (a
+    ``tokenizer.json``), else the run's own tokenizer (a run trained on a ``theseus tokenize``
+    folder or imported from Hugging Face keeps a copy), else as UTF-8 bytes.
     ``policy_changes`` (e.g. ``{"tp": 2}``) merge into the run's saved policy; ``devices``
     default to all of JAX's devices.
     """
     sampling = Sampling(temperature, top_k, top_p)  # checked before anything is loaded
-    if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
-        raise TypeError("prompts must be a list of strings")
-    if not prompts or not all(prompts):
+    if isinstance(prompts, str) or not all(_is_prompt(p) for p in prompts):
+        raise TypeError("prompts must be a list of strings or of lists of int token ids")
+    if not prompts or not all(len(p) for p in prompts):
         raise ValueError("give one or more prompts, none of them empty (--prompt TEXT)")
     loaded = load_generator(
         run_dir, policy_changes=policy_changes, devices=devices, job=job, log=log
@@ -328,7 +306,11 @@ def generate(
     codec: Codec = resolve_codec(
         Path(run_dir), tokenizer, trainer.config.data.path, generator.decoder.vocab_size
     )
-    prompt_ids = [codec.encode(text) for text in prompts]
+    prompt_ids = [codec.encode(p) if isinstance(p, str) else [int(i) for i in p] for p in prompts]
+    prompts = [
+        p if isinstance(p, str) else codec.decode(ids)
+        for p, ids in zip(prompts, prompt_ids, strict=True)
+    ]
     generated = generator.generate_ids(
         prompt_ids,
         max_new_tokens=max_new_tokens,
@@ -357,4 +339,13 @@ def generate(
         trainer.policy.describe(),
         trainer.topology.mesh_shape,
         generated.notes,
+    )
+
+
+def _is_prompt(prompt: Any) -> bool:
+    """Text, or a sequence of int token ids."""
+    if isinstance(prompt, str):
+        return True
+    return isinstance(prompt, Sequence) and all(
+        isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in prompt
     )

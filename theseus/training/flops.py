@@ -23,6 +23,7 @@ from jax.extend import core
 from theseus.training.keys import validation_keys
 
 if TYPE_CHECKING:
+    from theseus.model.llama import LlamaConfig
     from theseus.training.trainer import BaseTrainer
 
 
@@ -116,6 +117,25 @@ def gpt_flops_per_token(
     """
     weights = n_layer * (4 * n_embd * n_attn + 2 * n_embd * n_mlp) + vocab_size * n_embd
     return 6 * weights + 12 * n_layer * seq_len * n_attn
+
+
+def llama_flops_per_token(config: LlamaConfig, *, seq_len: int) -> int:
+    """Training FLOPs per token of a Llama-family decoder: ``6 N + 12 L T n_q``.
+
+    ``N = L (2 n_embd n_q + 2 n_embd n_kv + 3 n_embd n_mlp) + vocab n_embd`` counts the weights
+    that multiply activations: per layer the q and output projections (n_q wide), the k and v
+    projections (n_kv wide, fewer under grouped-query attention) and the three SwiGLU matrices,
+    and the output head (tied or not, it is one matmul; the embedding lookup costs nothing). 6
+    FLOPs per weight and token as for GPT. Attention's ``q kᵀ`` and ``probs v`` are ``2 T n_q``
+    multiply-adds per token and layer forward (every query head reads all ``T`` keys, shared
+    key/value heads or not): 12 FLOPs each for training. Norms, rotary embeddings, biases,
+    softmax and the loss are left out.
+    """
+    c = config
+    per_layer = 2 * c.hidden_size * c.n_q + 2 * c.hidden_size * c.n_kv
+    per_layer += 3 * c.hidden_size * c.intermediate_size
+    weights = c.num_layers * per_layer + c.vocab_size * c.hidden_size
+    return 6 * weights + 12 * c.num_layers * seq_len * c.n_q
 
 
 # --- peak FLOP/s ---------------------------------------------------------------------------------

@@ -184,9 +184,18 @@ def starting_point(
     checkpointer: Checkpointer,
     out_dir: Path,
     mode: RunMode,
+    log: Callable[[str], None] = print,
 ) -> StartingPoint:
     """A fresh state, or the newest good checkpoint's state and data position (after the checks
-    that the resumed run can continue with the same numbers)."""
+    that the resumed run can continue with the same numbers), or with ``mode.init_from`` a fresh
+    state holding another run's newest good parameters (other shapes: an error naming them)."""
+    if mode.init_from is not None:
+        source = mode.init_from / CHECKPOINTS
+        with Checkpointer(source, read_only=True, log=log) as other:
+            restored = other.restore(None, restore_target(trainer).params, params_only=True)
+        state = trainer.init_state().replace(params=restored.state)  # fresh optimizer state
+        origin = f"parameters from {mode.init_from} (step {restored.step})"
+        return StartingPoint(state, first_step=1, data_position=0, resumed_from=origin)
     if not mode.resume:
         return StartingPoint(trainer.init_state(), first_step=1, data_position=0)
     restored = checkpointer.restore(None, restore_target(trainer))
@@ -240,7 +249,7 @@ def train(
         log=log,
     )
     with failed_saves_stop_the_run(), checkpointer:
-        start = starting_point(trainer, checkpointer, out_dir, mode)
+        start = starting_point(trainer, checkpointer, out_dir, mode, log=log)
         log(describe_processes())  # the run's first line
         for change in start.changes:
             log(f"resuming with a changed setting: {change.describe()}")

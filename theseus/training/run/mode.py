@@ -1,5 +1,6 @@
 """What a training job does with a run directory that may already hold a run: start it, continue
-it (``resume``, optionally accepting changed settings) or replace it (``overwrite``). One object,
+it (``resume``, optionally accepting changed settings) or replace it (``overwrite``), and whether
+a new run starts from another run's parameters (``init_from``). One object,
 :class:`RunMode`, passed whole from the command line or the Python API down to the loop; every
 check of what the user asked for lives here."""
 
@@ -27,11 +28,14 @@ class RunMode:
     """``resume``: continue from the newest good checkpoint of the run directory;
     ``allow_changes``: with ``resume``, accept settings that change the numbers (see
     :mod:`theseus.training.run.resume`); ``overwrite``: replace a run already there. Neither
-    flag: the directory must not hold a run yet."""
+    flag: the directory must not hold a run yet. ``init_from``: a new run starts from the newest
+    good parameters of that run directory (trained or imported by ``theseus import-hf``), with a
+    fresh optimizer and its own schedule."""
 
     resume: bool = False
     overwrite: bool = False
     allow_changes: bool = False
+    init_from: Path | None = None
 
     def __post_init__(self) -> None:
         for name in ("resume", "overwrite", "allow_changes"):
@@ -42,6 +46,17 @@ class RunMode:
                 "--resume and --overwrite (resume=True, overwrite=True) contradict each other; "
                 "choose one"
             )
+        if self.init_from is not None:
+            object.__setattr__(self, "init_from", Path(self.init_from))
+            if self.resume:
+                raise ValueError(
+                    "--init-from starts a new run and --resume continues one: choose one"
+                )
+            if not (self.init_from / CHECKPOINTS).is_dir():
+                raise ValueError(
+                    f"--init-from {self.init_from}: it holds no {CHECKPOINTS}/ folder; give the "
+                    "directory of a training run or of `theseus import-hf`"
+                )
         if self.allow_changes and not self.resume:
             raise ValueError(
                 "--allow-changes (allow_changes=True) applies to --resume only: add --resume, or "

@@ -1,0 +1,367 @@
+"""Hugging Face checkpoints in and out, against transformers itself: tiny random models made here
+(no download) for every supported model type and both config.json layouts.
+
+Needs the reference extra (torch, transformers): ``pip install -c constraints.txt -e
+'.[hf-reference]'``. Without it these tests skip, except under CI (``CI`` set), where they fail.
+"""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import tokenizers
+from support import invoke
+
+try:
+    import torch
+    import transformers
+    from safetensors.torch import load_file, save_file
+except ImportError:
+    if os.environ.get("CI"):
+        raise
+    pytest.skip(
+        "needs the reference models: pip install -c constraints.txt -e '.[hf-reference]'",
+        allow_module_level=True,
+    )
+
+import theseus
+from theseus.config import apply_overrides, load_yaml
+from theseus.data import Sampler, load_corpus
+from theseus.hf.exporter import export_hf, tensor_blocks
+from theseus.hf.importer import import_hf
+from theseus.hf.mapping import hf_tensors
+from theseus.inference.logits import load_run
+from theseus.plot import read_metrics
+from theseus.sharding.axis import ShardingPolicy
+from theseus.sharding.topology import Topology
+from theseus.training.llama import LlamaTrainer, LlamaTrainerConfig
+from theseus.training.run.loop import train
+from theseus.training.run.mode import RunMode
+from theseus.training.trainer import next_token_loss
+
+VOCAB = 256  # the built-in byte corpus trains on it; divides into 8 ZeRO partitions
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=48,
+    intermediate_size=56,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+LLAMA31 = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,  # below the test's positions: every band is scaled
+}
+# kind: (transformers config, config.json layout, saved dtype)
+KINDS = {
+    "llama": (lambda: transformers.LlamaConfig(**COMMON), "5.x", torch.float32),
+    "llama31": (
+        lambda: transformers.LlamaConfig(**COMMON, rope_parameters=LLAMA31),
+        "5.x",
+        torch.float32,
+    ),
+    "llama31-4.x": (
+        lambda: transformers.LlamaConfig(**COMMON, rope_parameters=LLAMA31),
+        "4.x",
+        torch.float32,
+    ),
+    "qwen2": (lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=True), "4.x", None),
+    "qwen3": (lambda: transformers.Qwen3Config(**COMMON, head_dim=16), "5.x", torch.float32),
+    "gpt2": (
+        lambda: transformers.GPT2Config(
+            vocab_size=VOCAB, n_positions=32, n_embd=48, n_layer=2, n_head=4
+        ),
+        "5.x",
+        torch.float32,
+    ),
+    "llama-bf16": (lambda: transformers.LlamaConfig(**COMMON), "5.x", torch.bfloat16),
+}
+IDS = np.random.RandomState(0).randint(0, VOCAB, (3, 13))
+
+
+def to_4x_layout(config_file: Path) -> None:
+    """Rewrite a transformers 5.x config.json as 4.x wrote it: top-level rope_theta and
+    rope_scaling (None for plain rotary)."""
+    config = json.loads(config_file.read_text())
+    rope = dict(config.pop("rope_parameters"))
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = None if rope["rope_type"] == "default" else rope
+    config_file.write_text(json.dumps(config, indent=2))
+
+
+def reference_logits(model, ids: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(ids)).logits.float().numpy()
+
+
+def byte_tokenizer() -> tokenizers.Tokenizer:
+    """A byte-level tokenizer of 256 ids (no merges), as a model folder would ship one."""
+    alphabet = sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    model = tokenizers.models.BPE({c: i for i, c in enumerate(alphabet)}, [])
+    tokenizer = tokenizers.Tokenizer(model)
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = tokenizers.decoders.ByteLevel()
+    return tokenizer
+
+
+class Reference:
+    """A saved transformers model and its float32 logits of IDS."""
+
+    def __init__(self, kind: str, directory: Path):
+        make_config, layout, dtype = KINDS[kind]
+        torch.manual_seed(len(kind))
+        model = transformers.AutoModelForCausalLM.from_config(make_config()).eval()
+        with torch.no_grad():
+            for param in model.parameters():  # so that unit norms and zero biases matter too
+                param.normal_(0.0, 0.2)
+        if dtype is not None:
+            model = model.to(dtype)
+        self.directory = directory
+        model.save_pretrained(directory)
+        if layout == "4.x":
+            to_4x_layout(directory / "config.json")
+        byte_tokenizer().save(str(directory / "tokenizer.json"))
+        # What is on disk, in float32 (a model converted to bfloat16 and back in memory would keep
+        # its bfloat16-rounded rotary frequencies).
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            directory, dtype=torch.float32
+        ).eval()
+        self.logits = reference_logits(self.model, IDS)
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    cache: dict[str, Reference] = {}
+
+    def get(kind: str) -> Reference:
+        if kind not in cache:
+            cache[kind] = Reference(kind, tmp_path_factory.mktemp(kind) / "hf")
+        return cache[kind]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def imported(references, tmp_path_factory):
+    cache: dict[str, Path] = {}
+
+    def get(kind: str) -> Path:
+        if kind not in cache:
+            out = tmp_path_factory.mktemp(kind) / "run"
+            import_hf(references(kind).directory, out, log=lambda _: None)
+            cache[kind] = out
+        return cache[kind]
+
+    return get
+
+
+@pytest.mark.parametrize("kind", [k for k in KINDS if k != "llama-bf16"])
+def test_logits_match_transformers(kind, references, imported, caplog):
+    """One device, and tp=2 + FSDP on 8: within 1e-4 of transformers' float32 logits; no
+    library warnings on the way (orbax's about read-only restores)."""
+    run = imported(kind)
+    caplog.set_level("WARNING")
+    want = references(kind).logits
+    one = theseus.logits(run, IDS, devices=jax.devices()[:1], log=lambda _: None)
+    assert one.dtype == np.float32 and one.shape == (*IDS.shape, VOCAB)
+    np.testing.assert_allclose(one, want, atol=1e-4, rtol=0)
+    sharded = theseus.logits(run, IDS, policy_changes={"tp": 2, "fsdp": True}, log=lambda _: None)
+    np.testing.assert_allclose(sharded, want, atol=1e-4, rtol=0)
+    assert not [r for r in caplog.records if r.name == "absl"], caplog.text
+
+
+@pytest.mark.parametrize("kind", ["llama31-4.x", "qwen2", "qwen3", "gpt2", "llama-bf16"])
+def test_export_loads_back_bit_identical(kind, references, imported, tmp_path):
+    """import → export writes every tensor bit for bit; transformers loads it with no missing or
+    unexpected keys and its logits are the original's within 1e-5."""
+    reference = references(kind)
+    out = tmp_path / "hf"
+    max_shard = "20KB" if kind == "llama31-4.x" else "5GB"  # several shards and an index
+    export_hf(imported(kind), out, max_shard_size=max_shard, log=lambda _: None)
+    assert (out / "tokenizer.json").is_file()
+    if kind == "llama31-4.x":
+        assert (out / "model.safetensors.index.json").is_file()
+    original = load_file(reference.directory / "model.safetensors")
+    written = {}
+    for file in out.glob("*.safetensors"):
+        written.update(load_file(file))
+    assert sorted(written) == sorted(original)
+    for name, tensor in original.items():
+        assert written[name].dtype == tensor.dtype, name
+        assert torch.equal(written[name].view(torch.uint8), tensor.view(torch.uint8)), name
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    got = reference_logits(loaded.float().eval(), IDS)
+    np.testing.assert_allclose(got, reference.logits, atol=1e-5, rtol=0)
+
+
+def greedy_reference(model, prompt: list[int], new: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(new):
+        ids.append(int(reference_logits(model, np.array([ids]))[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+@pytest.mark.parametrize("kind", ["llama31", "qwen2", "qwen3", "gpt2"])
+def test_greedy_generation_matches_transformers(kind, references, imported):
+    prompts = [[5, 17, 200, 3], [99, 1, 250, 42, 7, 64]]
+    model = references(kind).model
+    result = theseus.generate(
+        imported(kind),
+        prompts,
+        max_new_tokens=6,
+        temperature=0.0,
+        policy_changes={"tp": 2},
+        log=lambda _: None,
+    )
+    for prompt, completion in zip(prompts, result.completions, strict=True):
+        assert completion.prompt_ids == prompt
+        assert completion.token_ids == greedy_reference(model, prompt, 6)
+
+
+def test_generate_cli_reads_the_job_from_the_run(imported):
+    result = invoke(
+        "generate", imported("qwen3"), "--prompt-ids", "5,17,200", "--temperature", "0",
+        "--max-new-tokens", "3", "--json",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "token_ids" in result.output
+
+
+# --- bad input: exit 2, one paragraph, no traceback, nothing written --------------------------
+
+
+def _hf_copy(references, tmp_path: Path, kind: str = "llama") -> Path:
+    folder = tmp_path / "hf"
+    shutil.copytree(references(kind).directory, folder)
+    return folder
+
+
+def _config(folder: Path, **changes) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | changes))
+
+
+def _drop_tensor(folder: Path, name: str) -> None:
+    tensors = load_file(folder / "model.safetensors")
+    del tensors[name]
+    save_file(tensors, folder / "model.safetensors")
+
+
+def _truncate(folder: Path) -> None:
+    file = folder / "model.safetensors"
+    file.write_bytes(file.read_bytes()[:-100])
+
+
+BAD_INPUTS = {
+    "mixtral": (lambda f: _config(f, model_type="mixtral"), ["'mixtral'", "qwen3"]),
+    "experts": (lambda f: _config(f, num_local_experts=8), ["experts", "num_local_experts"]),
+    "rope": (
+        lambda f: _config(f, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}),
+        ["yarn"],
+    ),
+    "missing": (
+        lambda f: _drop_tensor(f, "model.layers.1.mlp.up_proj.weight"),
+        ["model.layers.1.mlp.up_proj.weight is missing", "(56, 48)"],
+    ),
+    "misshapen": (
+        lambda f: _config(f, intermediate_size=60),
+        ["model.layers.0.mlp.gate_proj.weight", "(56, 48)", "(60, 48)"],
+    ),
+    "truncated": (_truncate, ["model.safetensors is truncated"]),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_import_bad_input_is_one_paragraph(case, references, tmp_path):
+    damage, expected = BAD_INPUTS[case]
+    folder = _hf_copy(references, tmp_path)
+    damage(folder)
+    out = tmp_path / "run"
+    result = invoke("import-hf", folder, out)
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    assert result.output.startswith("error: ") and result.output.strip().count("\n") == 0
+    for text in expected:
+        assert text in result.output, result.output
+    assert not out.exists()
+
+
+def test_import_never_touches_an_existing_run(references, imported, tmp_path):
+    run = imported("llama")
+    before = sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*"))
+    result = invoke("import-hf", references("qwen2").directory, run)
+    assert result.exit_code == 2 and "already exists" in result.output, result.output
+    assert sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*")) == before
+
+
+# --- fine-tuning an imported model -------------------------------------------------------------
+
+FINE_TUNE = [
+    "training.seq_len=16",
+    "training.batch_size=16",
+    "training.steps=4",
+    "optimization.learning_rate=3e-3",
+    "optimization.warmup_steps=1",
+    "training.validation_interval=4",
+    "training.validation_batches=1",
+    "checkpointing.interval=4",
+    "logging.progress_bar=false",
+]
+
+
+def test_init_from_imported_model_under_tp2_fsdp(imported, tmp_path):
+    """The first step's loss under tp=2 + FSDP on 8 devices equals one device's (1e-5
+    relative); it is the imported model's loss, not a fresh one's; training lowers it."""
+    run = imported("llama")
+    model = load_yaml(LlamaTrainerConfig, run / "config.yaml").model
+
+    def fine_tune(policy, per_device, devices, name):
+        config = apply_overrides(
+            LlamaTrainerConfig(model=model),
+            [*FINE_TUNE, f"training.per_device_batch_size={per_device}"],
+        )
+        trainer = LlamaTrainer(config, policy, Topology.new(policy, devices))
+        train(trainer, tmp_path / name, mode=RunMode(init_from=run), log=lambda _: None)
+        return [row["loss"] for row in read_metrics(tmp_path / name)]
+
+    one = fine_tune(ShardingPolicy(), 16, jax.devices()[:1], "one")
+    sharded = fine_tune(ShardingPolicy(tp=2, fsdp=True), 2, None, "sharded")
+    np.testing.assert_allclose(sharded[0], one[0], rtol=1e-5)
+    # The imported model's own loss on the first batch (one device: no accumulation).
+    batch = Sampler(load_corpus(None).train, 16, seed=0).global_batch(0, 1, 16)[0]  # (16, 17)
+    scores = theseus.logits(run, batch[:, :-1], devices=jax.devices()[:1], log=lambda _: None)
+    np.testing.assert_allclose(one[0], float(next_token_loss(scores, batch[:, 1:])), rtol=1e-5)
+    assert sharded[-1] < sharded[0]
+
+
+def test_init_from_other_shapes_names_the_tensors(imported, tmp_path):
+    result = invoke(
+        "train", "--job", "llama/train/pretrain", "--init-from", imported("qwen3"),
+        "--out", tmp_path / "run", "--steps", "1", *FINE_TUNE[:2], "model.num_layers=2",
+        "model.hidden_size=48", "training.per_device_batch_size=2",
+    )  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    assert "layers/q_proj/weight: checkpoint has (2, 64, 48)" in result.output, result.output
+
+
+def test_export_blocks_rebuild_each_tensor(imported):
+    """Export gathers a tensor in blocks of rows; small blocks give the same bytes."""
+    loaded = load_run(imported("gpt2"), layout="storage", log=lambda _: None)
+    model = loaded.trainer.config.model.model_dump(mode="json")
+    for tensor in hf_tensors("gpt/train/pretrain", model)[:8]:  # c_attn among them
+        whole = np.concatenate(list(tensor_blocks(loaded.params, tensor, np.float32)))
+        small = list(tensor_blocks(loaded.params, tensor, np.float32, block_bytes=100))
+        assert len(small) > 1 or len(tensor.shape) == 1
+        np.testing.assert_array_equal(np.concatenate(small), whole)
+        assert whole.shape == tensor.shape

@@ -1,0 +1,58 @@
+"""``theseus import-hf`` and ``theseus export-hf``: Hugging Face checkpoints in and out.
+Registered by :mod:`theseus.cli.app`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from theseus.cli.options import CPUDevices, layout_options, use_cpu_devices, user_errors
+
+
+@layout_options
+def import_hf(
+    hf_dir: Annotated[
+        Path, typer.Argument(help="Hugging Face model folder (config.json, *.safetensors)")
+    ],
+    out_dir: Annotated[Path, typer.Argument(help="new run directory to create")],
+    cpu_devices: CPUDevices = None,
+    sharding: dict | None = None,
+) -> None:
+    """Import a Llama, Mistral, Qwen2, Qwen3 or GPT-2 checkpoint as a run directory (streamed
+    into the storage layout of the given policy; tokenizer files copied)."""
+    use_cpu_devices(cpu_devices)
+    with user_errors():
+        from theseus.hf.importer import import_hf as run_import
+        from theseus.sharding.axis import ShardingPolicy
+
+        policy = ShardingPolicy(**(sharding or {}))
+        run_import(hf_dir, out_dir, policy=policy, log=lambda text: typer.echo(text, err=True))
+
+
+def export_hf(
+    run_dir: Annotated[Path, typer.Argument(help="run directory (trained or imported)")],
+    out_dir: Annotated[Path, typer.Argument(help="new Hugging Face model folder to create")],
+    dtype: Annotated[
+        str | None,
+        typer.Option(help="float32 or bfloat16 \\[default: the imported dtype, else float32]"),
+    ] = None,
+    max_shard_size: Annotated[
+        str, typer.Option(help="largest safetensors file, e.g. 5GB or 500MB")
+    ] = "5GB",
+    cpu_devices: CPUDevices = None,
+) -> None:
+    """Export a run's newest good checkpoint as config.json + safetensors + tokenizer files,
+    loadable by transformers' AutoModelForCausalLM.from_pretrained."""
+    use_cpu_devices(cpu_devices)
+    with user_errors():
+        from theseus.hf.exporter import export_hf as run_export
+
+        run_export(
+            run_dir,
+            out_dir,
+            dtype=dtype,
+            max_shard_size=max_shard_size,
+            log=lambda text: typer.echo(text, err=True),
+        )

@@ -1,0 +1,225 @@
+"""``theseus export-hf``: a run's newest good parameters as a Hugging Face checkpoint folder.
+
+Writes ``config.json`` (transformers 5.x layout), the weights as safetensors (one
+``model.safetensors``, or shards of at most ``max_shard_size`` with
+``model.safetensors.index.json``) and the run's tokenizer files. Each tensor (one layer of one
+parameter, or GPT-2's ``c_attn`` from its q, k and v columns) is copied to the host in blocks of
+rows, each block from the device shards that hold it (no computation across devices: slicing a
+sharded array would gather it whole on every device), converted and written block by block, so
+host memory beyond the parameters stays within one block (64 MiB of float32).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from theseus.hf.config import export_model_type, hf_config
+from theseus.hf.importer import IMPORTED_FROM, TOKENIZER_FILES, check_out_dir
+from theseus.hf.mapping import HFTensor, hf_tensors
+from theseus.hf.safetensors import write_file
+from theseus.inference.logits import load_run
+
+ExportDtype = Literal["float32", "bfloat16"]
+_DTYPES = {
+    "float32": np.dtype(np.float32),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float16": np.dtype(np.float16),
+}
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20}
+_UNITS |= {"GIB": 2**30}
+BLOCK_BYTES = 64 * 2**20  # float32 bytes of one block of rows gathered to the host
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """What ``export_hf`` wrote."""
+
+    out_dir: str
+    model_type: str
+    dtype: str
+    checkpoint_step: int
+    files: list[str]
+    num_tensors: int
+
+    def describe(self) -> str:
+        return (
+            f"exported step {self.checkpoint_step} as {self.model_type} ({self.dtype}, "
+            f"{self.num_tensors} tensors in {len(self.files)} file(s)) to {self.out_dir}"
+        )
+
+
+def parse_size(size: str | int) -> int:
+    """Bytes of ``size``: an int, or e.g. ``"5GB"``, ``"500MB"``, ``"2GiB"``."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*", str(size).upper())
+        if match is None:
+            raise ValueError(f"max shard size {size!r}: give bytes, e.g. 5GB, 500MB or 2GiB")
+        value = int(float(match[1]) * _UNITS[match[2] or ""])
+    if value < 1:
+        raise ValueError(f"max shard size {size!r} must be positive")
+    return value
+
+
+def shard_files(tensors: list[HFTensor], dtype: np.dtype, limit: int) -> list[list[HFTensor]]:
+    """Tensors grouped in order into files of at most ``limit`` bytes (a larger tensor alone)."""
+    files: list[list[HFTensor]] = [[]]
+    size = 0
+    for tensor in tensors:
+        nbytes = int(np.prod(tensor.shape)) * dtype.itemsize
+        if files[-1] and size + nbytes > limit:
+            files.append([])
+            size = 0
+        files[-1].append(tensor)
+        size += nbytes
+    return files
+
+
+def _leaf(params: dict, path: str) -> jax.Array:
+    for key in path.split("/"):
+        params = params[key]
+    return params
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _take(shard: jax.Array, starts: jax.Array, sizes: tuple[int, ...]) -> jax.Array:
+    """``sizes`` elements of one device's shard from ``starts``: compiled once per shard shape
+    and size, whatever the position (a static slice would compile once per layer)."""
+    return jax.lax.dynamic_slice(shard, tuple(starts), sizes)
+
+
+def host_region(array: jax.Array, region: tuple[slice, ...]) -> np.ndarray:
+    """``array[region]`` on the host, copied from the device shards that hold it: each distinct
+    shard sends only its overlap with the region, and no computation spans devices."""
+    out_shape = [s.stop - s.start for s in region]
+    out = np.empty(out_shape, array.dtype)
+    seen = set()
+    for shard in array.addressable_shards:
+        bounds = [
+            range(*index.indices(size))
+            for index, size in zip(shard.index, array.shape, strict=True)
+        ]
+        key = tuple((b.start, b.stop) for b in bounds)
+        if key in seen:
+            continue
+        seen.add(key)
+        overlap = [
+            (max(b.start, s.start), min(b.stop, s.stop))
+            for b, s in zip(bounds, region, strict=True)
+        ]
+        if any(lo >= hi for lo, hi in overlap):
+            continue
+        starts = np.array([lo - b.start for (lo, _), b in zip(overlap, bounds, strict=True)])
+        target = tuple(
+            slice(lo - s.start, hi - s.start) for (lo, hi), s in zip(overlap, region, strict=True)
+        )
+        sizes = tuple(hi - lo for lo, hi in overlap)
+        out[target] = np.asarray(jax.device_get(_take(shard.data, starts, sizes)))
+    return out
+
+
+def tensor_blocks(
+    params: dict, tensor: HFTensor, dtype: np.dtype, block_bytes: int = BLOCK_BYTES
+) -> Iterator[np.ndarray]:
+    """One tensor as blocks of rows copied to the host from the device shards and converted
+    (float32 blocks of at most ``block_bytes``)."""
+    rows = tensor.shape[0]
+    row_bytes = 4 * int(np.prod(tensor.shape[1:]))
+    # A vector is one block (its parts lie side by side along its only dimension).
+    step = rows if len(tensor.shape) == 1 else max(1, block_bytes // row_bytes)
+    for start in range(0, rows, step):
+        pieces = []
+        for part in tensor.parts:
+            leaf = _leaf(params, part.path)  # ([n_layer,] rows, ...)
+            stacked = part.layer is not None
+            layer = (slice(part.layer, part.layer + 1),) if stacked else ()
+            rest = tuple(slice(0, n) for n in leaf.shape[len(layer) + 1 :])
+            stop = part.stop - part.start if len(tensor.shape) == 1 else min(rows, start + step)
+            region = (*layer, slice(start, stop), *rest)
+            block = host_region(leaf, region)  # ([1,] block, ...) float32
+            pieces.append(block[0] if stacked else block)
+        yield np.concatenate(pieces, axis=-1).astype(dtype)
+
+
+def tensor_values(
+    params: dict, tensors: list[HFTensor], dtype: np.dtype
+) -> Iterator[tuple[str, Iterator[np.ndarray]]]:
+    """Each tensor's name and its blocks, one tensor after the other."""
+    for tensor in tensors:
+        yield tensor.name, tensor_blocks(params, tensor, dtype)
+
+
+def imported_from(run_dir: Path) -> dict[str, Any]:
+    """What ``import-hf`` recorded about the model a run came from (model type, dtype, special
+    token ids), or nothing for a run trained here."""
+    try:
+        record = json.loads((run_dir / "run.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    found = record.get(IMPORTED_FROM) if isinstance(record, dict) else None
+    return found if isinstance(found, dict) else {}
+
+
+def export_hf(
+    run_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    dtype: ExportDtype | None = None,
+    max_shard_size: str | int = "5GB",
+    log: Callable[[str], None] = print,
+) -> ExportResult:
+    """Write the newest good checkpoint of ``run_dir`` as a Hugging Face model folder that
+    ``transformers.AutoModelForCausalLM.from_pretrained`` loads. ``dtype`` defaults to the
+    dtype the run was imported in (float32 for a run trained here)."""
+    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    limit = parse_size(max_shard_size)
+    if dtype is not None and dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype={dtype!r}: export writes float32 or bfloat16")
+    check_out_dir(out_dir)
+    if jax.process_count() > 1:
+        raise ValueError("export-hf runs in one process; start it without --coordinator")
+    loaded = load_run(run_dir, layout="storage", log=log)
+    imported = imported_from(run_dir)
+    dtype_name = dtype or imported.get("dtype", "float32")
+    np_dtype = _DTYPES[dtype_name]
+    model = loaded.trainer.config.model.model_dump(mode="json")
+    model_type = export_model_type(loaded.job, model, imported.get("model_type"))
+    tensors = hf_tensors(loaded.job, model)
+    groups = shard_files(tensors, np_dtype, limit)
+    names = (
+        ["model.safetensors"]
+        if len(groups) == 1
+        else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, group in zip(names, groups, strict=True):
+        entries = {t.name: (np_dtype, t.shape) for t in group}
+        write_file(out_dir / name, entries, tensor_values(loaded.params, group, np_dtype))
+    if len(groups) > 1:
+        weight_map = {
+            t.name: name for name, group in zip(names, groups, strict=True) for t in group
+        }
+        total = sum(int(np.prod(t.shape)) * np_dtype.itemsize for t in tensors)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    config = hf_config(loaded.job, model, model_type, dtype_name)
+    config |= imported.get("special_tokens") or {}
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name in TOKENIZER_FILES:
+        if (run_dir / name).is_file():
+            shutil.copyfile(run_dir / name, out_dir / name)
+    result = ExportResult(str(out_dir), model_type, dtype_name, loaded.step, names, len(tensors))
+    log(result.describe())
+    return result

@@ -1,0 +1,248 @@
+"""``theseus import-hf``: a Hugging Face checkpoint folder becomes a theseus run directory.
+
+Every check runs before anything is written: the config (model type, architecture, settings),
+every tensor's presence and shape, the files' sizes. Then each parameter is built shard by shard
+in the storage layout of the chosen policy: for each distinct shard, the slices it needs are read
+from the memory-mapped safetensors files (each layer's tensor, or GPT-2's q/k/v columns of
+``c_attn``), converted to float32 and put on the devices that hold that shard, so a parameter is
+never whole on the host (unless its layout keeps it whole) and each process reads only the
+slices of its own devices. The run directory holds a checkpoint of the parameters (step 0, with
+the job and model config in its metadata), ``config.yaml``, ``run.json`` and the tokenizer files.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from theseus.checkpoint.checkpointer import Checkpointer
+from theseus.checkpoint.meta import CHECKPOINTS, CheckpointMeta
+from theseus.config import apply_overrides, save_yaml, validate
+from theseus.hf.config import ModelSpec, model_spec
+from theseus.hf.mapping import HFTensor, Part, aliases, hf_tensors
+from theseus.hf.safetensors import TensorInfo, checkpoint_tensors
+from theseus.jobs import get_job
+from theseus.sharding.axis import ShardingPolicy
+from theseus.sharding.layout import is_sharding, path_str
+from theseus.sharding.topology import Topology
+from theseus.training.trainer import BaseTrainer
+
+IMPORTED_FROM = "imported_from"  # run.json: the Hugging Face model an import came from
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "generation_config.json",
+)
+
+
+@dataclass(frozen=True)
+class ImportResult:
+    """What ``import_hf`` wrote: the run directory, its job, parameter count and source."""
+
+    out_dir: str
+    job: str
+    model_type: str
+    num_params: int
+    dtype: str
+    tokenizer_files: list[str]
+
+    def describe(self) -> str:
+        return (
+            f"imported {self.model_type} ({self.num_params:,} parameters, {self.dtype}) as job "
+            f"{self.job} into {self.out_dir}"
+        )
+
+
+def read_spec(hf_dir: Path) -> ModelSpec:
+    config_file = hf_dir / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{hf_dir} holds no config.json: it is not a Hugging Face model folder")
+    try:
+        hf = json.loads(config_file.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{config_file} is not valid JSON: {error}") from None
+    return model_spec(hf, str(config_file))
+
+
+def import_trainer(
+    spec: ModelSpec, policy: ShardingPolicy, devices: Sequence[jax.Device] | None
+) -> BaseTrainer:
+    """The job's trainer for the model, with a batch accounting that fits any mesh."""
+    trainer_class = get_job(spec.job).trainer_class
+    topology = Topology.new(policy, devices)
+    config = validate(trainer_class.config_class, {"model": spec.model})
+    config = apply_overrides(
+        config, [f"training.batch_size={topology.replicas}", "training.per_device_batch_size=1"]
+    )
+    return trainer_class(config, policy, topology)
+
+
+def match_tensors(
+    expected: list[HFTensor], found: dict[str, TensorInfo], hf_dir: Path
+) -> dict[str, TensorInfo]:
+    """Each expected tensor's file entry; a missing or misshapen one is an error naming it."""
+    matched, problems = {}, []
+    for tensor in expected:
+        info = next((found[a] for a in aliases(tensor.name) if a in found), None)
+        if info is None:
+            problems.append(f"{tensor.name} is missing (expected shape {tensor.shape})")
+        elif info.shape != tensor.shape:
+            problems.append(
+                f"{tensor.name} in {info.file.name} has shape {info.shape}, config.json implies "
+                f"{tensor.shape}"
+            )
+        else:
+            matched[tensor.name] = info
+    if problems:
+        raise ValueError(
+            f"{hf_dir}: {len(problems)} tensor(s) do not fit its config.json: "
+            + "; ".join(problems[:5])
+        )
+    return matched
+
+
+def _index(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[range]:
+    return [range(*s.indices(size)) for s, size in zip(index, shape, strict=True)]
+
+
+def read_shard(
+    parts: dict[int | None, tuple[Part, TensorInfo]],
+    shape: tuple[int, ...],
+    index: tuple[slice, ...],
+    stacked: bool,
+) -> np.ndarray:
+    """One shard (``index`` of a parameter of ``shape``) as float32, read from the memory-mapped
+    tensors: for a stacked parameter, the slices of each layer in the shard's range."""
+    ranges = _index(index, shape)
+
+    def piece(part: Part, info: TensorInfo, dims: list[range]) -> np.ndarray:
+        last = dims[-1]
+        columns = slice(part.start + last.start, part.start + last.stop)
+        where = (*(slice(d.start, d.stop) for d in dims[:-1]), columns)
+        return np.asarray(info.array()[where], dtype=np.float32)
+
+    if not stacked:
+        return piece(*parts[None], ranges)
+    layers = [piece(*parts[layer], ranges[1:]) for layer in ranges[0]]
+    return np.stack(layers) if layers else np.zeros([len(r) for r in ranges], np.float32)
+
+
+def place(
+    shape: tuple[int, ...], sharding: NamedSharding, read: Callable[[tuple], np.ndarray]
+) -> jax.Array:
+    """A global array in ``sharding`` whose shards are read one distinct shard at a time and
+    put on this process's devices that hold it (host memory: one shard)."""
+    by_index: dict[tuple, list[jax.Device]] = defaultdict(list)
+    indices = sharding.addressable_devices_indices_map(shape)
+    for device, index in indices.items():
+        key = tuple((s.start, s.stop) for s in index)
+        by_index[key].append(device)
+    arrays = {}
+    for devices in by_index.values():
+        host = read(indices[devices[0]])
+        for device in devices:
+            arrays[device] = jax.device_put(host, device)
+        del host
+    ordered = [arrays[d] for d in indices]
+    return jax.make_array_from_single_device_arrays(shape, sharding, ordered)
+
+
+def read_params(trainer: BaseTrainer, tensors: list[HFTensor], infos: dict[str, TensorInfo]):
+    """Every parameter in the trainer's storage layout, read shard by shard."""
+    parts: dict[str, dict[int | None, tuple[Part, TensorInfo]]] = defaultdict(dict)
+    for tensor in tensors:
+        for part in tensor.parts:
+            parts[part.path][part.layer] = (part, infos[tensor.name])
+    flat = jax.tree_util.tree_flatten_with_path(trainer.abstract_state.params)[0]
+    shardings = jax.tree.leaves(trainer.layouts.storage, is_leaf=is_sharding)
+    leaves = []
+    for (path, leaf), sharding in zip(flat, shardings, strict=True):
+        name = path_str(path)
+        own = parts[name]
+        assert own, f"no Hugging Face tensor maps to {name}"
+        stacked = None not in own
+
+        def read(index, own=own, shape=leaf.shape, stacked=stacked):
+            return read_shard(own, shape, index, stacked)
+
+        leaves.append(place(tuple(leaf.shape), sharding, read))
+    return jax.tree.unflatten(jax.tree.structure(trainer.abstract_state.params), leaves)
+
+
+def _dtype_name(info: TensorInfo) -> str:
+    return {"bfloat16": "bfloat16", "float16": "float16"}.get(str(info.dtype), "float32")
+
+
+def check_out_dir(out_dir: Path) -> None:
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ValueError(
+            f"{out_dir} already exists and is not an empty directory; import into a new one "
+            "(nothing was written)"
+        )
+
+
+def import_hf(
+    hf_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    policy: ShardingPolicy | None = None,
+    devices: Sequence[jax.Device] | None = None,
+    log: Callable[[str], None] = print,
+) -> ImportResult:
+    """Import the Hugging Face checkpoint ``hf_dir`` (``config.json`` and safetensors) as the
+    run directory ``out_dir``, placing the parameters in ``policy``'s storage layout (default:
+    one replica per device, ZeRO on) while reading them."""
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    if not hf_dir.is_dir():
+        raise ValueError(f"{hf_dir} is not a directory; give a Hugging Face model folder")
+    check_out_dir(out_dir)
+    spec = read_spec(hf_dir)
+    expected = hf_tensors(spec.job, spec.model)
+    infos = match_tensors(expected, checkpoint_tensors(hf_dir), hf_dir)
+    trainer = import_trainer(spec, policy or ShardingPolicy(), devices)
+    params = read_params(trainer, expected, infos)
+    dtype = _dtype_name(infos[expected[0].name])
+    config = validate(type(trainer.config), {"model": spec.model})
+    meta = CheckpointMeta(
+        step=0,
+        data_position=0,
+        config=config.model_dump(mode="json"),
+        **trainer.execution_facts(),
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with Checkpointer(out_dir / CHECKPOINTS, log=log) as checkpointer:
+        checkpointer.save({"params": params}, meta)
+        checkpointer.wait()
+    copied = [name for name in TOKENIZER_FILES if (hf_dir / name).is_file()]
+    if jax.process_index() == 0:
+        for name in copied:
+            shutil.copyfile(hf_dir / name, out_dir / name)
+        save_yaml(config, out_dir / "config.yaml")
+        record = {
+            "job": spec.job,
+            "num_params": trainer.num_params,
+            IMPORTED_FROM: {
+                "model_type": spec.model_type,
+                "dtype": dtype,
+                "source": str(hf_dir.absolute()),
+                "special_tokens": spec.special_tokens,
+            },
+        }
+        (out_dir / "run.json").write_text(json.dumps(record, indent=2) + "\n")
+    result = ImportResult(
+        str(out_dir), spec.job, spec.model_type, trainer.num_params, dtype, copied
+    )
+    log(result.describe())
+    return result

@@ -1,0 +1,170 @@
+"""A run's model with its newest good parameters, and its float32 logits under any policy.
+
+:func:`load_run` finds the run's job (the registered training job whose config the checkpoint's
+config is), builds its trainer for the
+run's policy merged with the caller's changes, and restores only the parameters into the layout
+asked for. :func:`logits` scores token ids: the parameters stay in their storage layout and each
+layer is gathered inside the layer scan as in training, so under FSDP the model is never whole on
+a device.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from theseus.checkpoint.checkpointer import Checkpointer
+from theseus.checkpoint.meta import CHECKPOINTS, CheckpointMeta
+from theseus.config import apply_overrides, validate
+from theseus.jobs import all_jobs, get_job
+from theseus.sharding.axis import Axis, ShardingPolicy
+from theseus.sharding.layout import abstract_with
+from theseus.sharding.topology import Topology
+from theseus.training import gathering
+from theseus.training.trainer import BaseTrainer
+
+
+@dataclass(frozen=True)
+class LoadedRun:
+    """A run's trainer (for the requested policy), its newest good parameters, the metadata
+    saved with them and the run's job."""
+
+    trainer: BaseTrainer
+    params: Any
+    meta: CheckpointMeta
+    job: str
+
+    @property
+    def step(self) -> int:
+        return self.meta.step
+
+
+def job_of(config: dict[str, Any]) -> str:
+    """The registered training job whose config class accepts a checkpoint's ``config``."""
+    fits = []
+    for job in all_jobs():
+        if job.action != "train":
+            continue
+        try:
+            validate(job.trainer_class.config_class, config)
+        except ValueError:
+            continue
+        fits.append(job.name)
+    if len(fits) != 1:
+        raise ValueError(
+            f"cannot tell the job of this checkpoint from its config (matching jobs: "
+            f"{fits or 'none'}); name it (job=NAME, --job NAME)"
+        )
+    return fits[0]
+
+
+def load_run(
+    run_dir: str | Path,
+    *,
+    policy_changes: dict[str, Any] | None = None,
+    devices: Sequence[jax.Device] | None = None,
+    job: str | None = None,
+    layout: Literal["compute", "storage"] = "compute",
+    log: Callable[[str], None] = print,
+) -> LoadedRun:
+    """The newest good parameters of ``run_dir`` in the ``layout`` of the run's policy merged
+    with ``policy_changes``, with the trainer that defines that layout. The job is the one whose
+    config the checkpoint's is, unless ``job`` names it."""
+    run_dir = Path(run_dir)
+    if not (run_dir / CHECKPOINTS).is_dir():
+        raise ValueError(
+            f"{run_dir} holds no {CHECKPOINTS}/ folder: it is not the directory of a training "
+            "run or an imported model, or the run saved no checkpoint yet"
+        )
+    trainers: dict[int, tuple[BaseTrainer, str]] = {}  # by step: the layouts of each step read
+
+    def target_for(meta: CheckpointMeta) -> Any:
+        name = job if job is not None else job_of(meta.config)
+        trainer_class = get_job(name).trainer_class
+        policy = validate(ShardingPolicy, meta.policy).merge(**(policy_changes or {}))
+        topology = Topology.new(policy, devices)
+        config = validate(trainer_class.config_class, meta.config)
+        # Scoring and generation never split a training batch: make the accounting fit any mesh.
+        config = apply_overrides(
+            config, [f"training.batch_size={topology.replicas}", "training.per_device_batch_size=1"]
+        )
+        trainer = trainer_class(config, policy, topology)
+        trainers[meta.step] = (trainer, name)
+        return abstract_with(trainer.abstract_state.params, getattr(trainer.layouts, layout))
+
+    with Checkpointer(run_dir / CHECKPOINTS, read_only=True, log=log) as checkpointer:
+        restored = checkpointer.restore(None, target_for, params_only=True)
+    trainer, name = trainers[restored.step]
+    return LoadedRun(trainer, restored.state, restored.meta, name)
+
+
+def check_token_ids(token_ids: Any, vocab_size: int) -> np.ndarray:
+    """``token_ids`` as int32 (rows, seq): a non-empty rectangle of ids in the vocabulary."""
+    try:
+        ids = np.asarray(token_ids)
+    except ValueError:
+        ids = np.asarray([], dtype=object)
+    if ids.ndim != 2 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(
+            "token_ids must be a non-empty list of rows of int token ids, all rows of one length "
+            f"(got shape {ids.shape}, dtype {ids.dtype})"
+        )
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise ValueError(
+            f"token ids must lie in [0, {vocab_size}), the model's vocabulary; got "
+            f"{ids.min()}..{ids.max()}"
+        )
+    return ids.astype(np.int32)
+
+
+def model_logits(trainer: BaseTrainer, params: Any, tokens: jax.Array) -> jax.Array:
+    """Float32 logits (rows, seq, vocab) of ``tokens`` from storage-layout ``params``: each
+    layer gathered inside the layer scan, as in the trainer's loss."""
+    params = jax.lax.with_sharding_constraint(params, trainer.entry_layout)
+
+    def run(p):
+        return nnx.merge(trainer.graphdef, p)(tokens)
+
+    return gathering.loss_with_layouts(run, params, trainer.layouts, None)
+
+
+def logits(
+    run_dir: str | Path,
+    token_ids: Any,
+    *,
+    policy_changes: dict[str, Any] | None = None,
+    devices: Sequence[jax.Device] | None = None,
+    log: Callable[[str], None] = print,
+) -> np.ndarray:
+    """Float32 logits ``(rows, seq, vocab)`` of ``token_ids`` (rows, seq) under the newest good
+    checkpoint of ``run_dir`` (a training run or an imported model), computed under the run's
+    policy merged with ``policy_changes`` (e.g. ``{"tp": 2, "fsdp": True}``)."""
+    loaded = load_run(
+        run_dir, policy_changes=policy_changes, devices=devices, layout="storage", log=log
+    )
+    trainer = loaded.trainer
+    vocab = trainer.config.model.vocab_size
+    ids = check_token_ids(token_ids, vocab)
+    rows, seq = ids.shape
+    replicas = trainer.topology.replicas
+    padded = np.zeros((math.ceil(rows / replicas) * replicas, seq), np.int32)
+    padded[:rows] = ids
+    mesh = trainer.mesh
+    row_sharding = NamedSharding(mesh, P(Axis.BATCH, None))
+    with jax.set_mesh(mesh):
+        score = jax.jit(
+            lambda p, t: model_logits(trainer, p, t),
+            in_shardings=(trainer.layouts.storage, row_sharding),
+            out_shardings=NamedSharding(mesh, P(Axis.BATCH, None, None)),
+        )
+        out = score(loaded.params, jax.device_put(padded, row_sharding))
+    return np.asarray(jax.device_get(out))[:rows]
