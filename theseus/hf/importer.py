@@ -188,7 +188,7 @@ def _dtype_name(info: TensorInfo) -> str:
 def check_out_dir(out_dir: Path) -> None:
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ValueError(
-            f"{out_dir} already exists and is not an empty directory; import into a new one "
+            f"{out_dir} already exists and is not an empty directory; give a new or empty one "
             "(nothing was written)"
         )
 
