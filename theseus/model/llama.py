@@ -197,13 +197,12 @@ class Proj(nnx.Module):
     (n_layer, d_out)."""
 
     def __init__(self, num_layers, d_out, d_in, names, *, bias: bool, rngs: nnx.Rngs):
-        out_name, in_name = names
+        out_name = names[0]
         normal = nnx.initializers.normal(0.02)
         self.weight = _param(rngs, (num_layers, d_out, d_in), ("n_layer", *names), normal)
         if bias:
             zeros = nnx.initializers.zeros
             self.bias = _param(rngs, (num_layers, d_out), ("n_layer", out_name), zeros)
-        del in_name
 
 
 class Norm(nnx.Module):
@@ -254,9 +253,9 @@ def qkv(layer: dict, h: jax.Array, cos, sin, *, head_dim: int, eps: float):
 
 def mlp(layer: dict, x: jax.Array, *, eps: float, dtype: jnp.dtype) -> jax.Array:
     """The residual stream ``x`` (batch, seq, n_embd) float32 after the SwiGLU MLP sublayer."""
-    h = rms_norm(x, layer["post_attention_layernorm"]["weight"], eps, dtype)
-    gated = jax.nn.silu(project(h, layer["gate_proj"])) * project(h, layer["up_proj"])
-    return x + project(gated, layer["down_proj"]).astype(jnp.float32)  # (batch, seq, n_mlp)
+    h = rms_norm(x, layer["post_attention_layernorm"]["weight"], eps, dtype)  # (batch, seq, e)
+    gated = jax.nn.silu(project(h, layer["gate_proj"])) * project(h, layer["up_proj"])  # n_mlp
+    return x + project(gated, layer["down_proj"]).astype(jnp.float32)  # (batch, seq, n_embd)
 
 
 def block(
