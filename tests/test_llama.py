@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 from support import EQUIVALENCE_BATCH, invoke
-from test_trainer import POLICIES, run
+from test_trainer import POLICIES, batches
 
 from theseus.config import apply_overrides
 from theseus.model.llama import LlamaConfig, num_params
@@ -50,32 +50,42 @@ def config(per_device_batch_size: int, model: LlamaConfig = MODEL) -> LlamaTrain
     )
 
 
+def run(trainer: LlamaTrainer):
+    """Three steps: per-step losses, final parameters on the host, the step counter. (GPT's
+    equivalence test also compares validation losses; the step here is the costly compile.)"""
+    state = trainer.init_state()
+    losses = []
+    for batch in batches(trainer):
+        state, metrics = trainer.train_step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return np.array(losses), jax.device_get(state.params), int(state.step)
+
+
 @functools.cache
 def reference():
     one_device = Topology.new(ShardingPolicy(), devices=jax.devices()[:1])
     trainer = LlamaTrainer(config(EQUIVALENCE_BATCH), ShardingPolicy(), one_device)
-    losses, params, val, _ = run(trainer)
-    return losses, params, val
+    losses, params, _ = run(trainer)
+    return losses, params
 
 
 @pytest.mark.parametrize("accumulation", [1, 4])
 @pytest.mark.parametrize("policy", POLICIES, ids=lambda p: f"tp{p.tp}-zero{p.zero}-fsdp{p.fsdp}")
 def test_policy_matches_one_device(policy, accumulation):
-    """Losses within 1e-5 relative over three steps, parameters within 1e-4, validation 1e-5
-    (the suite's tolerances), and the loss goes down."""
+    """Losses within 1e-5 relative over three steps and parameters within 1e-4 (the suite's
+    tolerances), and the loss goes down."""
     replicas = 8 // policy.tp
     trainer = LlamaTrainer(config(EQUIVALENCE_BATCH // (replicas * accumulation)), policy)
     assert trainer.batch_plan.accumulation_steps == accumulation
-    losses, params, val, state = run(trainer)
-    assert int(state.step) == 3
-    ref_losses, ref_params, ref_val = reference()
+    losses, params, step = run(trainer)
+    assert step == 3
+    ref_losses, ref_params = reference()
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert losses[-1] < losses[0]
     for (path, got), want in zip(
         jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(ref_params), strict=True
     ):
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=0, err_msg=str(path))
-    np.testing.assert_allclose(val, ref_val, rtol=1e-5)
 
 
 def test_plan_names_and_counts():
