@@ -365,3 +365,26 @@ def test_export_blocks_rebuild_each_tensor(imported):
         assert len(small) > 1 or len(tensor.shape) == 1
         np.testing.assert_array_equal(np.concatenate(small), whole)
         assert whole.shape == tensor.shape
+
+
+def test_export_bad_input_is_one_paragraph(imported, tmp_path):
+    run = imported("qwen2")
+    cases = [
+        (["--dtype", "float16"], "export writes float32 or bfloat16"),
+        (["--max-shard-size", "lots"], "give bytes, e.g. 5GB"),
+    ]
+    for flags, expected in cases:
+        result = invoke("export-hf", run, tmp_path / "out", *flags)
+        assert result.exit_code == 2 and expected in result.output, result.output
+        assert not (tmp_path / "out").exists()
+    result = invoke("export-hf", tmp_path, tmp_path / "out")
+    assert result.exit_code == 2 and "holds no checkpoints/ folder" in result.output
+
+
+def test_init_from_contradictions(imported, tmp_path):
+    with pytest.raises(ValueError, match="choose one"):
+        RunMode(resume=True, init_from=imported("llama"))
+    with pytest.raises(ValueError, match="holds no checkpoints/ folder"):
+        RunMode(init_from=tmp_path)
+    result = invoke("train", "--init-from", tmp_path, "--out", tmp_path / "run")
+    assert result.exit_code == 2 and "--init-from" in result.output, result.output
