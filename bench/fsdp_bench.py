@@ -5,8 +5,10 @@ Two tables, per device and per step:
 - ``--devices 8`` (default): a small GPT on 8 simulated CPU devices, tp=1, one example per
   replica per microbatch, with 1 and 8 accumulation steps: compiled peak and temporaries, and
   the bytes of each kind of collective (loops unrolled; :mod:`theseus.accounting.collectives`).
-- ``--scale``: the 7.5B GPT of issue 8 on 64 simulated devices (bf16, remat, 1 × 2048 tokens per
-  device): compiled peak and temporaries of FSDP at 36 and 72 layers, ZeRO and DP at 36.
+- ``--scale``: the 7.5B GPT of issue 8 on 64 simulated devices (bf16, 1 × 2048 tokens per
+  device): compiled peak, temporaries, all-gather bytes and matmul FLOPs of FSDP at 36 and 72
+  layers under each recompute policy (``none``, ``full``, ``dots``) and, for ``none`` and
+  ``full``, with gathers in the compute and in the storage dtype; ZeRO and DP at 36.
 
     PYTHONPATH=. python bench/fsdp_bench.py [--scale]
 
@@ -46,6 +48,8 @@ BIG = [
     "training.dtype=bfloat16",
 ]
 GB = 1e9
+REMAT = ("none", "full", "dots")
+GATHER = ("compute", "storage")
 
 
 def compiled(policy, overrides: list[str]):
@@ -56,7 +60,9 @@ def compiled(policy, overrides: list[str]):
 
     config = apply_overrides(GPTTrainerConfig(), overrides)
     start = time.perf_counter()
-    result = plan(GPTTrainer, config, policy, DEVICES, compile=True, alternatives=False)
+    result = plan(
+        GPTTrainer, config, policy, DEVICES, compile=True, alternatives=False, compare_remat=False
+    )
     return time.perf_counter() - start, result.compiled
 
 
@@ -102,24 +108,34 @@ def small_table() -> None:
 def scale_table() -> None:
     from theseus.sharding.axis import ShardingPolicy
 
+    fsdp = {remat: ShardingPolicy(fsdp=True, activation_checkpointing=remat) for remat in REMAT}
     rows = [
-        ("FSDP", ShardingPolicy(fsdp=True, activation_checkpointing=True), 36),
-        ("FSDP", ShardingPolicy(fsdp=True, activation_checkpointing=True), 72),
-        ("ZeRO", ShardingPolicy(activation_checkpointing=True), 36),
-        ("DP", ShardingPolicy(zero=False, activation_checkpointing=True), 36),
+        *(("FSDP", fsdp["full"], layers, gather) for layers in (36, 72) for gather in GATHER),
+        *(("FSDP", fsdp["none"], layers, gather) for layers in (36, 72) for gather in GATHER),
+        *(("FSDP", fsdp["dots"], layers, "compute") for layers in (36, 72)),
+        ("ZeRO", ShardingPolicy(activation_checkpointing="full"), 36, "compute"),
+        ("DP", ShardingPolicy(zero=False, activation_checkpointing="full"), 36, "compute"),
     ]
     print(
-        "7.5B GPT (n_embd=4096, 36 layers; 72 for the depth row) on 64 simulated devices, "
-        "bf16, remat per layer, 1 x 2048 tokens per device, per device:"
+        "7.5B GPT (n_embd=4096, 36 or 72 layers) on 64 simulated devices, bf16 compute, "
+        "1 x 2048 tokens per device, per device per step (compile only):"
     )
     print()
-    print("| policy | n_layer | peak GB | temporaries GB | collective GB per step | compile s |")
-    print("|---|---|---|---|---|---|")
-    for name, policy, n_layer in rows:
-        seconds, memory = compiled(policy, [*BIG, f"model.n_layer={n_layer}"])
+    print(
+        "| policy | recompute | layers | gather dtype | peak GB | temporaries GB | "
+        "all-gather GB (count) | all collectives GB | matmul TFLOPs | compile s |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, policy, n_layer, gather in rows:
+        overrides = [*BIG, f"model.n_layer={n_layer}", f"training.gather_dtype={gather}"]
+        seconds, memory = compiled(policy, overrides)
+        found = collectives_of(memory)
         print(
-            f"| {name} | {n_layer} | {memory.peak / GB:.1f} | {memory.temporaries / GB:.1f} | "
-            f"{collectives_of(memory).bytes / GB:.1f} | {seconds:.0f} |"
+            f"| {name} | {policy.activation_checkpointing} | {n_layer} | {gather} | "
+            f"{memory.peak / GB:.2f} | {memory.temporaries / GB:.2f} | "
+            f"{found['all-gather'].bytes / GB:.1f} ({found['all-gather'].count}) | "
+            f"{found.bytes / GB:.1f} | {memory.dot_flops / 1e12:.1f} | {seconds:.0f} |",
+            flush=True,
         )
 
 

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -171,8 +172,72 @@ def _dense_bwd(out_dtype, w_axes, residuals, g):
 dense.defvjp(_dense_fwd, _dense_bwd)
 
 
-def linear(x, p):
-    return (dense(x, p["kernel"], jnp.float32) + p["bias"]).astype(x.dtype)
+def linear(x, p, move=None):
+    """``x @ kernel + bias`` in ``x.dtype``; with ``move`` (per-layer FSDP without full remat),
+    the kernel is the stored slice and the matmul gathers it in both passes."""
+    if move is None:
+        out = dense(x, p["kernel"], jnp.float32)
+    else:
+        out = stored_dense(x, p["kernel"], jnp.float32, "io", move)
+    return (out + p["bias"]).astype(x.dtype)
+
+
+# --- per-layer FSDP: gather in the compute dtype, reshard after forward --------------------------
+
+GATHERED = "gathered"
+
+
+class Move(NamedTuple):
+    """One layer's stored slice to its compute layout; ``dtype``: cast each shard first."""
+
+    storage: NamedSharding
+    compute: NamedSharding
+    dtype: Any = None
+
+
+def gather(shard, move: Move):
+    """The slice in the compute layout. A cast shard travels as its bits (uint16): XLA:CPU
+    widens a bfloat16 all-gather to float32. Every step is named, so a remat policy that does
+    not save the name recomputes the gather from the stored shard."""
+    c, name = jax.lax.with_sharding_constraint, partial(checkpoint_name, name=GATHERED)
+    stored = name(c(name(shard), move.storage))
+    if move.dtype is None:
+        return name(c(stored, move.compute))
+    bits = jax.lax.bitcast_convert_type(name(stored.astype(move.dtype)), jnp.uint16)
+    bits = name(c(name(c(name(bits), move.storage)), move.compute))
+    narrow = name(jax.lax.bitcast_convert_type(bits, move.dtype))
+    return name(c(name(narrow.astype(shard.dtype)), move.compute))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def gather_cast(shard, move: Move):
+    """:func:`gather` whose float32 gradient goes back to storage in float32."""
+    return gather(shard, move)
+
+
+gather_cast.defvjp(
+    lambda shard, move: (gather(shard, move), None),
+    lambda move, _, g: (jax.lax.with_sharding_constraint(g, move.storage),),
+)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def stored_dense(x, shard, out_dtype, w_axes, move: Move):
+    """:func:`dense` of the gathered ``shard``; keeps the shard, not the gathered weight."""
+    return dense(x, gather(shard, move), out_dtype, w_axes)
+
+
+def _stored_dense_fwd(x, shard, out_dtype, w_axes, move):
+    return stored_dense(x, shard, out_dtype, w_axes, move), (x, shard)
+
+
+def _stored_dense_bwd(out_dtype, w_axes, move, residuals, g):
+    x, shard = residuals
+    gx, gw = _dense_bwd(out_dtype, w_axes, (x, gather(shard, move)), g)
+    return gx, jax.lax.with_sharding_constraint(gw, move.storage)
+
+
+stored_dense.defvjp(_stored_dense_fwd, _stored_dense_bwd)
 
 
 def layer_norm(x, p, dtype):
@@ -193,31 +258,49 @@ def attention(q, k, v, n_head):
     return out.reshape(b, t, c).astype(q.dtype)  # (batch, seq, n_attn)
 
 
-def forward(model: Model, params, tokens, layer_compute=None):
-    """Float32 logits (batch, seq, vocab) of tokens (batch, seq); ``layer_compute`` (one layer's
-    compute shardings) gathers each stacked layer inside the scan."""
+def forward(model: Model, params, tokens, layer_moves=None):
+    """Float32 logits (batch, seq, vocab) of tokens (batch, seq); ``layer_moves`` (one layer's
+    :class:`Move` per leaf) gathers each stacked layer inside the scan: kernels in the compute
+    dtype, and, without remat, again in the backward pass instead of keeping them."""
     dtype = model.compute_dtype
     x = params["wte"][tokens] + params["wpe"][: tokens.shape[1]]  # (batch, seq, n_embd)
+    kernels = ("attn_q", "attn_k", "attn_v", "attn_out", "mlp_fc", "mlp_proj")
+    stored = layer_moves is not None and not model.remat  # the matmuls gather their kernels
 
     def layer(x, p):
-        if layer_compute is not None:
-            p = jax.lax.with_sharding_constraint(p, layer_compute)
+        moves = {name: None for name in kernels}
+        if layer_moves is not None:
+            p = {name: dict(value) for name, value in p.items()}
+            for name, value in p.items():
+                for leaf, shard in value.items():
+                    move = layer_moves[name][leaf]
+                    if leaf == "kernel" and stored:
+                        moves[name] = move
+                    elif leaf == "kernel":
+                        value[leaf] = gather_cast(shard, move)
+                    else:  # biases and LayerNorm parameters: float32, autodiff
+                        value[leaf] = gather(shard, move._replace(dtype=None))
         h = layer_norm(x, p["ln1"], dtype)
-        q, k, v = (linear(h, p[name]) for name in ("attn_q", "attn_k", "attn_v"))
-        x = x + linear(attention(q, k, v, model.n_head), p["attn_out"]).astype(jnp.float32)
-        h = jax.nn.gelu(linear(layer_norm(x, p["ln2"], dtype), p["mlp_fc"]), approximate=True)
-        return x + linear(h, p["mlp_proj"]).astype(jnp.float32)
+        q, k, v = (linear(h, p[name], moves[name]) for name in ("attn_q", "attn_k", "attn_v"))
+        attended = attention(q, k, v, model.n_head)
+        x = x + linear(attended, p["attn_out"], moves["attn_out"]).astype(jnp.float32)
+        h = layer_norm(x, p["ln2"], dtype)
+        h = jax.nn.gelu(linear(h, p["mlp_fc"], moves["mlp_fc"]), approximate=True)
+        return x + linear(h, p["mlp_proj"], moves["mlp_proj"]).astype(jnp.float32)
 
     if model.remat:
         layer = jax.checkpoint(layer)
+    elif stored:
+        policy = jax.checkpoint_policies.save_anything_except_these_names(GATHERED)
+        layer = jax.checkpoint(layer, policy=policy)
     x, _ = jax.lax.scan(lambda x, p: (layer(x, p), None), x, params["blocks"])
     h = layer_norm(x, params["ln_f"], dtype)
     return dense(h, params["wte"], jnp.float32, "oi")  # (batch, seq, vocab)
 
 
-def loss_fn(model: Model, params, tokens, layer_compute=None):
+def loss_fn(model: Model, params, tokens, layer_moves=None):
     """Mean next-token cross-entropy of tokens (examples, seq + 1)."""
-    logits = forward(model, params, tokens[:, :-1], layer_compute)
+    logits = forward(model, params, tokens[:, :-1], layer_moves)
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
@@ -317,10 +400,17 @@ def build(model: Model, sharding: Sharding, opt: Optimizer = Optimizer()) -> Ste
     # Parameters enter the loss in the compute layout, except the stacked layers under per-layer
     # gathering: they enter as stored and each layer's slice is gathered inside the scan.
     entry = {**lay.compute, "blocks": lay.storage["blocks"]} if per_layer else lay.compute
-    layer_compute = (
+    narrow = model.compute_dtype if jnp.dtype(model.compute_dtype).itemsize < 4 else None
+    layer_moves = (
         jax.tree.map(
-            lambda s: NamedSharding(mesh, P(*s.spec[1:])),
+            lambda stored, compute, kernel: Move(
+                NamedSharding(mesh, P(*stored.spec[1:])),
+                NamedSharding(mesh, P(*compute.spec[1:])),
+                narrow if kernel else None,
+            ),
+            lay.storage["blocks"],
             lay.compute["blocks"],
+            {k: {leaf: leaf == "kernel" for leaf in v} for k, v in lay.compute["blocks"].items()},
             is_leaf=lambda x: isinstance(x, NamedSharding),
         )
         if per_layer
@@ -330,7 +420,7 @@ def build(model: Model, sharding: Sharding, opt: Optimizer = Optimizer()) -> Ste
     def step(state: State, batch):  # batch: (accumulation, examples, seq + 1)
         def micro(grad_sum, tokens):
             params = constrain(state.params, entry)
-            loss, grads = jax.value_and_grad(partial(loss_fn, model, layer_compute=layer_compute))(
+            loss, grads = jax.value_and_grad(partial(loss_fn, model, layer_moves=layer_moves))(
                 params, tokens
             )
             return constrain(jax.tree.map(jnp.add, grad_sum, grads), lay.storage), loss

@@ -98,7 +98,7 @@ def test_chain_yaml_round_trip(tmp_path):
         "tp": 2,
         "zero": True,
         "fsdp": True,
-        "activation_checkpointing": False,
+        "activation_checkpointing": "none",
     }
     assert [s["job"] for s in data["steps"]] == ["gpt/train/pretrain", "gpt/evaluate"]
     # The evaluate step starts from the training step's config.

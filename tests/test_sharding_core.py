@@ -48,8 +48,14 @@ def test_policy_defaults_and_validation():
         1,
         True,
         False,
-        False,
+        "none",
     )
+    # Recompute policies; the switch it was reads as full / none (older chains and checkpoints).
+    assert ShardingPolicy(activation_checkpointing=True).activation_checkpointing == "full"
+    assert ShardingPolicy(activation_checkpointing=False).activation_checkpointing == "none"
+    assert ShardingPolicy(activation_checkpointing="dots").activation_checkpointing == "dots"
+    with pytest.raises(pydantic.ValidationError, match="none, full, dots"):
+        ShardingPolicy(activation_checkpointing="some")
     with pytest.raises(pydantic.ValidationError, match="FSDP requires ZeRO"):
         ShardingPolicy(fsdp=True, zero=False)
     with pytest.raises(pydantic.ValidationError, match="tp"):

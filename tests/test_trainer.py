@@ -241,8 +241,9 @@ def test_bfloat16_training_tracks_float32():
     assert all(p.dtype == np.float32 for p in jax.tree.leaves(params))
 
 
-def test_activation_checkpointing_matches_one_device():
-    policy = ShardingPolicy(tp=2, fsdp=True, activation_checkpointing=True)
+@pytest.mark.parametrize("remat", ["full", "dots"])
+def test_activation_checkpointing_matches_one_device(remat):
+    policy = ShardingPolicy(tp=2, fsdp=True, activation_checkpointing=remat)
     trainer = GPTTrainer(config(2), policy)
     batch_shape = (trainer.batch_plan.accumulation_steps, 16, trainer.seq_len + 1)
     batch = jax.ShapeDtypeStruct(batch_shape, np.int32, sharding=trainer.batch_sharding)

@@ -60,6 +60,12 @@ class TrainingConfig(Section):
     dtype: Literal["float32", "bfloat16"] = pydantic.Field(
         "float32", description="compute dtype; parameters and gradient sums stay float32"
     )
+    gather_dtype: Literal["compute", "storage"] = pydantic.Field(
+        "compute",
+        description="dtype of FSDP's parameter gathers: compute (each shard cast before the "
+        "gather, half the bytes under bfloat16; the same values, since the layer casts them "
+        "anyway) or storage (float32); gradients reduce in float32 either way",
+    )
     validation_interval: int = pydantic.Field(
         50, gt=0, description="run validation every this many steps (and at the last step)"
     )

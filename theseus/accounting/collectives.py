@@ -206,6 +206,40 @@ def count_collectives(hlo_text: str) -> Collectives:
     return Collectives(dict(totals(entry)))
 
 
+def _dims(type_text: str) -> list[int]:
+    """The dimensions of one HLO array type (``f32[4,8]{1,0}`` -> [4, 8])."""
+    match = _ARRAY.search(type_text)
+    return [int(d) for d in match.group(2).split(",") if d] if match else []
+
+
+def _dot_flops(instruction: _Instruction, types: dict[str, str]) -> int:
+    """2 x output elements x contracted elements of one ``dot``."""
+    contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", instruction.attributes)
+    lhs = _dims(types.get(instruction.operands[0], ""))
+    contracted = [lhs[int(d)] for d in contracting.group(1).split(",") if d] if contracting else []
+    return 2 * math.prod(_dims(instruction.type_text)) * math.prod(contracted)
+
+
+def count_dot_flops(hlo_text: str) -> int:
+    """FLOPs of the matmuls (``dot``) one execution of the compiled module runs, per device,
+    loops unrolled: recomputation included (XLA's ``cost_analysis()`` counts a loop body once,
+    whatever its trip count)."""
+    computations, entry = _computations(hlo_text)
+
+    @cache
+    def flops(name: str) -> int:
+        instructions = computations.get(name, [])
+        types = {i.name: i.type_text for i in instructions}
+        total = 0
+        for instruction in instructions:
+            if instruction.opcode == "dot":
+                total += _dot_flops(instruction, types)
+            total += sum(flops(callee) * times for callee, times in _callees(instruction))
+        return total
+
+    return flops(entry)
+
+
 def loop_bodies_with(hlo_text: str, op: str) -> list[tuple[str, int]]:
     """``(body name, trip count)`` of every ``while`` loop whose body itself (not a nested loop)
     runs collective ``op``, for checking where communication sits."""
@@ -219,3 +253,13 @@ def loop_bodies_with(hlo_text: str, op: str) -> list[tuple[str, int]]:
                 if any(_kind(i.opcode) == op for i in computations.get(body, [])):
                     bodies.append((body, trip))
     return bodies
+
+
+def loop_collective_types(hlo_text: str, op: str) -> list[tuple[int, str]]:
+    """``(trip count, result type)`` of every collective ``op`` in the body of a ``while`` loop
+    (not a nested loop), for checking what the layer loop moves (e.g. ``u16[64,64]{1,0}``)."""
+    computations, _ = _computations(hlo_text)
+    found = []
+    for body, trip in loop_bodies_with(hlo_text, op):
+        found += [(trip, i.type_text) for i in computations[body] if _kind(i.opcode) == op]
+    return found

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from theseus.accounting.collectives import Collectives, count_collectives
+from theseus.accounting.collectives import Collectives, count_collectives, count_dot_flops
 from theseus.accounting.records import json_field
 from theseus.sharding.layout import is_sharding
 
@@ -50,7 +50,8 @@ class CompiledStep:
     ``executable`` is callable on a state in the trainer's layouts (its HLO is
     ``executable.as_text()``); it is not part of the JSON. ``peak`` is the sum of arguments,
     temporaries and outputs; ``aliased`` of the output bytes reuse donated argument buffers, so
-    the sum is an upper bound by that much. ``collectives``: per device per step, loops unrolled
+    the sum is an upper bound by that much. ``collectives`` and ``dot_flops`` (the FLOPs of
+    its matmuls, recomputation included): per device per step, loops unrolled
     (:mod:`theseus.accounting.collectives`).
     """
 
@@ -60,6 +61,7 @@ class CompiledStep:
     outputs: int = json_field("output_bytes")
     aliased: int = json_field("alias_bytes")
     collectives: Collectives = json_field("collectives", default_factory=Collectives)
+    dot_flops: int = json_field("dot_flops", default=0)
 
     json_properties: ClassVar[dict[str, str]] = {"peak": "peak_bytes"}
 
@@ -73,6 +75,7 @@ class CompiledStep:
             outputs=int(stats.output_size_in_bytes),
             aliased=int(stats.alias_size_in_bytes),
             collectives=count_collectives(executable.as_text()),
+            dot_flops=count_dot_flops(executable.as_text()),
         )
 
     @property

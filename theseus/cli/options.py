@@ -38,8 +38,13 @@ FSDP = Annotated[
     typer.Option(help="also partition stored parameters over batch; needs ZeRO \\[default: off]"),
 ]
 ActivationCheckpointing = Annotated[
-    bool | None,
-    typer.Option(help="recompute each layer's activations in the backward pass \\[default: off]"),
+    str | None,
+    typer.Option(
+        metavar="none|full|dots",
+        help="what each layer recomputes in the backward pass: none (keep every activation), "
+        "full (the whole layer) or dots (keep the weight matmuls' outputs, recompute the rest) "
+        "\\[default: none]",
+    ),
 ]
 CPUDevices = Annotated[
     int | None,
@@ -213,7 +218,7 @@ SHARDING_FLAGS = {
     "fsdp": FSDP,
     "activation_checkpointing": ActivationCheckpointing,
 }
-#: --tp, --zero/--no-zero, --fsdp/--no-fsdp, --activation-checkpointing: the command receives the
+#: --tp, --zero/--no-zero, --fsdp/--no-fsdp, --activation-checkpointing POLICY: the command receives the
 #: policy changes the user gave as ``sharding``.
 sharding_options = shared_options(SHARDING_FLAGS, into="sharding", build=sharding_changes)
 #: The layout flags alone (for commands that do not train).

@@ -215,7 +215,8 @@ class GPT(nnx.Module):
 
     Parameters are float32 master weights; ``compute_dtype`` is the dtype of matmuls and of the
     activations between them, while LayerNorm statistics, softmax, the residual stream and the
-    logits stay float32. ``remat=True`` recomputes each layer in the backward pass.
+    logits stay float32. ``remat`` says what each layer recomputes in the backward pass
+    (``"none"``, ``"full"``, ``"dots"``; see :func:`theseus.scan_layers`).
 
     Dropout (``GPTConfig.dropout``) applies only to calls with ``deterministic=False``, with one
     key per example: each example's masks are the same whatever the batch or its layout.
@@ -227,7 +228,7 @@ class GPT(nnx.Module):
         *,
         rngs: nnx.Rngs,
         compute_dtype: DTypeLike = jnp.float32,
-        remat: bool = False,
+        remat: bool | str = False,
     ):
         # Plain ints, not the (mutable, unhashable) config: they become part of the graphdef.
         self.block_size = config.block_size

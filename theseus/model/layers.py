@@ -11,7 +11,15 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.typing import DTypeLike
+
+from theseus.sharding.layer_scan import (
+    MATMUL,
+    gathered_source,
+    move_to_compute,
+    reduce_to_storage,
+)
 
 
 def dense(
@@ -26,9 +34,20 @@ def dense(
     the weight gradient with float32 accumulation and returns it in ``w.dtype``, so it is reduced
     over the batch (and over data replicas) in float32 rather than in the compute dtype; the
     input gradient is in ``x.dtype``.
+
+    Inside :func:`theseus.scan_layers`, a weight the scan gathered is used through its stored
+    shard: the shard is what the backward pass keeps, and it is gathered again there (JAX keeps
+    a custom VJP's residuals whatever the remat policy, so saving ``w`` would keep every layer's
+    gathered copy). The output is named :data:`~theseus.sharding.layer_scan.MATMUL`.
     """
     w_axes = "oi" if transposed else "io"
-    return _dense(x, w, jnp.dtype(x.dtype if out_dtype is None else out_dtype), w_axes)
+    out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
+    source = gathered_source(w)
+    if source is None:
+        out = _dense(x, w, out_dtype, w_axes)
+    else:
+        out = _dense_stored(x, *source, out_dtype, w_axes)
+    return checkpoint_name(out, MATMUL)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -44,6 +63,11 @@ def _dense_fwd(x: jax.Array, w: jax.Array, out_dtype: jnp.dtype, w_axes: str):
 
 def _dense_bwd(out_dtype: jnp.dtype, w_axes: str, residuals, grad_out: jax.Array):
     x, w = residuals
+    return _dense_grads(x, w, grad_out, w_axes)
+
+
+def _dense_grads(x: jax.Array, w: jax.Array, grad_out: jax.Array, w_axes: str):
+    """Input gradient in ``x.dtype`` and float32-accumulated weight gradient in ``w.dtype``."""
     grad_out = grad_out.astype(x.dtype)  # (..., d_out)
     w_compute = w.astype(x.dtype)
     grad_x = jnp.einsum(
@@ -54,6 +78,25 @@ def _dense_bwd(out_dtype: jnp.dtype, w_axes: str, residuals, grad_out: jax.Array
 
 
 _dense.defvjp(_dense_fwd, _dense_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _dense_stored(x, shard, move, out_dtype: jnp.dtype, w_axes: str) -> jax.Array:
+    """:func:`_dense` of the weight that ``move`` gathers from the stored ``shard``."""
+    return _dense(x, move_to_compute(shard, move), out_dtype, w_axes)
+
+
+def _dense_stored_fwd(x, shard, move, out_dtype: jnp.dtype, w_axes: str):
+    return _dense_stored(x, shard, move, out_dtype, w_axes), (x, shard)
+
+
+def _dense_stored_bwd(move, out_dtype: jnp.dtype, w_axes: str, residuals, grad_out: jax.Array):
+    x, shard = residuals
+    grad_x, grad_w = _dense_grads(x, move_to_compute(shard, move), grad_out, w_axes)
+    return grad_x, reduce_to_storage(grad_w, move)  # float32, back to the stored layout
+
+
+_dense_stored.defvjp(_dense_stored_fwd, _dense_stored_bwd)
 
 
 def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array) -> jax.Array:

@@ -73,6 +73,7 @@ def plan_for_budget(
                 num_devices,
                 devices_per_host=devices_per_host,
                 compile=compile,
+                compare_remat=False,  # each candidate under its own recompute policy
             )
         if not candidate.verdict.ok:
             reasons[name] = f"invalid: {candidate.verdict.summary}"

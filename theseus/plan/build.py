@@ -17,12 +17,12 @@ import jax
 import numpy as np
 import optax
 
-from theseus.accounting.memory import MemoryTotals, array_bytes, format_bytes
+from theseus.accounting.memory import CompiledStep, MemoryTotals, array_bytes, format_bytes
 from theseus.accounting.preflight import BatchPlan, preflight
 from theseus.config import apply_overrides
 from theseus.plan.policies import candidate_policies, communication_key
-from theseus.plan.results import ClosedForm, Plan, PolicyOption, Verdict
-from theseus.sharding.axis import MESH_AXES, Axis, ShardingPolicy, partition_spec
+from theseus.plan.results import ClosedForm, Plan, PolicyOption, RematOption, Verdict
+from theseus.sharding.axis import MESH_AXES, REMAT_POLICIES, Axis, ShardingPolicy, partition_spec
 from theseus.sharding.layout import LayoutError, shard_shape
 from theseus.sharding.topology import Topology, mesh_grid_shape, resolve_devices_per_host
 from theseus.training.summary import plan_rows, replicated_share
@@ -38,13 +38,16 @@ def plan(
     devices_per_host: int | None = None,
     compile: bool = False,
     alternatives: bool = True,
+    compare_remat: bool = True,
 ) -> Plan:
     """The plan of ``policy`` on ``num_devices`` devices, with every other policy side by side
     (``alternatives=False``: this policy alone, which is faster).
 
     Works from abstract shapes only; nothing the size of the model is allocated. ``compile=True``
     also compiles the real train step on the first ``num_devices`` devices of this process and
-    adds its ``memory_analysis()`` (only when the verdict is ok). Raises ``ValueError`` for bad
+    adds its ``memory_analysis()`` (only when the verdict is ok) and, with ``compare_remat``,
+    compiles the same policy under every recompute policy to compare their peaks and FLOPs
+    (:data:`~theseus.sharding.axis.REMAT_POLICIES`). Raises ``ValueError`` for bad
     input (an invalid config, a device count that cannot be meshed); a policy that fails the
     pre-flight check is not an error here but the plan's ``verdict``.
     """
@@ -72,13 +75,15 @@ def plan(
         options.append(option)
         if candidate == policy:
             chosen, batch_plan = option, candidate_batch
-    compiled, verdict = None, chosen.verdict
+    compiled, verdict, remat = None, chosen.verdict, ()
     if verdict.ok:
         verdict = dataclasses.replace(
             verdict, gathering=gathering(shapes, policy, chosen.mesh_shape)
         )
         if compile:
             compiled = _device_trainer(trainer_class, config, policy, num_devices).compile()
+        if compile and compare_remat:
+            remat = remat_options(trainer_class, config, policy, num_devices, compiled)
     return Plan(
         trainer=trainer_class.__name__,
         num_params=shapes.num_params,
@@ -94,7 +99,35 @@ def plan(
         closed_form=chosen.closed_form,
         options=tuple(options),
         compiled=compiled,
+        remat=remat,
     )
+
+
+def remat_options(
+    trainer_class: type[BaseTrainer],
+    config: TrainerConfig,
+    policy: ShardingPolicy,
+    num_devices: int,
+    compiled: CompiledStep,
+) -> tuple[RematOption, ...]:
+    """The compiled step of ``policy`` under each recompute policy (``compiled`` is the one of
+    ``policy`` itself, reused)."""
+    options = []
+    for remat in REMAT_POLICIES:
+        step = compiled
+        if remat != policy.activation_checkpointing:
+            changed = policy.merge(activation_checkpointing=remat)
+            step = _device_trainer(trainer_class, config, changed, num_devices).compile()
+        options.append(
+            RematOption(
+                remat=remat,
+                peak=step.peak,
+                temporaries=step.temporaries,
+                dot_flops=step.dot_flops,
+                all_gather=step.collectives["all-gather"].bytes,
+            )
+        )
+    return tuple(options)
 
 
 def _shape_trainer(

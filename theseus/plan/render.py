@@ -5,7 +5,7 @@ from __future__ import annotations
 from theseus.accounting.memory import CompiledStep, format_bytes
 from theseus.accounting.text import mesh_text, number_text, percent, shape_text, text_table
 from theseus.plan.policies import COMMUNICATION
-from theseus.plan.results import BudgetChoice, Plan
+from theseus.plan.results import BudgetChoice, Plan, RematOption
 from theseus.sharding.axis import Axis
 from theseus.training.summary import REPLICATED_WARNING_SHARE, ReplicatedShare, layout_table
 
@@ -24,6 +24,7 @@ def render(p: Plan) -> str:
     lines += ["", p.closed_form.describe()] if p.closed_form is not None else []
     lines += ["", *_replicated(p.replicated, p)]
     lines += ["", *_compiled(p.compiled)] if p.compiled is not None else []
+    lines += ["", *_remat(p.remat, p.policy.activation_checkpointing)] if p.remat else []
     lines += ["", *_budget(p.budget)] if p.budget is not None else []
     return "\n".join([*lines, "", *_verdict(p)])
 
@@ -78,6 +79,27 @@ def _compiled(c: CompiledStep) -> list[str]:
         c.describe(),
         "collectives per device per step (loops unrolled):",
         *text_table(["collective", "count", "bytes", ""], table),
+    ]
+
+
+def _remat(options: tuple[RematOption, ...], chosen: str) -> list[str]:
+    least = min(o.dot_flops for o in options) or 1
+    table = [
+        [
+            f"{o.remat}{' (this plan)' if o.remat == chosen else ''}",
+            format_bytes(o.peak),
+            format_bytes(o.temporaries),
+            _num(o.dot_flops),
+            f"{o.dot_flops / least:.3f}",
+            format_bytes(o.all_gather),
+        ]
+        for o in options
+    ]
+    header = ["recompute", "peak", "temporaries", "matmul FLOPs", "× least", "all-gather"]
+    return [
+        "recompute policies (--activation-checkpointing), compiled step per device per step; "
+        "FLOPs include recomputation:",
+        *text_table(header, table),
     ]
 
 

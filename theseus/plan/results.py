@@ -125,6 +125,19 @@ class BudgetChoice:
 
 
 @dataclass(frozen=True)
+class RematOption:
+    """The compiled step of the plan's policy under one recompute policy
+    (``activation_checkpointing``), per device per step: peak and temporary bytes, the FLOPs of
+    its matmuls (recomputation included) and its all-gather bytes."""
+
+    remat: str = json_field("activation_checkpointing")
+    peak: int = json_field("peak_bytes")
+    temporaries: int = json_field("temp_bytes")
+    dot_flops: int = json_field("dot_flops")
+    all_gather: int = json_field("all_gather_bytes")
+
+
+@dataclass(frozen=True)
 class Plan:
     """Everything ``theseus plan`` shows; :func:`~theseus.plan.render.render` is the text, :meth:`to_json` the JSON."""
 
@@ -143,6 +156,7 @@ class Plan:
     options: tuple[PolicyOption, ...] = json_field("policies", default=())
     compiled: CompiledStep | None = None
     budget: BudgetChoice | None = None
+    remat: tuple[RematOption, ...] = json_field("remat_policies", default=())
 
     json_properties: ClassVar[dict[str, str]] = {"policy_record": "policy"}
 

@@ -29,6 +29,27 @@ MeshAxes = str | tuple[str, ...] | None
 Rule = tuple[str, MeshAxes]
 Phase = Literal["compute", "storage", "update"]
 PHASES: tuple[Phase, ...] = ("compute", "storage", "update")
+Remat = Literal["none", "full", "dots"]
+#: What the backward pass recomputes per layer: nothing (every activation kept), the whole
+#: layer, or everything but the outputs of matmuls without batch dimensions (the weight
+#: projections; JAX's ``dots_with_no_batch_dims_saveable``).
+REMAT_POLICIES: tuple[Remat, ...] = ("none", "full", "dots")
+
+
+def remat_policy(value: object) -> Remat:
+    """A recompute setting as one of :data:`REMAT_POLICIES`; ``True`` is ``"full"`` and
+    ``False`` (or None) ``"none"``, as ``activation_checkpointing`` was a switch."""
+    if value is None or value is False:
+        return "none"
+    if value is True:
+        return "full"
+    if value not in REMAT_POLICIES:
+        raise ValueError(
+            f"activation checkpointing {value!r} is not a recompute policy; choose one of "
+            f"{', '.join(REMAT_POLICIES)} (none keeps every activation, full recomputes each "
+            "layer, dots keeps the weight matmuls' outputs and recomputes the rest)."
+        )
+    return value
 
 
 class ShardingPolicy(pydantic.BaseModel):
@@ -36,7 +57,8 @@ class ShardingPolicy(pydantic.BaseModel):
 
     ``tp`` devices evaluate one replica together; ``zero`` partitions optimizer state and the
     update over ``batch``; ``fsdp`` additionally partitions stored parameters (and the gradient
-    accumulator) over ``batch``; ``activation_checkpointing`` recomputes each layer in backward.
+    accumulator) over ``batch``; ``activation_checkpointing`` says what each layer recomputes
+    in the backward pass (:data:`REMAT_POLICIES`; ``True``/``False`` are read as ``full``/``none``).
     """
 
     model_config = pydantic.ConfigDict(frozen=True, extra="forbid", strict=True)
@@ -44,7 +66,12 @@ class ShardingPolicy(pydantic.BaseModel):
     tp: int = pydantic.Field(default=1, ge=1)
     zero: bool = True
     fsdp: bool = False
-    activation_checkpointing: bool = False
+    activation_checkpointing: Remat = "none"
+
+    @pydantic.field_validator("activation_checkpointing", mode="before")
+    @classmethod
+    def _remat_policy(cls, value: object) -> Remat:
+        return remat_policy(value)
 
     @pydantic.model_validator(mode="after")
     def _fsdp_requires_zero(self) -> ShardingPolicy:

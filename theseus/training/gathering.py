@@ -11,22 +11,35 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from theseus.sharding.axis import Axis, uses_axis
-from theseus.sharding.layer_scan import LayerLayouts, layer_layouts
+from theseus.sharding.axis import Axis, Remat, uses_axis
+from theseus.sharding.casting import cast_only_inputs
+from theseus.sharding.layer_scan import LayerLayouts, Move, layer_layouts, move_to_compute
 from theseus.sharding.layout import Layouts, is_sharding, path_str
+from theseus.training.keys import validation_keys
 
 
 def loss_with_layouts(
-    loss: Callable[[Any], jax.Array], params: Any, layouts: Layouts, gathered: set[str] | None
+    loss: Callable[[Any], jax.Array],
+    params: Any,
+    layouts: Layouts,
+    gathered: set[str] | None,
+    *,
+    cast_dtype: np.dtype | None = None,
+    remat: Remat = "none",
 ) -> jax.Array:
-    """``loss(params)`` with ``layouts`` installed for :func:`theseus.scan_layers`; adds the
-    paths of the parameters it gathered per layer to ``gathered`` when given."""
+    """``loss(params)`` with ``layouts`` installed for :func:`theseus.scan_layers` (which
+    gathers castable weights in ``cast_dtype`` when given and recomputes by ``remat``); adds
+    the paths of the parameters it gathered per layer to ``gathered`` when given."""
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     ids = [id(leaf) for _, leaf in flat]
     storage, compute = (
@@ -34,13 +47,82 @@ def loss_with_layouts(
         for layout in (layouts.storage, layouts.compute)
     )
     installed = LayerLayouts(
-        dict(zip(ids, storage, strict=True)), dict(zip(ids, compute, strict=True))
+        dict(zip(ids, storage, strict=True)),
+        dict(zip(ids, compute, strict=True)),
+        cast_dtype=cast_dtype,
+        remat=remat,
     )
     with layer_layouts(installed):
         value = loss(params)
     if gathered is not None:
         gathered.update(path_str(path) for path, leaf in flat if id(leaf) in installed.gathered)
     return value
+
+
+def gather_dtype(trainer: Any) -> np.dtype | None:
+    """The dtype a trainer gathers castable parameters in: its compute dtype under
+    ``training.gather_dtype=compute`` when that is narrower than float32 storage, else None
+    (their own dtype: float32 compute needs no cast)."""
+    compute = np.dtype(trainer.compute_dtype)
+    narrower = compute.itemsize < np.dtype(np.float32).itemsize
+    return compute if trainer.config.training.gather_dtype == "compute" and narrower else None
+
+
+@dataclass(frozen=True)
+class Entry:
+    """How parameters enter the loss: their ``layout`` (compute, or storage for those gathered
+    per layer), the paths of those moved there in ``dtype`` (``casts``)."""
+
+    layout: Any
+    casts: frozenset[str] = frozenset()
+    dtype: np.dtype | None = None
+
+
+def entry(trainer: Any) -> Entry:
+    """A trainer's :class:`Entry`: the parameters moved before the loss (their layouts differ and
+    the layer scan does not gather them) that the loss reads only through a cast to the gather
+    dtype are cast on their shards before the move (found by tracing the loss once, abstractly,
+    without layouts: :mod:`theseus.sharding.casting`)."""
+    layouts, per_layer = trainer.layouts, trainer.per_layer_paths
+    layout = entry_layout(layouts, per_layer)
+    dtype = gather_dtype(trainer)
+    flat = [
+        jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_sharding)[0]
+        for tree in (layouts.storage, layouts.compute)
+    ]
+    moved = {
+        path_str(path)
+        for (path, storage), (_, compute) in zip(*flat, strict=True)
+        if storage.spec != compute.spec and path_str(path) not in per_layer
+    }
+    if dtype is None or not moved:
+        return Entry(layout)
+    shape = (trainer.batch_plan.per_device_batch_size, trainer.seq_len + 1)
+
+    def loss(params):
+        model = nnx.merge(trainer.graphdef, params)
+        tokens = jnp.zeros(shape, jnp.int32)
+        return trainer.loss(model, tokens, validation_keys(shape[:1]), train=True)
+
+    params = trainer.abstract_state.params
+    paths = [path_str(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    found = cast_only_inputs(loss, (params,), dtype, [path in moved for path in paths])
+    casts = frozenset(path for path, cast in zip(paths, found, strict=True) if cast)
+    return Entry(layout, casts, dtype)
+
+
+def enter(params: Any, layouts: Layouts, entry: Entry) -> Any:
+    """``params`` moved to the layout they enter the loss in; those of ``entry.casts`` cast to
+    ``entry.dtype`` on their stored shards first (:func:`move_to_compute`: half the bytes, the
+    values the loss would have cast itself). Their gradients are the loss's own, in float32:
+    the move happens before differentiation."""
+
+    def move(path, leaf, storage, target):
+        if path_str(path) not in entry.casts:
+            return jax.lax.with_sharding_constraint(leaf, target)
+        return move_to_compute(leaf, Move(storage, target, entry.dtype))
+
+    return jax.tree_util.tree_map_with_path(move, params, layouts.storage, entry.layout)
 
 
 def entry_layout(layouts: Layouts, per_layer_paths: frozenset[str]) -> Any:

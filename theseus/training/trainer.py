@@ -310,7 +310,14 @@ class BaseTrainer(abc.ABC):
     def _loss_in_layouts(self, params: Any, tokens: jax.Array, keys: Keys, *, train: bool):
         """:meth:`loss` with the layouts installed for :func:`theseus.scan_layers`."""
         model_loss = self._model_loss(tokens, keys, train=train)
-        return gathering.loss_with_layouts(model_loss, params, self.layouts, None)
+        return gathering.loss_with_layouts(
+            model_loss,
+            params,
+            self.layouts,
+            None,
+            cast_dtype=gathering.gather_dtype(self),
+            remat=self.policy.activation_checkpointing,
+        )
 
     @cached_property
     def per_layer_paths(self) -> frozenset[str]:
@@ -327,8 +334,8 @@ class BaseTrainer(abc.ABC):
         return frozenset(found)
 
     @cached_property
-    def entry_layout(self) -> Any:
-        return gathering.entry_layout(self.layouts, self.per_layer_paths)
+    def entry(self) -> gathering.Entry:
+        return gathering.entry(self)
 
     @cached_property
     def accumulating_replicas(self) -> int:
@@ -358,7 +365,7 @@ class BaseTrainer(abc.ABC):
         per_replica = gathering.per_replica(replica_grads, replicas)
 
         def microbatch(grad_sum, inputs):
-            params = constrain(state.params, self.entry_layout)
+            params = gathering.enter(state.params, self.layouts, self.entry)
             losses, grads = per_replica((params, rng.step), *inputs)  # (replicas, ...)
             grad_sum = constrain(jax.tree.map(jnp.add, grad_sum, grads), self.accumulator_layout)
             return grad_sum, losses.mean()
@@ -407,7 +414,7 @@ class BaseTrainer(abc.ABC):
         return CompiledStep.of(self.train_step.lower(self.abstract_state, batch).compile())
 
     def _validation_loss(self, params: Any, batches: jax.Array) -> jax.Array:
-        params = jax.lax.with_sharding_constraint(params, self.entry_layout)
+        params = jax.lax.with_sharding_constraint(params, self.entry.layout)
         keys = validation_keys(batches.shape[:2])  # examples: (num_batches, examples)
 
         def one(total, inputs):  # (examples, seq_len + 1), (examples,)

@@ -12,9 +12,10 @@ from typing import Any
 from theseus.checkpoint.meta import CheckpointMeta
 
 # Keys (or key prefixes ending in ".") whose change keeps the numbers of the steps: how the same
-# global batch is split over devices, how long to train, what to validate, log and save, and what
-# to do about non-finite steps. Any other change (optimizer, schedule, data, seed, model, batch
-# size, dtype) makes the resumed run differ from an uninterrupted one.
+# global batch is split over devices, how long to train, what to validate, log and save, what to
+# do about non-finite steps, and which dtype FSDP gathers in. Any other change (optimizer,
+# schedule, data, seed, model, batch size, dtype) makes the resumed run differ from an
+# uninterrupted one.
 ACCEPTED = (
     "training.steps",
     "training.per_device_batch_size",
@@ -22,6 +23,7 @@ ACCEPTED = (
     "training.validation_batches",
     "training.nonfinite",
     "training.max_skipped_steps",
+    "training.gather_dtype",  # the same values gathered, cast before or after the gather
     "logging.",
     "checkpointing.",
 )
