@@ -292,7 +292,8 @@ class Llama(nnx.Module):
 
     Parameters are float32; matmuls and the activations between them run in ``compute_dtype``
     while norms' statistics, rotary embeddings, softmax, the residual stream and the logits stay
-    float32. ``remat=True`` recomputes each layer in the backward pass.
+    float32. ``remat`` says what each layer recomputes in the backward pass (``"none"``,
+    ``"full"``, ``"dots"``; see :func:`theseus.scan_layers`).
     """
 
     def __init__(
@@ -301,7 +302,7 @@ class Llama(nnx.Module):
         *,
         rngs: nnx.Rngs,
         compute_dtype: DTypeLike = jnp.float32,
-        remat: bool = False,
+        remat: bool | str = False,
     ):
         c = config
         # Plain, hashable values (they become part of the graphdef), not the mutable config.
@@ -327,11 +328,13 @@ class LlamaStatic:
     eps: float
     inv_freq: tuple[float, ...]
     compute_dtype: jnp.dtype
-    remat: bool
+    remat: bool | str
     context_len: int
 
     @staticmethod
-    def of(config: LlamaConfig, compute_dtype: DTypeLike, *, remat: bool = False) -> LlamaStatic:
+    def of(
+        config: LlamaConfig, compute_dtype: DTypeLike, *, remat: bool | str = False
+    ) -> LlamaStatic:
         inv_freq = tuple(float(f) for f in inverse_frequencies(config))
         return LlamaStatic(
             config.dim_per_head,
