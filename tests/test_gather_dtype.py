@@ -1,6 +1,7 @@
 """FSDP gathers in the compute dtype, reshards after the forward pass and recomputes by policy.
 
-- Casting commutes with gathering: under bfloat16 compute, ``training.gather_dtype=compute``
+- Casting commutes with gathering: under bfloat16 compute, ``training.gather_dtype=compute`` (GPT,
+  Llama, a user model without a layer scan)
   trains to the numbers of ``storage``; under float32 compute nothing is cast.
 - The compiled step's all-gathers inside the layer loop move 2-byte elements, its gradient
   reductions stay float32.
@@ -17,6 +18,7 @@ import pydantic
 import pytest
 from flax import nnx
 from support import equivalence_config
+from test_llama import config as llama_config
 
 import theseus
 from theseus.accounting.collectives import loop_bodies_with, loop_collective_types
@@ -27,6 +29,7 @@ from theseus.plan import plan, render
 from theseus.sharding.axis import ShardingPolicy
 from theseus.sharding.casting import cast_only_inputs
 from theseus.training.gpt import GPTTrainer
+from theseus.training.llama import LlamaTrainer
 
 STEPS = 3
 
@@ -72,6 +75,24 @@ def test_compute_dtype_gather_gives_the_numbers_of_a_float32_gather(policy):
     parameters of three bfloat16 steps agree to 1e-6."""
     compute = train(policy, dtype="bfloat16", gather_dtype="compute")
     assert_same(compute, train(policy, dtype="bfloat16", gather_dtype="storage"))
+
+
+def test_llama_gathers_in_the_compute_dtype_through_the_same_mechanism():
+    """Llama (transposed projections, an untied head gathered before the loss) under FSDP and
+    bfloat16: its matrices travel as 16-bit patterns, with the numbers of float32 gathers."""
+    runs = {}
+    for gather_dtype in ("compute", "storage"):
+        overrides = ["training.dtype=bfloat16", f"training.gather_dtype={gather_dtype}"]
+        trainer = LlamaTrainer(
+            apply_overrides(llama_config(1), overrides), ShardingPolicy(fsdp=True)
+        )
+        hlo = trainer.compile().executable.as_text()
+        gathers = {
+            line.split("=")[1].split()[0][:4] for line in hlo.splitlines() if " all-gather(" in line
+        }
+        assert ("u16[" in gathers) == (gather_dtype == "compute"), gathers
+        runs[gather_dtype] = steps(trainer)
+    assert_same(runs["compute"], runs["storage"])
 
 
 class ProjectionConfig(Section):
