@@ -1,8 +1,8 @@
 """FSDP gathers in the compute dtype, reshards after the forward pass and recomputes by policy.
 
-- Casting commutes with gathering: under bfloat16 compute, ``training.gather_dtype=compute`` (GPT,
-  Llama, a user model without a layer scan)
-  trains to the numbers of ``storage``; under float32 compute nothing is cast.
+- Casting commutes with gathering: under bfloat16 compute, ``training.gather_dtype=compute``
+  trains to the numbers of ``storage`` (GPT, Llama, a user model without a layer scan); under
+  float32 compute nothing is cast.
 - The compiled step's all-gathers inside the layer loop move 2-byte elements, its gradient
   reductions stay float32.
 - Without activation checkpointing the backward pass gathers each layer again instead of keeping
