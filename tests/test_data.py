@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from theseus.data import Corpus, Sampler, load_corpus, validation_batches, write_tokens
+from theseus.data.split import DocumentSplit
 from theseus.data.tokens import builtin_files, split_by_file
 
 
@@ -63,7 +64,8 @@ def test_text_file_tail_split(tmp_path):
     )
 
 
-def test_directory_split_by_file(tmp_path):
+def test_directory_split_by_document(tmp_path):
+    """A folder's files are its documents, split by position as theseus.data.split says."""
     contents = {f"sub{i % 3}/file{i:02d}.txt": bytes([i]) * (i + 7) for i in range(29)}
     for name, data in contents.items():
         (tmp_path / name).parent.mkdir(exist_ok=True)
@@ -73,7 +75,10 @@ def test_directory_split_by_file(tmp_path):
     (tmp_path / ".git" / "objects").write_bytes(b"\xfe" * 103)
 
     corpus = load_corpus(tmp_path, validation_fraction=0.3)
-    train_names, validation_names = split_by_file(sorted(contents), 0.3, 0)
+    split = DocumentSplit(0.3, 0)
+    names = sorted(contents)
+    validation_names = [n for i, n in enumerate(names) if split.is_validation(i)]
+    train_names = [n for n in names if n not in validation_names]
     assert train_names and validation_names
     np.testing.assert_array_equal(
         corpus.train, np.frombuffer(b"".join(contents[n] for n in train_names), np.uint8)
@@ -81,7 +86,7 @@ def test_directory_split_by_file(tmp_path):
     np.testing.assert_array_equal(
         corpus.validation, np.frombuffer(b"".join(contents[n] for n in validation_names), np.uint8)
     )
-    assert "29 files" in corpus.source
+    assert "29 file(s)" in corpus.source
 
 
 def test_directory_with_one_file_falls_back_to_tail_split(tmp_path):

@@ -36,7 +36,7 @@ def test_tokenized_folder_round_trips_and_loads(token_folder):
     loaded = load_corpus(folder)
     bytes_corpus = load_corpus(corpus)
     assert loaded.vocab_size == 263 and loaded.tokenizer == folder / "tokenizer.json"
-    assert np.array_equal(load_corpus(folder / "train.bin").validation, loaded.validation)
+    assert np.array_equal(load_corpus(folder / "train-00000.bin").validation, loaded.validation)
     tokenizer = load_tokenizer(loaded.tokenizer)
     for tokens, raw in (
         (loaded.train, bytes_corpus.train),
@@ -44,7 +44,7 @@ def test_tokenized_folder_round_trips_and_loads(token_folder):
     ):
         assert tokens.dtype == np.uint16
         assert tokenizer.decode(tokens.tolist()).encode() == raw.astype(np.uint8).tobytes()
-    assert record["validation_bytes"] == bytes_corpus.validation.size
+    assert record["splits"]["validation"]["bytes"] == bytes_corpus.validation.size
     assert loaded.train.size < bytes_corpus.train.size  # merges shorten the text
     # Reusing the tokenizer gives the same ids; a model smaller than the vocabulary is refused.
     again = tokenize(corpus, folder.parent / "again", tokenizer=folder / "tokenizer.json")

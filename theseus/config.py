@@ -97,16 +97,76 @@ class OptimizationConfig(Section):
     grad_clip: float = pydantic.Field(1.0, gt=0, description="global gradient norm limit")
 
 
+class DataSource(Section):
+    """One source of a weighted mixture: a corpus path, its weight and the name its validation
+    loss is reported under (default: the path's last component)."""
+
+    path: str = pydantic.Field(description="any corpus data.path accepts")
+    weight: float = pydantic.Field(
+        gt=0, allow_inf_nan=False, description="share of the examples, before normalising"
+    )
+    name: str | None = pydantic.Field(None, description="name in val_loss_by_source")
+
+    @pydantic.model_validator(mode="after")
+    def _default_name(self) -> DataSource:
+        if self.name is None:
+            self.__dict__["name"] = Path(self.path.rstrip("/")).name or self.path
+        return self
+
+
 class DataConfig(Section):
-    """Where tokens come from; None means the built-in dataset (no download)."""
+    """Where tokens come from: one path, a weighted mixture of sources, or neither for the
+    built-in dataset (no download)."""
 
     path: str | None = pydantic.Field(
-        None, description="text file, folder of text files, or pre-tokenized .bin; None: built-in"
+        None,
+        description="text, JSON Lines or Parquet file or folder, tokenized folder, or .bin; "
+        "None: built-in",
+    )
+    sources: list[DataSource] | None = pydantic.Field(
+        None,
+        description="weighted mixture, PATH:WEIGHT,PATH:WEIGHT or a list of {path, weight, name}",
     )
     validation_fraction: float = pydantic.Field(0.1, gt=0, lt=1)
     token_dtype: Literal["uint16", "uint32"] = pydantic.Field(
         "uint16", description="element type of a .bin token file"
     )
+    text_field: str = pydantic.Field(
+        "text", description="text field of JSON Lines records and column of Parquet files"
+    )
+
+    @pydantic.field_validator("sources", mode="before")
+    @classmethod
+    def _parse_sources(cls, value: Any) -> Any:
+        """``PATH_A:0.7,PATH_B:0.3`` (the command-line form) as a list of sources."""
+        if not isinstance(value, str):
+            return value
+        sources = []
+        for item in value.split(","):
+            path, sep, weight = item.strip().rpartition(":")
+            if not sep or not path:
+                raise ValueError(
+                    f"source {item!r} is not PATH:WEIGHT; write data.sources=PATH_A:0.7,PATH_B:0.3"
+                )
+            sources.append({"path": path, "weight": weight})
+        return sources
+
+    @pydantic.model_validator(mode="after")
+    def _one_kind(self) -> DataConfig:
+        if self.sources is not None:
+            if self.path is not None:
+                raise ValueError(
+                    "data.path and data.sources are both set; give one (a single path is a "
+                    "one-source mixture)"
+                )
+            if not self.sources:
+                raise ValueError("data.sources is empty; give at least one PATH:WEIGHT")
+            names = [s.name for s in self.sources]
+            if len(set(names)) < len(names):
+                raise ValueError(
+                    f"data.sources names {names} repeat; give each source its own name"
+                )
+        return self
 
 
 class LoggingConfig(Section):

@@ -17,25 +17,50 @@ from theseus.cli.options import (
     use_cpu_devices,
     user_errors,
 )
+from theseus.data.bpe import DEFAULT_SAMPLE_BYTES, DEFAULT_SHARD_TOKENS
 
 
 def tokenize(
     corpus: Annotated[
-        str, typer.Argument(help="text file, folder of text files, or 'builtin' (built-in corpus)")
+        str,
+        typer.Argument(
+            help="text, JSON Lines (.jsonl, .jsonl.gz, .jsonl.zst) or Parquet file, gzip- or "
+            "zstd-compressed text, a folder mixing them, or 'builtin' (built-in corpus)"
+        ),
     ],
-    out_dir: Annotated[Path, typer.Argument(help="folder to write tokenizer.json and .bin files")],
+    out_dir: Annotated[
+        Path, typer.Argument(help="folder for tokenizer.json, token shards and tokens.json")
+    ],
     vocab_size: Annotated[
         int | None, typer.Option(help="train a byte-level BPE tokenizer of this many tokens")
     ] = None,
     tokenizer: Annotated[
         Path | None, typer.Option(help="reuse this tokenizer.json instead of training one")
     ] = None,
+    eos_token: Annotated[
+        str | None,
+        typer.Option(
+            help="the token that ends each document \\[default: <|endoftext|>, or a reused "
+            "tokenizer's own end-of-text token]"
+        ),
+    ] = None,
+    text_field: Annotated[
+        str, typer.Option(help="field of JSON Lines records and column of Parquet files")
+    ] = "text",
     validation_fraction: Annotated[
-        float, typer.Option(help="share of the corpus held out for validation")
+        float, typer.Option(help="share of the documents held out for validation")
     ] = 0.1,
+    seed: Annotated[int, typer.Option(help="seed of the split by document")] = 0,
+    train_sample_bytes: Annotated[
+        int, typer.Option(help="text to train the tokenizer on, taken evenly over the corpus")
+    ] = DEFAULT_SAMPLE_BYTES,
+    shard_tokens: Annotated[
+        int, typer.Option(help="tokens per shard (a shard closes at a piece boundary past it)")
+    ] = DEFAULT_SHARD_TOKENS,
     overwrite: Overwrite = False,
 ) -> None:
-    """Tokenize a corpus with byte-level BPE; train on it with data.path=OUT_DIR."""
+    """Tokenize a corpus into token shards with byte-level BPE, streaming it with bounded memory;
+    run it again to finish an interrupted one. Train on it with data.path=OUT_DIR."""
     with user_errors():
         from theseus.data.bpe import tokenize as tokenize_corpus
 
@@ -44,7 +69,12 @@ def tokenize(
             out_dir,
             vocab_size=vocab_size,
             tokenizer=tokenizer,
+            eos_token=eos_token,
+            text_field=text_field,
             validation_fraction=validation_fraction,
+            seed=seed,
+            train_sample_bytes=train_sample_bytes,
+            shard_tokens=shard_tokens,
             overwrite=overwrite,
         )
     typer.echo(result.describe())

@@ -1,6 +1,16 @@
-"""Language-model data: corpora of token ids and a stateless sampler over their windows."""
+"""Language-model data: corpora of token ids, their weighted mixtures and stateless samplers."""
 
+from theseus.data.mixture import Mixture, MixtureSampler, load_mixture
 from theseus.data.sampler import Sampler, validation_batches
 from theseus.data.tokens import Corpus, load_corpus, write_tokens
 
-__all__ = ["Corpus", "Sampler", "load_corpus", "validation_batches", "write_tokens"]
+__all__ = [
+    "Corpus",
+    "Mixture",
+    "MixtureSampler",
+    "Sampler",
+    "load_corpus",
+    "load_mixture",
+    "validation_batches",
+    "write_tokens",
+]

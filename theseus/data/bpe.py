@@ -1,57 +1,64 @@
-"""Byte-level BPE with the Hugging Face ``tokenizers`` library: train a tokenizer on a corpus
-(locally; nothing is downloaded) and write the corpus as ``.bin`` token files.
+"""``theseus tokenize``: byte-level BPE with the Hugging Face ``tokenizers`` library (trained
+locally on a bounded sample, or reused), and a corpus streamed into token shards.
 
-The output folder holds ``tokenizer.json``, ``train.bin``, ``validation.bin`` and ``tokens.json``
-(vocabulary size, token dtype, tokens and UTF-8 bytes per split). The split is the one the byte
-loader makes of the same corpus (by file for folders and the built-in corpus, a tail split for
-one file), so validation losses in nats per byte compare directly with byte-level training.
-``load_corpus(folder)`` reads it back.
+The output folder holds ``tokenizer.json``, ``train-NNNNN.bin`` / ``validation-NNNNN.bin``
+shards and the ``tokens.json`` manifest (see :mod:`theseus.data.shards`), written last. The
+split is by document (:mod:`theseus.data.split`; a single text file is cut at its tail), the one
+the byte loader makes of the same corpus, so losses compare in nats per byte. Every document ends
+with the end-of-text token. ``load_corpus(folder)`` reads it back.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
+import hashlib
 import os
+import shutil
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
-from theseus.data.tokens import (
-    BYTE_VOCAB_SIZE,
+import theseus.data.tokenize_io as tokenize_io
+from theseus.data.readers import Piece, estimated_text_bytes, fingerprint, read_pieces
+from theseus.data.shards import (
+    FORMAT,
+    PROGRESS_FILE,
+    SPLITS,
     TOKENIZED_RECORD,
-    TOKENIZED_SPLITS,
     TOKENIZER_FILE,
-    _check_fraction,
-    _walk_sorted,
-    builtin_files,
-    split_by_file,
-    tail_split,
-    write_tokens,
+    ShardWriter,
+    write_json_atomic,
 )
+from theseus.data.streaming import batches, encode_stream
+from theseus.data.tokens import BYTE_VOCAB_SIZE
 
-BUILTIN = "builtin"  # the corpus argument naming the built-in corpus
-_CHUNK_BYTES = 2**20  # text is encoded in chunks of whole lines of about this size
-_BATCH_CHUNKS = 64  # chunks per encode_batch call
+EOS_TOKEN = "<|endoftext|>"  # the end-of-text token of tokenizers theseus trains
+# End-of-text tokens of common tokenizers, looked for (in this order) in a reused one.
+EOS_CANDIDATES = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "<|im_end|>")
+DEFAULT_SAMPLE_BYTES = 64 * 2**20  # text a tokenizer is trained on, spread over the corpus
+DEFAULT_SHARD_TOKENS = 2**26
 _PROGRESS_MIN_BYTES = 4 * 2**20  # show progress bars from this corpus size on
 
 
 @dataclass(frozen=True)
 class TokenizedCorpus:
-    """What ``theseus tokenize`` wrote (the contents of ``tokens.json``)."""
+    """What ``theseus tokenize`` wrote (the figures of ``tokens.json``)."""
 
     out_dir: str
     source: str
     vocab_size: int
     token_dtype: str
+    eos_token: str
     train_tokens: int
     validation_tokens: int
+    train_documents: int
+    validation_documents: int
     train_bytes: int
     validation_bytes: int
+    num_shards: int
     trained_tokenizer: bool
+    resumed: bool
     seconds: float
 
     @property
@@ -61,12 +68,16 @@ class TokenizedCorpus:
 
     def describe(self) -> str:
         how = "trained" if self.trained_tokenizer else "reused"
+        again = " (resumed)" if self.resumed else ""
         return (
-            f"wrote {self.out_dir}: {how} a byte-level BPE tokenizer of {self.vocab_size} tokens; "
-            f"{self.train_tokens:,} train + {self.validation_tokens:,} validation "
-            f"{self.token_dtype} tokens from {self.train_bytes + self.validation_bytes:,} bytes "
-            f"({self.bytes_per_token:.3f} bytes per validation token) in {self.seconds:.1f} s; "
-            f"train on it with data.path={self.out_dir} model.vocab_size={self.vocab_size}"
+            f"wrote {self.out_dir}{again}: {how} a byte-level BPE tokenizer of {self.vocab_size} "
+            f"tokens; {self.train_tokens:,} train + {self.validation_tokens:,} validation "
+            f"{self.token_dtype} tokens in {self.num_shards} shard(s) from "
+            f"{self.train_documents:,} + {self.validation_documents:,} documents, "
+            f"{self.train_bytes + self.validation_bytes:,} bytes "
+            f"({self.bytes_per_token:.3f} bytes per validation token), each document ending "
+            f"with {self.eos_token}, in {self.seconds:.1f} s; train on it with "
+            f"data.path={self.out_dir} model.vocab_size={self.vocab_size}"
         )
 
 
@@ -75,67 +86,34 @@ def token_dtype(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 2**16 else "uint32"
 
 
-def corpus_documents(
-    corpus: str | os.PathLike, validation_fraction: float = 0.1, seed: int = 0
-) -> tuple[list[bytes], list[bytes], str]:
-    """(train documents, validation documents, description), split as ``load_corpus`` splits
-    the same bytes: by file for a folder of several files and for the built-in corpus
-    (``corpus="builtin"``), the last ``validation_fraction`` of the bytes otherwise."""
-    _check_fraction(validation_fraction)
-    if str(corpus) == BUILTIN:
-        root, names = builtin_files()
-        source = f"built-in: Python standard library source ({root}), {len(names)} files"
-    else:
-        root = Path(corpus)
-        if not root.exists():
-            raise ValueError(
-                f"corpus {str(root)!r} does not exist; pass a text file, a folder of text files, "
-                f"or {BUILTIN!r} for the built-in corpus"
-            )
-        if root.suffix == ".bin" or (root / TOKENIZED_RECORD).is_file():
-            raise ValueError(
-                f"corpus {str(root)!r} is already tokenized; pass the text it was made from"
-            )
-        names = [root.name] if root.is_file() else _walk_sorted(root, skip_dirs=frozenset())
-        root = root.parent if root.is_file() else root
-        names = [name for name in names if (root / name).stat().st_size > 0]
-        source = f"{str(Path(corpus))!r}, {len(names)} file(s)"
-    if not names:
-        raise ValueError(f"corpus {str(corpus)!r} holds no non-empty files; add text to it")
-    if len(names) == 1:
-        data = (root / names[0]).read_bytes()
-        if len(data) < 2:
-            raise ValueError(f"corpus {str(corpus)!r} has {len(data)} byte(s); it needs two")
-        train, validation = tail_split(np.frombuffer(data, np.uint8), validation_fraction)
-        return [train.tobytes()], [validation.tobytes()], source
-    train_names, validation_names = split_by_file(names, validation_fraction, seed)
-    train = [(root / name).read_bytes() for name in train_names]
-    return train, [(root / name).read_bytes() for name in validation_names], source
-
-
-def train_tokenizer(documents: Sequence[bytes], vocab_size: int, *, progress: bool = False):
-    """A byte-level BPE ``tokenizers.Tokenizer`` of ``vocab_size`` tokens trained on
-    ``documents`` (every byte is a token, so any text encodes and decodes losslessly)."""
+def train_tokenizer(texts: Iterator[str], vocab_size: int, *, progress: bool = False):
+    """A byte-level BPE ``tokenizers.Tokenizer`` of ``vocab_size`` tokens trained on ``texts``:
+    the end-of-text token, every byte (so any text encodes and decodes losslessly) and merges."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
-        raise TypeError(f"vocab_size must be an int, got {type(vocab_size).__name__}")
-    if not BYTE_VOCAB_SIZE <= vocab_size <= 2**32:
-        raise ValueError(
-            f"vocab_size={vocab_size}: a byte-level BPE vocabulary holds the "
-            f"{BYTE_VOCAB_SIZE} bytes plus merges; choose a size in [{BYTE_VOCAB_SIZE}, 2**32]"
-        )
+    check_vocab_size(vocab_size)
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[EOS_TOKEN],
         show_progress=progress,
     )
-    texts = (chunk for document in documents for chunk in _chunks(document))
     tokenizer.train_from_iterator(texts, trainer)
     return tokenizer
+
+
+def check_vocab_size(vocab_size: int) -> None:
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
+        raise TypeError(f"vocab_size must be an int, got {type(vocab_size).__name__}")
+    smallest = BYTE_VOCAB_SIZE + 1
+    if not smallest <= vocab_size <= 2**32:
+        raise ValueError(
+            f"vocab_size={vocab_size}: a byte-level BPE vocabulary holds the end-of-text token, "
+            f"the {BYTE_VOCAB_SIZE} bytes and merges; choose a size in [{smallest}, 2**32]"
+        )
 
 
 def load_tokenizer(path: str | os.PathLike):
@@ -153,19 +131,25 @@ def load_tokenizer(path: str | os.PathLike):
         ) from None
 
 
-def encode_documents(
-    tokenizer, documents: Sequence[bytes], dtype: str, advance: Callable[[int], None]
-) -> np.ndarray:
-    """The concatenated token ids of ``documents`` (no separator), as a ``dtype`` array; calls
-    ``advance(num_bytes)`` as batches of chunks are done (encoded in parallel by the library)."""
-    chunks = [chunk for document in documents for chunk in _chunks(document)]
-    pieces = []
-    for start in range(0, len(chunks), _BATCH_CHUNKS):
-        batch = chunks[start : start + _BATCH_CHUNKS]
-        encodings = tokenizer.encode_batch(batch, add_special_tokens=False)
-        pieces += [np.asarray(encoding.ids, dtype=dtype) for encoding in encodings]
-        advance(sum(len(chunk.encode()) for chunk in batch))
-    return np.concatenate(pieces)
+def end_of_text(tokenizer, name: str | None, where: str) -> tuple[str, int]:
+    """The end-of-text token (text and id): ``name`` when given, else the first of
+    ``EOS_CANDIDATES`` among the tokenizer's special tokens."""
+    if name is not None:
+        token_id = tokenizer.token_to_id(name)
+        if token_id is None:
+            raise ValueError(
+                f"--eos-token {name!r} is not a token of {where}; name one of its tokens"
+            )
+        return name, token_id
+    special = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
+    for candidate in EOS_CANDIDATES:
+        if candidate in special:
+            return candidate, tokenizer.token_to_id(candidate)
+    raise ValueError(
+        f"{where} has no end-of-text token among its special tokens "
+        f"({', '.join(sorted(special)) or 'none'}); name the token that ends a document with "
+        "--eos-token"
+    )
 
 
 def tokenize(
@@ -174,76 +158,142 @@ def tokenize(
     *,
     vocab_size: int | None = None,
     tokenizer: str | os.PathLike | None = None,
+    eos_token: str | None = None,
+    text_field: str = "text",
     validation_fraction: float = 0.1,
+    seed: int = 0,
+    train_sample_bytes: int = DEFAULT_SAMPLE_BYTES,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
     overwrite: bool = False,
     progress: bool | None = None,
 ) -> TokenizedCorpus:
-    """Train a byte-level BPE tokenizer of ``vocab_size`` tokens on the train split of
-    ``corpus`` (or reuse the ``tokenizer.json`` at ``tokenizer``) and write the tokenized
-    corpus to ``out_dir``. ``progress`` shows bars (default: for corpora of 4 MiB or more)."""
+    """Tokenize ``corpus`` into shards in ``out_dir`` with a byte-level BPE tokenizer trained on
+    an evenly spread ``train_sample_bytes`` of its train split (``vocab_size``) or reused
+    (``tokenizer``). Running it again on an interrupted folder goes on from its complete shards;
+    a finished one with the same settings is left as it is. ``progress`` shows bars (default:
+    for corpora of 4 MiB or more)."""
+    start = time.perf_counter()
     if (vocab_size is None) == (tokenizer is None):
         raise ValueError(
             "give exactly one of vocab_size (train a tokenizer) and tokenizer (reuse a "
             "tokenizer.json)"
         )
+    for name, value in (("train_sample_bytes", train_sample_bytes), ("shard_tokens", shard_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if vocab_size is not None:
+        check_vocab_size(vocab_size)
+    source = tokenize_io.corpus_inputs(corpus, text_field, validation_fraction, seed)
+    inputs = source.files
+    reused = None if tokenizer is None else load_tokenizer(tokenizer)
+    if reused is not None:
+        eos_token, _ = end_of_text(reused, eos_token, f"tokenizer {tokenizer}")
+    settings = {
+        "format": FORMAT,
+        "source": fingerprint(inputs),
+        "tokenizer": _sha256(reused.to_str()) if reused else f"train {vocab_size}",
+        "train_sample_bytes": None if reused else train_sample_bytes,
+        "eos_token": eos_token,
+        "text_field": text_field,
+        "validation_fraction": validation_fraction,
+        "seed": seed,
+        "shard_tokens": shard_tokens,
+    }
     out = Path(out_dir)
-    present = [
-        n for n in (TOKENIZED_RECORD, TOKENIZER_FILE, *TOKENIZED_SPLITS) if (out / n).exists()
-    ]
-    if present and not overwrite:
-        raise ValueError(
-            f"{out} already holds {', '.join(present)}; pass --overwrite to replace them or "
-            "choose another output folder"
-        )
-    start = time.perf_counter()
-    train_docs, validation_docs, source = corpus_documents(corpus, validation_fraction)
-    documents = [*train_docs, *validation_docs]
-    total_bytes = sum(len(d) for d in documents)
+    state = tokenize_io.prepare_output(out, settings, overwrite=overwrite)
+    if state.finished is not None:
+        return TokenizedCorpus(**state.finished, seconds=time.perf_counter() - start)
+    total_bytes = estimated_text_bytes(inputs)
     progress = total_bytes >= _PROGRESS_MIN_BYTES if progress is None else progress
-    if tokenizer is None:
-        bpe = train_tokenizer(train_docs, vocab_size, progress=progress)
-    else:
-        bpe = load_tokenizer(tokenizer)
-    size = bpe.get_vocab_size()
-    dtype = token_dtype(size)
-    out.mkdir(parents=True, exist_ok=True)
-    with _byte_progress(progress, total_bytes) as advance:
-        splits = [
-            encode_documents(bpe, docs, dtype, advance) for docs in (train_docs, validation_docs)
-        ]
-    for name, tokens in zip(TOKENIZED_SPLITS, splits, strict=True):
-        write_tokens(out / name, tokens, dtype, vocab_size=size)
-    bpe.save(str(out / TOKENIZER_FILE))
-    result = TokenizedCorpus(
-        out_dir=str(out),
-        source=source,
-        vocab_size=size,
-        token_dtype=dtype,
-        train_tokens=int(splits[0].size),
-        validation_tokens=int(splits[1].size),
-        train_bytes=sum(len(_text(d).encode()) for d in train_docs),
-        validation_bytes=sum(len(_text(d).encode()) for d in validation_docs),
-        trained_tokenizer=tokenizer is None,
-        seconds=time.perf_counter() - start,
-    )
-    (out / TOKENIZED_RECORD).write_text(json.dumps(asdict(result), indent=2) + "\n")
-    return result
+    cut = tokenize_io.tail_cut(source, validation_fraction)
+    split_of = source.splitter(validation_fraction, seed)
+
+    def pieces() -> Iterator[Piece]:
+        return read_pieces(inputs, text_field, cut=cut)
+
+    with tokenize_io.cleanup_on_error(out, fresh=state.fresh):
+        out.mkdir(parents=True, exist_ok=True)
+        if reused is None and not (out / TOKENIZER_FILE).is_file():
+            texts = sample_texts(pieces(), split_of, total_bytes, train_sample_bytes)
+            bpe = train_tokenizer(texts, vocab_size, progress=progress)
+            bpe.save(str(out / TOKENIZER_FILE))
+        elif reused is None:
+            bpe = load_tokenizer(out / TOKENIZER_FILE)  # trained before the interruption
+        else:
+            bpe = reused
+            shutil.copyfile(tokenizer, out / TOKENIZER_FILE)
+        eos_token, eos_id = end_of_text(bpe, eos_token, f"tokenizer {out / TOKENIZER_FILE}")
+        dtype = token_dtype(bpe.get_vocab_size())
+        writers = {
+            name: ShardWriter(out, name, shard_tokens, dtype, state.splits[name]["shards"])
+            for name in SPLITS
+        }
+        resume = {name: tuple(state.splits[name]["next"]) for name in SPLITS}
+
+        def on_shard(name: str, position: tuple[int, int]) -> None:
+            resume[name] = position
+            splits = {n: {"shards": writers[n].shards, "next": resume[n]} for n in SPLITS}
+            write_json_atomic(out / PROGRESS_FILE, {"settings": settings, "splits": splits})
+
+        try:
+            with _byte_progress(progress, total_bytes) as advance:
+                encode_stream(
+                    batches(pieces(), split_of, resume),
+                    bpe,
+                    eos_id=eos_id,
+                    writers=writers,
+                    on_shard=on_shard,
+                    advance=advance,
+                )
+        except BaseException:
+            for writer in writers.values():
+                writer.abandon()
+            raise
+        for writer in writers.values():
+            writer.close_shard()
+        summaries = {name: writers[name].summary() for name in SPLITS}
+        tokenize_io.check_both_splits(summaries, corpus)
+    record = {
+        "format": FORMAT,
+        "vocab_size": bpe.get_vocab_size(),
+        "token_dtype": dtype,
+        "eos_token": eos_token,
+        "eos_id": eos_id,
+        "tokenizer_sha256": _sha256(bpe.to_str()),
+        "trained_tokenizer": reused is None,
+        "source": {"description": source.description, "fingerprint": settings["source"]},
+        "settings": settings,
+        "splits": summaries,
+    }
+    write_json_atomic(out / TOKENIZED_RECORD, record)
+    (out / PROGRESS_FILE).unlink(missing_ok=True)
+    result = tokenize_io.result_fields(out, record, resumed=not state.fresh)
+    return TokenizedCorpus(**result, seconds=time.perf_counter() - start)
 
 
-def _text(document: bytes) -> str:
-    """UTF-8 text of a document; invalid bytes become U+FFFD (byte-level BPE encodes text)."""
-    return document.decode("utf-8", errors="replace")
+def sample_texts(
+    pieces: Iterator[Piece], split_of: Callable[[int], str], total_bytes: int, sample_bytes: int
+) -> Iterator[str]:
+    """About ``sample_bytes`` of the train split's text, taken evenly over the corpus (a piece
+    is taken when the running share of the bytes seen reaches it), never more."""
+    share = min(1.0, sample_bytes / max(1, total_bytes))
+    credit = 0.0
+    taken = 0
+    for piece in pieces:
+        if split_of(piece.document) != "train":
+            continue
+        size = len(piece.text)
+        credit += share * size
+        if credit >= size:
+            credit -= size
+            if taken + size > sample_bytes:
+                return
+            taken += size
+            yield piece.text
 
 
-def _chunks(document: bytes) -> Iterator[str]:
-    """The document's text in pieces of whole lines of about ``_CHUNK_BYTES``."""
-    text = _text(document)
-    start = 0
-    while start < len(text):
-        end = text.find("\n", start + _CHUNK_BYTES)
-        end = len(text) if end < 0 else end + 1
-        yield text[start:end]
-        start = end
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 @contextlib.contextmanager

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import numpy as np
 
+from theseus.data.shards import ShardedTokens
+
 VALIDATION_SEED = 0
 
 
 class Sampler:
     """Maps global example indices to token windows of one split. Immutable apart from a cache."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int):
-        if not isinstance(tokens, np.ndarray) or tokens.ndim != 1:
+    def __init__(self, tokens: np.ndarray | ShardedTokens, seq_len: int, seed: int):
+        if not isinstance(tokens, np.ndarray | ShardedTokens) or tokens.ndim != 1:
             raise TypeError(f"tokens must be a 1-D numpy array, got {type(tokens).__name__}")
         if not np.issubdtype(tokens.dtype, np.integer):
             raise TypeError(f"tokens must have an integer dtype, got {tokens.dtype}")
@@ -42,7 +44,7 @@ class Sampler:
         """Examples ``start .. start + count - 1`` as int32, shape (count, seq_len + 1)."""
         _check_int("start", start, minimum=0)
         _check_int("count", count, minimum=0)
-        return self._gather(start + np.arange(count, dtype=np.int64))
+        return self.gather(start + np.arange(count, dtype=np.int64))
 
     def global_batch(
         self, position: int, accumulation_steps: int, examples_per_microbatch: int
@@ -68,17 +70,11 @@ class Sampler:
         e.g. the rows this process's devices hold. Returns int32 of shape
         (accumulation_steps, len(rows), seq_len + 1).
         """
-        _check_int("position", position, minimum=0)
-        _check_int("accumulation_steps", accumulation_steps, minimum=1)
-        _check_int("examples_per_microbatch", examples_per_microbatch, minimum=1)
-        row_indices = _row_indices(rows, examples_per_microbatch)  # (rows,)
-        microbatch_starts = position + examples_per_microbatch * np.arange(
-            accumulation_steps, dtype=np.int64
+        return self.gather(
+            batch_indices(position, accumulation_steps, examples_per_microbatch, rows)
         )
-        indices = microbatch_starts[:, None] + row_indices[None, :]  # (accumulation, rows)
-        return self._gather(indices)
 
-    def _gather(self, indices: np.ndarray) -> np.ndarray:
+    def gather(self, indices: np.ndarray) -> np.ndarray:
         """Windows of global example ``indices``, int32 of shape indices.shape + (seq_len + 1,)."""
         flat = indices.reshape(-1)  # (n,)
         epochs, offsets = np.divmod(flat, self.num_windows)
@@ -125,6 +121,21 @@ def validation_batches(
             "or raise validation_fraction"
         )
     return sampler.global_batch(0, num_batches, examples_per_batch)
+
+
+def batch_indices(
+    position: int, accumulation_steps: int, examples_per_microbatch: int, rows: slice | np.ndarray
+) -> np.ndarray:
+    """Global example indices of ``rows`` of the batch at ``position``: element ``[a, j]`` is
+    ``position + a * examples_per_microbatch + rows[j]``, shape (accumulation_steps, rows)."""
+    _check_int("position", position, minimum=0)
+    _check_int("accumulation_steps", accumulation_steps, minimum=1)
+    _check_int("examples_per_microbatch", examples_per_microbatch, minimum=1)
+    row_indices = _row_indices(rows, examples_per_microbatch)  # (rows,)
+    microbatch_starts = position + examples_per_microbatch * np.arange(
+        accumulation_steps, dtype=np.int64
+    )
+    return microbatch_starts[:, None] + row_indices[None, :]  # (accumulation, rows)
 
 
 def _row_indices(rows: slice | np.ndarray, examples_per_microbatch: int) -> np.ndarray:

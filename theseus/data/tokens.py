@@ -18,13 +18,21 @@ from pathlib import Path
 
 import numpy as np
 
+from theseus.data.documents import split_documents
+from theseus.data.readers import kind_of, list_inputs, read_bytes, walk_sorted
+from theseus.data.shards import (
+    SHARD_PATTERN,
+    SPLITS,
+    TOKENIZED_RECORD,
+    TOKENIZER_FILE,
+    is_incomplete,
+    open_split,
+    read_manifest,
+)
+
 BYTE_VOCAB_SIZE = 256
 TOKEN_DTYPES = ("uint16", "uint32")
 
-# A folder written by `theseus tokenize` (theseus.data.bpe): its record, tokenizer and splits.
-TOKENIZED_RECORD = "tokens.json"
-TOKENIZER_FILE = "tokenizer.json"
-TOKENIZED_SPLITS = ("train.bin", "validation.bin")
 
 # The built-in corpus takes stdlib files in sorted order until about this many bytes.
 BUILTIN_MAX_BYTES = 8 * 2**20
@@ -75,24 +83,30 @@ def load_corpus(
     seed: int = 0,
     token_dtype: str = "uint16",
     vocab_size: int | None = None,
+    text_field: str = "text",
 ) -> Corpus:
     """Load a corpus and split it into train and validation.
 
     ``path`` selects the source:
 
     - ``None``: the Python standard library's ``.py`` files (no download needed), split by file.
-    - a directory written by ``theseus tokenize`` (it holds ``tokens.json``): its
-      ``train.bin`` and ``validation.bin``, split when it was tokenized, with its vocabulary size
-      and ``tokenizer.json``. Either of those two ``.bin`` files names the whole folder.
-    - any other directory: the bytes of every non-hidden regular file below it, split by file
-      (a tail split when it holds a single non-empty file).
+    - a directory written by ``theseus tokenize`` (it holds the ``tokens.json`` manifest): its
+      shards, memory-mapped, split when it was tokenized, with its vocabulary size and
+      ``tokenizer.json``. Any of its shards names the whole folder. A folder that tokenize has
+      not finished is refused.
+    - any other directory: the bytes of its documents (every non-hidden regular file below it is
+      one, or a JSON Lines or Parquet file's records' ``text_field``), split by document as
+      :mod:`theseus.data.split` says (a tail split when it holds a single text file).
+    - a JSON Lines or Parquet file (``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst``, ``.parquet``): the
+      bytes of its documents, split by document.
     - a file ending in ``.bin``: pre-tokenized ``token_dtype`` tokens, memory-mapped,
       with the last ``validation_fraction`` as validation. ``vocab_size`` defaults to the one
       recorded beside the file by :func:`write_tokens` (``FILE.bin.json``), else to max token + 1
       (one pass over the whole file, on every process).
-    - any other file: its bytes, with the last ``validation_fraction`` as validation.
+    - any other file: its bytes (decompressed, for ``.gz`` and ``.zst``), with the last
+      ``validation_fraction`` as validation.
 
-    ``seed`` salts which files go to validation in a by-file split; tail splits ignore it.
+    ``seed`` salts which documents go to validation; tail splits ignore it.
     ``token_dtype`` and ``vocab_size`` apply only to ``.bin`` files.
     """
     _check_fraction(validation_fraction)
@@ -103,19 +117,28 @@ def load_corpus(
     path = Path(path)
     if not path.exists():
         raise ValueError(
-            f"corpus path {str(path)!r} does not exist; pass an existing text file, directory "
-            "or .bin token file, or no path for the built-in corpus"
+            f"corpus path {str(path)!r} does not exist; pass an existing text, JSON Lines or "
+            "Parquet file, a folder of them, a tokenized folder or a .bin token file, or no "
+            "path for the built-in corpus"
         )
-    if path.is_dir() and (path / TOKENIZED_RECORD).is_file():
-        return _tokenized_corpus(path, vocab_size)
-    if path.name in TOKENIZED_SPLITS and (path.parent / TOKENIZED_RECORD).is_file():
-        return _tokenized_corpus(path.parent, vocab_size)  # either .bin names its folder
+    folder = path if path.is_dir() else path.parent
+    if path.is_dir() or SHARD_PATTERN.fullmatch(path.name):
+        if is_incomplete(folder):
+            raise ValueError(
+                f"{str(folder)!r} is an unfinished `theseus tokenize` output (no "
+                f"{TOKENIZED_RECORD} yet); run the same tokenize command again to finish it"
+            )
+        if (folder / TOKENIZED_RECORD).is_file():
+            return _tokenized_corpus(folder, vocab_size)  # any shard names its folder
     if path.is_dir():
         _check_byte_options(path, vocab_size)
-        return _directory_corpus(path, validation_fraction, seed)
+        return _directory_corpus(path, validation_fraction, seed, text_field)
     if path.suffix == ".bin":
         return _bin_corpus(path, validation_fraction, token_dtype, vocab_size)
     _check_byte_options(path, vocab_size)
+    inputs = list_inputs(path.parent, [path.name])
+    if inputs and (kind_of(path) != "text" or inputs[0].compression is not None):
+        return _documents_corpus(inputs, validation_fraction, seed, text_field, repr(str(path)))
     tokens = _bytes_to_tokens(_read_nonempty(path))
     train, validation = tail_split(tokens, validation_fraction)
     return Corpus(
@@ -168,9 +191,14 @@ def tail_split(tokens: np.ndarray, validation_fraction: float) -> tuple[np.ndarr
 
     Each side gets at least one token when there are two or more.
     """
-    n = tokens.size
-    num_validation = min(max(1, round(n * validation_fraction)), n - 1)
-    return tokens[: n - num_validation], tokens[n - num_validation :]
+    num_validation = tail_split_size(tokens.size, validation_fraction)
+    return tokens[: tokens.size - num_validation], tokens[tokens.size - num_validation :]
+
+
+def tail_split_size(size: int, validation_fraction: float) -> int:
+    """How many of ``size`` tokens (two or more) the tail split holds out: at least one, and
+    one fewer than all."""
+    return min(max(1, round(size * validation_fraction)), size - 1)
 
 
 def split_by_file(
@@ -199,7 +227,7 @@ def builtin_files() -> tuple[Path, list[str]]:
     root = Path(sysconfig.get_paths()["stdlib"])
     names = []
     total = 0
-    for name in _walk_sorted(root, skip_dirs=_BUILTIN_SKIP_DIRS):
+    for name in walk_sorted(root, skip_dirs=_BUILTIN_SKIP_DIRS):
         if not name.endswith(".py"):
             continue
         size = (root / name).stat().st_size
@@ -225,25 +253,34 @@ def _builtin_corpus(validation_fraction: float, seed: int) -> Corpus:
     return Corpus(train, validation, BYTE_VOCAB_SIZE, source)
 
 
-def _directory_corpus(root: Path, validation_fraction: float, seed: int) -> Corpus:
-    names = [
-        name
-        for name in _walk_sorted(root, skip_dirs=frozenset())
-        if (root / name).stat().st_size > 0
-    ]
-    if not names:
+def _directory_corpus(root: Path, fraction: float, seed: int, text_field: str) -> Corpus:
+    inputs = list_inputs(root, walk_sorted(root))
+    if not inputs:
         raise ValueError(
             f"corpus directory {str(root)!r} holds no non-empty, non-hidden files; "
             "add data or pick another path"
         )
-    if len(names) == 1:
-        tokens = _bytes_to_tokens(_read_nonempty(root / names[0]))
-        train, validation = tail_split(tokens, validation_fraction)
-        return Corpus(train, validation, BYTE_VOCAB_SIZE, f"directory {str(root)!r}, 1 file")
-    train, validation = _split_files(root, names, validation_fraction, seed)
-    return Corpus(
-        train, validation, BYTE_VOCAB_SIZE, f"directory {str(root)!r}, {len(names)} files"
-    )
+    where = f"directory {str(root)!r}"
+    if len(inputs) == 1 and inputs[0].kind == "text" and inputs[0].compression is None:
+        tokens = _bytes_to_tokens(_read_nonempty(inputs[0].path))
+        train, validation = tail_split(tokens, fraction)
+        return Corpus(train, validation, BYTE_VOCAB_SIZE, f"{where}, 1 file")
+    return _documents_corpus(inputs, fraction, seed, text_field, where)
+
+
+def _documents_corpus(inputs, fraction: float, seed: int, text_field: str, where: str) -> Corpus:
+    """A byte corpus of documents, split by document (a single compressed text file: its
+    decompressed bytes, split at the tail)."""
+    if len(inputs) == 1 and inputs[0].kind == "text":
+        train, validation = tail_split(_bytes_to_tokens(read_bytes(inputs[0])), fraction)
+        return Corpus(train, validation, BYTE_VOCAB_SIZE, f"{where}, 1 file")
+    train, validation = split_documents(inputs, text_field, fraction, seed)
+    if not train.size or not validation.size:
+        raise ValueError(
+            f"corpus {where} gives an empty {'train' if not train.size else 'validation'} split "
+            f"({len(inputs)} file(s)); it needs at least two non-empty documents"
+        )
+    return Corpus(train, validation, BYTE_VOCAB_SIZE, f"{where}, {len(inputs)} file(s)")
 
 
 def _split_files(
@@ -299,14 +336,9 @@ def _tokenized_corpus(root: Path, vocab_size: int | None) -> Corpus:
             f"{str(root)!r} is a tokenized folder whose {TOKENIZED_RECORD} fixes the vocabulary; "
             "drop vocab_size"
         )
-    try:
-        record = json.loads((root / TOKENIZED_RECORD).read_text())
-        dtype, record_vocab = record["token_dtype"], int(record["vocab_size"])
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise ValueError(
-            f"cannot read {root / TOKENIZED_RECORD}: {error}; tokenize the corpus again"
-        ) from None
-    train, validation = (_memmap_tokens(root / name, dtype) for name in TOKENIZED_SPLITS)
+    manifest = read_manifest(root)
+    dtype, record_vocab = manifest.token_dtype, manifest.vocab_size
+    train, validation = (open_split(root, manifest, name) for name in SPLITS)
     tokenizer = root / TOKENIZER_FILE
     if not tokenizer.is_file():
         raise ValueError(f"{str(root)!r} lacks {TOKENIZER_FILE}; tokenize the corpus again")
@@ -337,18 +369,6 @@ def _recorded_vocab_size(path: Path, token_dtype: str, num_tokens: int) -> int |
             "that is how it was written, or write the file and its sidecar again together"
         )
     return recorded[0]
-
-
-def _walk_sorted(root: Path, *, skip_dirs: frozenset[str]) -> list[str]:
-    """Sorted relative posix paths of the non-hidden regular files below ``root``."""
-    names = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in skip_dirs)
-        for filename in sorted(filenames):
-            full = Path(dirpath, filename)
-            if not filename.startswith(".") and full.is_file():
-                names.append(full.relative_to(root).as_posix())
-    return sorted(names)
 
 
 def _read_nonempty(path: Path) -> bytes:

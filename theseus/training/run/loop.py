@@ -19,10 +19,11 @@ from theseus.accounting.records import as_json
 from theseus.checkpoint.checkpointer import Checkpointer
 from theseus.checkpoint.meta import CHECKPOINTS
 from theseus.config import save_yaml
-from theseus.data import Corpus, Sampler, load_corpus, validation_batches
-from theseus.distributed.join import check_same_everywhere, describe_processes, is_main_process
+from theseus.data import Mixture, MixtureSampler
+from theseus.distributed.join import describe_processes, is_main_process
 from theseus.training.flops import count_flops
 from theseus.training.run.checkpointing import checkpoint_meta, restore_target
+from theseus.training.run.data import Validation, load_data, train_batch, validation_array
 from theseus.training.run.metrics import MetricsWriter
 from theseus.training.run.mode import NEW_RUN, RunMode
 from theseus.training.run.preemption import PreemptionWatch
@@ -64,6 +65,7 @@ class EvalResult:
     source: str
     step: int
     val_loss: float
+    val_loss_by_source: dict[str, float] | None = None
 
     def describe(self) -> str:
         return (
@@ -74,42 +76,6 @@ class EvalResult:
 
 def _silent(_: str) -> None:
     pass
-
-
-def load_data(trainer: BaseTrainer) -> Corpus:
-    data = trainer.config.data
-    corpus = load_corpus(
-        data.path, validation_fraction=data.validation_fraction, token_dtype=data.token_dtype
-    )
-    trainer.check_corpus(corpus)
-    check_same_everywhere("corpus", corpus.fingerprint())
-    return corpus
-
-
-def validation_array(trainer: BaseTrainer, corpus: Corpus) -> jax.Array:
-    """Held-out batches as one sharded array (batches × accumulation, examples, seq_len + 1).
-
-    Each held-out batch is ``training.batch_size`` examples split like a training batch, so the
-    examples, and hence the loss, do not depend on the mesh.
-    """
-    plan = trainer.batch_plan
-    num = trainer.config.training.validation_batches * plan.accumulation_steps
-    batches = validation_batches(
-        corpus.validation, plan.seq_len, num, plan.examples_per_microbatch
-    )  # (num, examples, seq_len + 1)
-    return trainer.put_batch(lambda rows: batches[:, rows], batches.shape)
-
-
-def train_batch(trainer: BaseTrainer, sampler: Sampler, position: int) -> jax.Array:
-    """The global batch of the step that starts at example ``position`` (each process reads only
-    its devices' rows)."""
-    plan = trainer.batch_plan
-    return trainer.put_batch(
-        lambda rows: sampler.local_batch(
-            position, plan.accumulation_steps, plan.examples_per_microbatch, rows
-        ),
-        plan.shape,
-    )
 
 
 def sync_processes(name: str) -> None:
@@ -138,7 +104,7 @@ def write_run_record(
     trainer: BaseTrainer,
     out_dir: Path,
     *,
-    corpus: Corpus,
+    corpus: Mixture,
     state: TrainState,
     compiled: CompiledStep,
     resumes: list[dict],
@@ -156,7 +122,7 @@ def write_run_record(
             "measured": as_json(trainer.measured_memory(state)),
         },
         "compiled_step_memory_per_device": as_json(compiled),
-        "data": corpus.source,
+        "data": corpus.description,
         "resumes": resumes,
     }
     (out_dir / "run.json").write_text(json.dumps(record, indent=2) + "\n")
@@ -259,7 +225,7 @@ def train(
         log(one_line_plan(trainer))
         log(
             f"model: {trainer.num_params:,} parameters; policy {trainer.policy.describe()}; "
-            f"mesh {trainer.topology.mesh_shape}; data {corpus.source}"
+            f"mesh {trainer.topology.mesh_shape}; data {corpus.description}"
         )
         compile_start = time.perf_counter()
         compiled = trainer.compile()  # once, ahead of time: the loop calls its executable
@@ -274,7 +240,7 @@ def train(
             resumes=start.resumes,
             speed={"compile_time_s": compile_time_s, **speed.facts()},
         )
-        initial_val_loss = trainer.validation_step(start.state.params, validation)
+        initial_val_loss, _ = validation.losses(trainer, start.state.params)
         guard = NonFiniteGuard(
             config.training.nonfinite,
             config.training.max_skipped_steps,
@@ -299,7 +265,7 @@ def train(
                 trainer,
                 step_fn=compiled.executable,
                 start=start,
-                sampler=Sampler(corpus.train, batch_plan.seq_len, config.training.seed),
+                sampler=corpus.sampler(batch_plan.seq_len, config.training.seed),
                 validation=validation,
                 checkpointer=checkpointer,
                 metrics=metrics,
@@ -325,8 +291,8 @@ def _steps(
     *,
     step_fn: Callable[[TrainState, jax.Array], tuple[TrainState, dict]],
     start: StartingPoint,
-    sampler: Sampler,
-    validation: jax.Array,
+    sampler: MixtureSampler,
+    validation: Validation,
     checkpointer: Checkpointer,
     metrics: MetricsWriter,
     preemption: PreemptionWatch,
@@ -343,11 +309,11 @@ def _steps(
         state, step_metrics = step_fn(state, train_batch(trainer, sampler, position))
         position += trainer.batch_plan.global_batch_size
         last = step == training.steps
-        val_loss = None
+        val_loss = val_by_source = None
         if step % training.validation_interval == 0 or last:
-            val_loss = trainer.validation_step(state.params, validation)
+            val_loss, val_by_source = validation.losses(trainer, state.params)
         preempted = preemption.reached(step)
-        metrics.push(step, step_metrics, val_loss)
+        metrics.push(step, step_metrics, val_loss, val_by_source)
         if preempted or step % trainer.config.checkpointing.interval == 0 or last:
             metrics.flush()
             checkpointer.save(state, checkpoint_meta(trainer, step=step, data_position=position))
@@ -394,8 +360,9 @@ def evaluate(
     # Read-only: a training job may still be saving there.
     with Checkpointer(source / CHECKPOINTS, read_only=True, log=log) as checkpointer:
         restored = checkpointer.restore(None, restore_target(trainer).params, params_only=True)
-    val_loss = float(trainer.validation_step(restored.state, validation))
-    result = EvalResult(str(out_dir), str(source), restored.step, val_loss)
+    val_loss, by_source = validation.losses(trainer, restored.state)
+    by_source = None if by_source is None else {k: float(v) for k, v in by_source.items()}
+    result = EvalResult(str(out_dir), str(source), restored.step, float(val_loss), by_source)
     if is_main_process():
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "eval.json").write_text(

@@ -26,6 +26,7 @@ class PendingStep:
     step: int
     metrics: dict[str, jax.Array]
     val_loss: jax.Array | None = None
+    val_loss_by_source: dict[str, jax.Array] | None = None
 
 
 @dataclass
@@ -87,10 +88,16 @@ class MetricsWriter:
             if self._file is not None:
                 self._file.close()
 
-    def push(self, step: int, metrics: dict[str, jax.Array], val_loss: Any = None) -> None:
+    def push(
+        self,
+        step: int,
+        metrics: dict[str, jax.Array],
+        val_loss: Any = None,
+        val_loss_by_source: dict[str, Any] | None = None,
+    ) -> None:
         """Hold step ``step``'s metrics; record the step before it."""
         self.flush()
-        self._pending = PendingStep(step, metrics, val_loss)
+        self._pending = PendingStep(step, metrics, val_loss, val_loss_by_source)
 
     def row(self, pending: PendingStep) -> dict[str, Any]:
         """The row of a step (reads its metrics from the device): numbers as floats, flags as
@@ -102,6 +109,9 @@ class MetricsWriter:
         row["tokens"] = pending.step * self.speed.tokens_per_step
         if pending.val_loss is not None:
             row["val_loss"] = float(pending.val_loss)
+        if pending.val_loss_by_source is not None:
+            by_source = jax.device_get(pending.val_loss_by_source)
+            row["val_loss_by_source"] = {name: float(v) for name, v in by_source.items()}
         return row
 
     def flush(self) -> None:
@@ -140,6 +150,10 @@ def strict_json_row(row: dict) -> dict:
     """``row`` with non-finite floats as ``None`` (JSON ``null``): strict JSON readers such as
     ``jq`` reject the bare ``NaN`` and ``Infinity`` that Python's json writes."""
     return {
-        key: None if isinstance(value, float) and not math.isfinite(value) else value
+        key: strict_json_row(value)
+        if isinstance(value, dict)
+        else None
+        if isinstance(value, float) and not math.isfinite(value)
+        else value
         for key, value in row.items()
     }

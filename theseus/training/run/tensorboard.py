@@ -13,7 +13,8 @@ TENSORBOARD_DIR = "tensorboard"
 
 class TensorBoardWriter:
     """Every numeric metric of a ``metrics.jsonl`` row as a scalar under its own name, at its
-    step; the resolved config as text at step 0."""
+    step (a dict of them, such as ``val_loss_by_source``, as ``KEY/NAME``); the resolved config
+    as text at step 0."""
 
     def __init__(self, out_dir: Path, config: dict[str, Any]):
         try:
@@ -31,7 +32,10 @@ class TensorBoardWriter:
     def write(self, row: dict[str, Any]) -> None:
         step = row["step"]
         for key, value in row.items():
-            if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
+            if isinstance(value, dict):  # e.g. val_loss_by_source: one scalar per source
+                for name, item in value.items():
+                    self.writer.add_scalar(f"{key}/{name}", item, global_step=step)
+            elif key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
                 self.writer.add_scalar(key, value, global_step=step)
 
     def __enter__(self) -> TensorBoardWriter:

@@ -1,0 +1,232 @@
+"""The sharded token format of ``theseus tokenize``: ``train-NNNNN.bin`` and
+``validation-NNNNN.bin`` shards of raw tokens, and the ``tokens.json`` manifest, written last.
+
+A shard is written as a hidden ``.NAME.partial`` file and renamed when complete; the progress
+record ``.tokenize-progress.json`` lists the complete shards and where in the corpus each split
+goes on, so an interrupted run resumes from them. A folder trains only once its manifest
+exists; :func:`open_split` memory-maps a split's shards as one index space.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+TOKENIZED_RECORD = "tokens.json"  # the manifest
+TOKENIZER_FILE = "tokenizer.json"
+PROGRESS_FILE = ".tokenize-progress.json"
+SPLITS = ("train", "validation")
+FORMAT = "theseus-token-shards-1"
+SHARD_PATTERN = re.compile(r"(train|validation)-\d{5}\.bin")
+
+
+def shard_name(split: str, index: int) -> str:
+    return f"{split}-{index:05d}.bin"
+
+
+def own_files(folder: Path) -> list[str]:
+    """The names in ``folder`` that ``theseus tokenize`` writes (manifest, tokenizer, shards,
+    progress, partial shards)."""
+    return sorted(
+        p.name
+        for p in folder.iterdir()
+        if p.name in (TOKENIZED_RECORD, TOKENIZER_FILE, PROGRESS_FILE)
+        or SHARD_PATTERN.fullmatch(p.name)
+        or (p.name.startswith(".") and p.name.endswith(".bin.partial"))
+    )
+
+
+def is_incomplete(folder: Path) -> bool:
+    """A folder that ``tokenize`` began and did not finish (it must not train)."""
+    return not (folder / TOKENIZED_RECORD).exists() and (
+        (folder / PROGRESS_FILE).exists()
+        or any(SHARD_PATTERN.fullmatch(p.name) for p in folder.iterdir())
+    )
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write JSON to a temporary file and rename it, so a reader never sees half a file."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(temporary, path)
+
+
+def read_json(path: Path, what: str) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"cannot read {what} {path}: {error}; tokenize the corpus again") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} {path} is not a JSON object; tokenize the corpus again")
+    return data
+
+
+class ShardedTokens:
+    """The shards of one split as one read-only 1-D token sequence (no copy): integer-array and
+    slice indexing map each global index to its shard through the cumulative sizes."""
+
+    ndim = 1
+
+    def __init__(self, shards: list[np.ndarray]):
+        assert shards and all(s.ndim == 1 and s.dtype == shards[0].dtype for s in shards)
+        self.shards = shards
+        self.starts = np.cumsum([0] + [s.size for s in shards])  # (num_shards + 1,)
+        self.size = int(self.starts[-1])
+        self.shape = (self.size,)
+        self.dtype = shards[0].dtype
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            start, stop, step = index.indices(self.size)
+            assert step == 1, "sharded tokens are sliced contiguously"
+            index = np.arange(start, stop, dtype=np.int64)
+        index = np.asarray(index, dtype=np.int64)
+        if index.size and (index.min() < 0 or index.max() >= self.size):
+            raise IndexError(f"token index out of range [0, {self.size})")
+        shard = np.searchsorted(self.starts, index, side="right") - 1  # (index.shape)
+        out = np.empty(index.shape, self.dtype)
+        for number in np.unique(shard):
+            where = shard == number
+            out[where] = self.shards[number][index[where] - self.starts[number]]
+        return out
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        whole = np.concatenate(self.shards)
+        return whole if dtype is None else whole.astype(dtype)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What ``tokens.json`` says: the vocabulary, dtype, end-of-text token, and per split its
+    shards (name and token count), documents, tokens and UTF-8 bytes."""
+
+    data: dict
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.data["vocab_size"])
+
+    @property
+    def token_dtype(self) -> str:
+        return self.data["token_dtype"]
+
+    def split(self, name: str) -> dict:
+        return self.data["splits"][name]
+
+
+def read_manifest(folder: Path) -> Manifest:
+    """The manifest of a tokenized folder, checked for the fields training needs."""
+    path = folder / TOKENIZED_RECORD
+    data = read_json(path, "manifest")
+    try:
+        if data["format"] != FORMAT:
+            raise ValueError(f"format {data['format']!r}, expected {FORMAT!r}")
+        int(data["vocab_size"])
+        np.dtype(data["token_dtype"])
+        for split in SPLITS:
+            for shard in data["splits"][split]["shards"]:
+                shard["name"], int(shard["tokens"])
+    except (KeyError, TypeError, ValueError) as error:
+        raise ValueError(
+            f"{path} is not a manifest of this theseus's token shards ({error}); tokenize the "
+            "corpus again with this version"
+        ) from None
+    return Manifest(data)
+
+
+def open_split(folder: Path, manifest: Manifest, split: str) -> np.ndarray | ShardedTokens:
+    """A split's shards memory-mapped as one token sequence (a shard's size is checked against
+    the manifest; nothing else is read)."""
+    dtype = np.dtype(manifest.token_dtype)
+    shards = []
+    for shard in manifest.split(split)["shards"]:
+        path = folder / shard["name"]
+        expected = int(shard["tokens"]) * dtype.itemsize
+        actual = path.stat().st_size if path.is_file() else None
+        if actual != expected:
+            raise ValueError(
+                f"shard {path} should hold {shard['tokens']} {dtype} tokens ({expected} bytes) "
+                f"but {'is missing' if actual is None else f'has {actual} bytes'}; tokenize "
+                "the corpus again"
+            )
+        if expected:
+            shards.append(np.memmap(path, dtype=dtype, mode="r"))
+    if not shards:
+        raise ValueError(
+            f"the {split} split of {folder} holds no tokens; tokenize a larger corpus or change "
+            "the validation fraction"
+        )
+    return shards[0] if len(shards) == 1 else ShardedTokens(shards)
+
+
+class ShardWriter:
+    """Appends one split's tokens to its current shard (a hidden partial file) and closes the
+    shard, by renaming it, once it holds ``shard_tokens`` or more at a piece boundary."""
+
+    def __init__(self, folder: Path, split: str, shard_tokens: int, dtype: str, done: list):
+        self.folder = folder
+        self.split = split
+        self.shard_tokens = shard_tokens
+        self.dtype = np.dtype(dtype)
+        self.shards = list(done)  # complete shards: {"name", "tokens", "documents", "bytes"}
+        self._file = None
+        self._tokens = self._documents = self._bytes = 0
+
+    def _partial(self) -> Path:
+        return self.folder / f".{shard_name(self.split, len(self.shards))}.partial"
+
+    def write(self, tokens: np.ndarray, *, num_bytes: int, ends_document: bool) -> bool:
+        """Append a piece's tokens; True when that closed a shard."""
+        if self._file is None:
+            self._file = open(self._partial(), "wb")  # noqa: SIM115 - closed in close_shard
+        self._file.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
+        self._tokens += tokens.size
+        self._bytes += num_bytes
+        self._documents += int(ends_document)
+        if self._tokens >= self.shard_tokens:
+            self.close_shard()
+            return True
+        return False
+
+    def close_shard(self) -> None:
+        """Finish the current shard (if it holds anything): flush, sync, rename."""
+        if self._file is None:
+            return
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        self._file = None
+        name = shard_name(self.split, len(self.shards))
+        os.replace(self._partial(), self.folder / name)
+        self.shards.append(
+            {
+                "name": name,
+                "tokens": self._tokens,
+                "documents": self._documents,
+                "bytes": self._bytes,
+            }
+        )
+        self._tokens = self._documents = self._bytes = 0
+
+    def abandon(self) -> None:
+        """Close the partial shard without keeping it."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+            self._partial().unlink(missing_ok=True)
+
+    def summary(self) -> dict:
+        """The split's entry of the manifest."""
+        return {
+            "shards": [{"name": s["name"], "tokens": s["tokens"]} for s in self.shards],
+            **{key: sum(s[key] for s in self.shards) for key in ("tokens", "documents", "bytes")},
+        }

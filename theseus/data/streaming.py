@@ -1,0 +1,126 @@
+"""Streamed encoding of a corpus into token shards with bounded memory.
+
+A reader thread reads pieces of documents (JSON parsing and decompression hold the GIL) and hands
+batches of about ``BATCH_BYTES`` of text through a queue of ``QUEUE_BATCHES``; the calling thread
+encodes each batch with the ``tokenizers`` library's batch API (which releases the GIL and uses
+every core) and appends the tokens to each split's current shard. So memory holds a few batches,
+never the corpus. Each document's last piece ends with the end-of-text token.
+
+After every complete shard the progress record says, per split, its complete shards and the
+piece it goes on from; a resumed run reads the corpus again from the start but encodes only the
+pieces after each split's position, and so writes the same shards as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from theseus.data.readers import Piece
+from theseus.data.shards import ShardWriter
+
+BATCH_BYTES = 4 * 2**20  # text per encode_batch call
+QUEUE_BATCHES = 2  # batches read ahead of the encoder
+
+Position = tuple[int, int]  # (document, piece within the document)
+
+
+@dataclass(frozen=True)
+class Routed:
+    """A piece and the split it belongs to."""
+
+    piece: Piece
+    split: str
+
+
+def next_position(piece: Piece) -> Position:
+    """Where a split goes on after ``piece``."""
+    return (piece.document + 1, 0) if piece.last else (piece.document, piece.index + 1)
+
+
+def batches(
+    pieces: Iterator[Piece], split_of: Callable[[int], str], resume: dict[str, Position]
+) -> Iterator[list[Routed]]:
+    """Pieces routed to their split, in batches of about ``BATCH_BYTES``; pieces before their
+    split's ``resume`` position (already in complete shards) are skipped."""
+    batch: list[Routed] = []
+    size = 0
+    for piece in pieces:
+        split = split_of(piece.document)
+        if piece.position < resume[split]:
+            continue
+        batch.append(Routed(piece, split))
+        size += len(piece.text)
+        if size >= BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def encode_stream(
+    batches_in: Iterator[list[Routed]],
+    tokenizer,
+    *,
+    eos_id: int,
+    writers: dict[str, ShardWriter],
+    on_shard: Callable[[str, Position], None],
+    advance: Callable[[int], None],
+) -> None:
+    """Encode every batch (read ahead by a thread) and append its tokens to the writers; calls
+    ``on_shard(split, position)`` after a shard of ``split`` is complete."""
+    eos = np.asarray([eos_id])
+    for batch in _read_ahead(batches_in):
+        texts = [routed.piece.text for routed in batch]
+        encodings = tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+        for routed, encoding, text in zip(batch, encodings, texts, strict=True):
+            piece = routed.piece
+            tokens = np.asarray(encoding.ids, dtype=np.int64)  # (tokens of the piece,)
+            if piece.last:
+                tokens = np.concatenate([tokens, eos])
+            num_bytes = len(text) if text.isascii() else len(text.encode())
+            if writers[routed.split].write(tokens, num_bytes=num_bytes, ends_document=piece.last):
+                on_shard(routed.split, next_position(piece))
+            advance(num_bytes)
+
+
+def _read_ahead(items: Iterator[list[Routed]]) -> Iterator[list[Routed]]:
+    """``items``, produced by a daemon thread at most ``QUEUE_BATCHES`` ahead; an error there is
+    raised here, and leaving early stops the thread."""
+    channel: queue.Queue = queue.Queue(maxsize=QUEUE_BATCHES)
+    stop = threading.Event()
+    done = object()
+
+    def put(item: object) -> bool:
+        """Hand ``item`` over unless the consumer has left; False when it has."""
+        while not stop.is_set():
+            try:
+                channel.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        try:
+            for item in items:
+                if not put(item):
+                    return
+            put(done)
+        except BaseException as error:  # noqa: BLE001 - handed to the consumer, raised there
+            put(error)
+
+    thread = threading.Thread(target=produce, name="theseus-tokenize-reader", daemon=True)
+    thread.start()
+    try:
+        while (item := channel.get()) is not done:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        thread.join(timeout=5)
