@@ -25,7 +25,23 @@ from theseus.data.bpe import load_tokenizer, tokenize
 from theseus.data.shards import PROGRESS_FILE, ShardedTokens
 from theseus.data.split import DocumentSplit
 
-WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi pi".split()
+WORDS = [
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "epsilon",
+    "zeta",
+    "eta",
+    "theta",
+    "iota",
+    "kappa",
+    "lambda",
+    "mu",
+    "nu",
+    "xi",
+    "pi",
+]
 
 
 def documents(count: int, seed: int = 0, *, longest: int = 60) -> list[str]:
@@ -83,7 +99,7 @@ def shard_files(folder):
 
 
 def test_every_format_gives_the_same_token_shards(corpora, tmp_path):
-    texts, made, trained = corpora
+    _texts, made, trained = corpora
     expected = shard_files(trained)
     manifest = json.loads((trained / "tokens.json").read_text())
     for kind, path in made.items():

@@ -1,0 +1,175 @@
+"""Weighted mixtures of sources: draws follow the weights and depend only on (seed, index); a
+two-source mixture trains under tp=2 + FSDP on 8 devices to the numbers of one device, with each
+source's validation loss; SIGKILL + --resume continues bit for bit; bad sources exit 2."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from support import TINY_GPT, subprocess_env
+from typer.testing import CliRunner
+
+from theseus.cli.app import app
+from theseus.config import DataConfig, apply_overrides, validate
+from theseus.data import MixtureSampler
+from theseus.sharding.axis import ShardingPolicy
+from theseus.sharding.topology import Topology
+from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
+from theseus.training.run.loop import train
+
+WEIGHTS = (0.7, 0.3)
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """Two byte sources of different text: JSON Lines documents and a plain text file."""
+    root = tmp_path_factory.mktemp("mixture")
+    records = [
+        {"text": f"record {i}: " + "lorem ipsum dolor sit amet " * (3 + i % 5)} for i in range(211)
+    ]
+    (root / "notes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (root / "fox.txt").write_text("The quick brown fox jumps over the lazy dog. " * 301)
+    return f"{root / 'notes.jsonl'}:{WEIGHTS[0]},{root / 'fox.txt'}:{WEIGHTS[1]}"
+
+
+def test_draws_follow_the_weights_and_depend_only_on_seed_and_index():
+    a = np.arange(1000, dtype=np.uint16)  # (1000,)
+    b = np.arange(5000, 6997, dtype=np.uint16)  # (1997,)
+    sampler = MixtureSampler([a, b], np.asarray(WEIGHTS), seq_len=7, seed=3)
+    sources = sampler.sources(np.arange(1000 * 16))  # 1,000 steps of 16 examples
+    for number, weight in enumerate(WEIGHTS):
+        assert abs(np.mean(sources == number) - weight) < 0.02
+    batch = sampler.global_batch(64, 4, 4)  # (accumulation, examples, seq_len + 1)
+    assert ((batch[..., 0] >= 5000) == (sources[64:80].reshape(4, 4) == 1)).all()
+    # Any split of the batch into rows (replicas, processes) reads the same examples.
+    np.testing.assert_array_equal(sampler.local_batch(64, 4, 4, np.array([1, 3])), batch[:, [1, 3]])
+    np.testing.assert_array_equal(
+        sampler.global_batch(64, 2, 8).reshape(16, 8), batch.reshape(16, 8)
+    )
+    again = MixtureSampler([a, b], np.asarray(WEIGHTS), seq_len=7, seed=3)
+    np.testing.assert_array_equal(again.global_batch(64, 4, 4), batch)
+    other = MixtureSampler([a, b], np.asarray(WEIGHTS), seq_len=7, seed=4)
+    assert (other.sources(np.arange(64)) != sources[:64]).any()
+
+
+def test_sources_from_the_command_line_and_yaml():
+    given = validate(DataConfig, {"sources": "data/web:2,books.jsonl:1"})
+    assert [(s.path, s.weight, s.name) for s in given.sources] == [
+        ("data/web", 2.0, "web"),
+        ("books.jsonl", 1.0, "books.jsonl"),
+    ]
+    listed = [{"path": "a", "weight": 0.5, "name": "wiki"}, {"path": "b/c", "weight": 0.5}]
+    assert [s.name for s in validate(DataConfig, {"sources": listed}).sources] == ["wiki", "c"]
+
+
+def config(sources: str, per_device_batch_size: int) -> GPTTrainerConfig:
+    overrides = [*TINY_GPT, f"data.sources={sources}", "training.steps=4"]
+    overrides.append(f"training.per_device_batch_size={per_device_batch_size}")
+    return apply_overrides(GPTTrainerConfig(), overrides)
+
+
+def rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_mixture_under_tp2_fsdp_matches_one_device(sources, tmp_path):
+    one = Topology.new(ShardingPolicy(), devices=jax.devices()[:1])
+    reference = GPTTrainer(config(sources, 16), ShardingPolicy(), one)
+    sharded = GPTTrainer(config(sources, 2), ShardingPolicy(tp=2, fsdp=True))
+    assert sharded.batch_plan.accumulation_steps == 2 and sharded.topology.num_devices == 8
+    for trainer, name in ((reference, "one"), (sharded, "eight")):
+        train(trainer, tmp_path / name, log=lambda _: None)
+    want, got = rows(tmp_path / "one"), rows(tmp_path / "eight")
+    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], rtol=1e-5)
+    validated = [r for r in want if "val_loss" in r]
+    assert [r["step"] for r in validated] == [2, 4]
+    for mine, theirs in zip([r for r in got if "val_loss" in r], validated, strict=True):
+        assert set(theirs["val_loss_by_source"]) == {"notes.jsonl", "fox.txt"}
+        for name, loss in theirs["val_loss_by_source"].items():
+            np.testing.assert_allclose(mine["val_loss_by_source"][name], loss, rtol=1e-5)
+        weighted = sum(
+            w * theirs["val_loss_by_source"][n]
+            for w, n in zip(WEIGHTS, ("notes.jsonl", "fox.txt"), strict=True)
+        )
+        np.testing.assert_allclose(theirs["val_loss"], weighted, rtol=1e-6)
+        np.testing.assert_allclose(mine["val_loss"], theirs["val_loss"], rtol=1e-5)
+
+
+def cli(*args):
+    return [sys.executable, "-m", "theseus", *[str(a) for a in args]]
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_continues_bit_for_bit(sources, tmp_path):
+    args = [
+        "--cpu-devices",
+        "1",
+        *TINY_GPT,
+        f"data.sources={sources}",
+        "training.per_device_batch_size=16",
+        "training.steps=12",
+        "checkpointing.interval=3",
+    ]
+    env = subprocess_env()
+    subprocess.run(
+        cli("train", "--out", tmp_path / "full", *args),
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    run_dir = tmp_path / "killed"
+    process = subprocess.Popen(
+        cli("train", "--out", run_dir, *args),
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 300
+    try:
+        while time.time() < deadline:
+            steps = [int(p.name) for p in (run_dir / "checkpoints").glob("*") if p.name.isdigit()]
+            if steps and max(steps) >= 6:
+                break
+            assert process.poll() is None, "the run ended before it could be killed"
+            time.sleep(0.05)
+        process.send_signal(signal.SIGKILL)
+        assert process.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        process.kill()
+    subprocess.run(
+        cli("train", "--out", run_dir, *args, "--resume"),
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    assert rows(run_dir)[-1]["step"] == 12
+    strip = ("step_time_s", "tokens_per_s", "mfu")
+    cleaned = [
+        [{k: v for k, v in r.items() if k not in strip} for r in rows(d)]
+        for d in (run_dir, tmp_path / "full")
+    ]
+    assert cleaned[0] == cleaned[1]  # bit for bit, both sources' validation losses included
+
+
+def test_bad_sources_exit_2_and_write_nothing(sources, tmp_path):
+    first, second = (item.rpartition(":")[0] for item in sources.split(","))
+    for given, fragment in [
+        (f"{first}:0,{second}:1", "greater than 0"),
+        (f"{first}:-1,{second}:1", "greater than 0"),
+        (f"{first}:0.5,{tmp_path / 'missing.jsonl'}:0.5", "'missing.jsonl'"),
+        (f"{first}:0.5,{first}:0.5", "repeat"),
+    ]:
+        out = tmp_path / "run"
+        result = CliRunner().invoke(
+            app, ["train", f"data.sources={given}", *TINY_GPT, "--out", str(out)]
+        )
+        assert result.exit_code == 2 and fragment in result.output, result.output
+        assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
+        assert not out.exists()
