@@ -12,15 +12,19 @@ import jax
 import numpy as np
 import pytest
 from support import TINY_GPT, subprocess_env
+from test_speed import read_events
 from typer.testing import CliRunner
 
 from theseus.cli.app import app
 from theseus.config import DataConfig, apply_overrides, validate
 from theseus.data import MixtureSampler
+from theseus.plot import plot_losses, source_names
 from theseus.sharding.axis import ShardingPolicy
 from theseus.sharding.topology import Topology
 from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
 from theseus.training.run.loop import train
+from theseus.training.run.metrics import strict_json_row
+from theseus.training.run.tensorboard import TensorBoardWriter
 
 WEIGHTS = (0.7, 0.3)
 
@@ -173,3 +177,23 @@ def test_bad_sources_exit_2_and_write_nothing(sources, tmp_path):
         assert result.exit_code == 2 and fragment in result.output, result.output
         assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
         assert not out.exists()
+
+
+def test_per_source_losses_reach_tensorboard_the_plot_and_strict_json(tmp_path):
+    rows = [{"step": s, "tokens": 16 * s, "loss": 5.0 / s} for s in (1, 2, 3, 4)]
+    for row in rows[1::2]:
+        row["val_loss"] = 4.0 / row["step"]
+        row["val_loss_by_source"] = {"web": 3.0 / row["step"], "books": 5.0 / row["step"]}
+    with TensorBoardWriter(tmp_path, {}) as writer:
+        for row in rows:
+            writer.write(row)
+    events = read_events(tmp_path / "tensorboard")
+    assert events["val_loss_by_source/books"] == pytest.approx({2: 2.5, 4: 1.25})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert source_names(rows) == ["web", "books"]
+    assert plot_losses(tmp_path).read_bytes()[:4] == b"\x89PNG"
+    row = {"val_loss": float("nan"), "val_loss_by_source": {"web": float("inf"), "books": 1.0}}
+    assert strict_json_row(row) == {
+        "val_loss": None,
+        "val_loss_by_source": {"web": None, "books": 1.0},
+    }

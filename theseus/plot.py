@@ -25,8 +25,9 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 
 
 def plot_losses(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Write ``loss.png`` (train and validation loss by step and by tokens; tokens/s and MFU by
-    step when the rows have them) and return its path."""
+    """Write ``loss.png`` (train and validation loss by step and by tokens, with each source's
+    validation loss for a mixture; tokens/s and MFU by step when the rows have them) and return
+    its path."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -46,6 +47,15 @@ def plot_losses(run_dir: str | Path, out: str | Path | None = None) -> Path:
                 "o-",
                 label="validation",
             )
+        for name in source_names(validation):
+            by_source = [r for r in validation if name in (r.get("val_loss_by_source") or {})]
+            ax.plot(
+                [r[x_key] for r in by_source],
+                [r["val_loss_by_source"][name] for r in by_source],
+                ".--",
+                lw=1,
+                label=f"validation: {name}",
+            )
         ax.set_xlabel(label)
         ax.set_ylabel("loss")
         ax.grid(alpha=0.3)
@@ -57,6 +67,14 @@ def plot_losses(run_dir: str | Path, out: str | Path | None = None) -> Path:
     figure.savefig(out, dpi=110)
     plt.close(figure)
     return out
+
+
+def source_names(rows: list[dict]) -> list[str]:
+    """The sources of a mixture's ``val_loss_by_source``, in the order they first appear."""
+    names: dict[str, None] = {}
+    for row in rows:
+        names |= dict.fromkeys(row.get("val_loss_by_source") or {})
+    return list(names)
 
 
 def plot_throughput(ax, rows: list[dict]) -> None:
