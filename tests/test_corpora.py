@@ -16,10 +16,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
-from support import TINY_GPT, subprocess_env
-from typer.testing import CliRunner
+from support import TINY_GPT, invoke, subprocess_env
 
-from theseus.cli.app import app
 from theseus.data import Sampler, load_corpus
 from theseus.data.bpe import load_tokenizer, tokenize
 from theseus.data.shards import PROGRESS_FILE, ShardedTokens
@@ -64,10 +62,6 @@ def write_jsonl(path, texts, *, field="text"):
         path.write_bytes(zstandard.ZstdCompressor().compress(lines.encode()))
     else:
         path.write_text(lines)
-
-
-def invoke(*args):
-    return CliRunner().invoke(app, [str(a) for a in args])
 
 
 @pytest.fixture(scope="module")

@@ -11,14 +11,12 @@ import time
 import jax
 import numpy as np
 import pytest
-from support import TINY_GPT, subprocess_env
+from support import TINY_GPT, invoke, subprocess_env
 from test_speed import read_events
-from typer.testing import CliRunner
 
-from theseus.cli.app import app
 from theseus.config import DataConfig, apply_overrides, validate
 from theseus.data import MixtureSampler
-from theseus.plot import plot_losses, source_names
+from theseus.plot import plot_losses, read_metrics, source_names
 from theseus.sharding.axis import ShardingPolicy
 from theseus.sharding.topology import Topology
 from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
@@ -78,7 +76,7 @@ def config(sources: str, per_device_batch_size: int) -> GPTTrainerConfig:
 
 
 def rows(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return read_metrics(run_dir)
 
 
 def test_mixture_under_tp2_fsdp_matches_one_device(sources, tmp_path):
@@ -171,9 +169,7 @@ def test_bad_sources_exit_2_and_write_nothing(sources, tmp_path):
         (f"{first}:0.5,{first}:0.5", "repeat"),
     ]:
         out = tmp_path / "run"
-        result = CliRunner().invoke(
-            app, ["train", f"data.sources={given}", *TINY_GPT, "--out", str(out)]
-        )
+        result = invoke("train", f"data.sources={given}", *TINY_GPT, "--out", out)
         assert result.exit_code == 2 and fragment in result.output, result.output
         assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
         assert not out.exists()
