@@ -73,15 +73,13 @@ def encode_stream(
 ) -> None:
     """Encode every batch (read ahead by a thread) and append its tokens to the writers; calls
     ``on_shard(split, position)`` after a shard of ``split`` is complete."""
-    eos = np.asarray([eos_id])
     for batch in _read_ahead(batches_in):
         texts = [routed.piece.text for routed in batch]
         encodings = tokenizer.encode_batch_fast(texts, add_special_tokens=False)
         for routed, encoding, text in zip(batch, encodings, texts, strict=True):
             piece = routed.piece
-            tokens = np.asarray(encoding.ids, dtype=np.int64)  # (tokens of the piece,)
-            if piece.last:
-                tokens = np.concatenate([tokens, eos])
+            ids = [*encoding.ids, eos_id] if piece.last else encoding.ids
+            tokens = np.asarray(ids, dtype=writers[routed.split].dtype)  # (tokens of the piece,)
             num_bytes = len(text) if text.isascii() else len(text.encode())
             if writers[routed.split].write(tokens, num_bytes=num_bytes, ends_document=piece.last):
                 on_shard(routed.split, next_position(piece))
