@@ -15,7 +15,7 @@ from support import TINY_GPT, invoke, subprocess_env
 from test_speed import read_events
 
 from theseus.config import DataConfig, apply_overrides, validate
-from theseus.data import MixtureSampler
+from theseus.data import MixtureSampler, load_mixture
 from theseus.plot import plot_losses, read_metrics, source_names
 from theseus.sharding.axis import ShardingPolicy
 from theseus.sharding.topology import Topology
@@ -193,3 +193,13 @@ def test_per_source_losses_reach_tensorboard_the_plot_and_strict_json(tmp_path):
         "val_loss": None,
         "val_loss_by_source": {"web": None, "books": 1.0},
     }
+
+
+def test_mixture_fingerprint_is_flat_small_integers(sources):
+    """Processes compare it with check_same_everywhere, which all-gathers integers."""
+    mixture = load_mixture(validate(DataConfig, {"sources": sources}))
+    facts = mixture.fingerprint()
+    assert {key.split(": ")[0] for key in facts} == {"notes.jsonl", "fox.txt"}
+    assert all(type(value) is int for value in facts.values())
+    single = load_mixture(validate(DataConfig, {"path": sources.split(",")[1].rpartition(":")[0]}))
+    assert single.fingerprint() == single.sources[0].corpus.fingerprint()

@@ -55,8 +55,16 @@ class Mixture:
             return self.sources[0].corpus.source
         return "; ".join(f"{s.name} ({s.weight:.3g}): {s.corpus.source}" for s in self.sources)
 
-    def fingerprint(self) -> dict:
-        return {s.name: {"weight": s.weight, **s.corpus.fingerprint()} for s in self.sources}
+    def fingerprint(self) -> dict[str, int]:
+        """Every source's corpus fingerprint (small integers, keys prefixed by the source's name
+        in a mixture): equal on every process that reads the same data."""
+        if not self.named:
+            return self.sources[0].corpus.fingerprint()
+        return {
+            f"{s.name}: {key}": value
+            for s in self.sources
+            for key, value in s.corpus.fingerprint().items()
+        }
 
     def sampler(self, seq_len: int, seed: int) -> MixtureSampler:
         return MixtureSampler([s.corpus.train for s in self.sources], self.weights, seq_len, seed)
