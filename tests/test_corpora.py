@@ -19,7 +19,8 @@ import zstandard
 from support import TINY_GPT, invoke, subprocess_env
 
 from theseus.data import Sampler, load_corpus
-from theseus.data.bpe import load_tokenizer, tokenize
+from theseus.data.bpe import load_tokenizer, sample_texts, tokenize
+from theseus.data.readers import Piece
 from theseus.data.shards import PROGRESS_FILE, ShardedTokens
 from theseus.data.split import DocumentSplit
 
@@ -255,3 +256,21 @@ def test_shards_are_one_index_space_and_windows_cross_them(tmp_path):
     np.testing.assert_array_equal(sampler.examples(0, 9), whole.examples(0, 9))
     with pytest.raises(IndexError):
         tokens[np.array([23])]
+
+
+def test_tokenizer_sample_is_bounded_and_spread_over_the_train_split():
+    pieces = [Piece(f"{i:09d}\n", i, 0, True) for i in range(1000)]  # 10 bytes each
+    split_of = DocumentSplit(0.1, 0)
+    train = [p.text for p in pieces if not split_of.is_validation(p.document)]
+    sample = list(
+        sample_texts(
+            iter(pieces),
+            lambda d: "validation" if split_of.is_validation(d) else "train",
+            total_bytes=10_000,
+            sample_bytes=500,
+        )
+    )
+    assert 400 <= sum(map(len, sample)) <= 500 and set(sample) <= set(train)
+    positions = [int(text) for text in sample]
+    assert positions[0] < 50 and positions[-1] > 950  # from the start to the end
+    assert max(np.diff(positions)) < 40  # evenly, no long gap
