@@ -211,8 +211,16 @@ def tokenize(
     def pieces() -> Iterator[Piece]:
         return read_pieces(inputs, text_field, cut=cut)
 
+    resume = {name: tuple(state.splits[name]["next"]) for name in SPLITS}
+    done = {name: list(state.splits[name]["shards"]) for name in SPLITS}
+
+    def write_progress() -> None:
+        splits = {name: {"shards": done[name], "next": resume[name]} for name in SPLITS}
+        write_json_atomic(out / PROGRESS_FILE, {"settings": settings, "splits": splits})
+
     with tokenize_io.cleanup_on_error(out, fresh=state.fresh):
         out.mkdir(parents=True, exist_ok=True)
+        write_progress()  # first: a run killed while training its tokenizer resumes too
         if reused is None and not (out / TOKENIZER_FILE).is_file():
             texts = sample_texts(pieces(), split_of, total_bytes, train_sample_bytes)
             bpe = train_tokenizer(texts, vocab_size, progress=progress)
@@ -224,16 +232,11 @@ def tokenize(
             shutil.copyfile(tokenizer, out / TOKENIZER_FILE)
         eos_token, eos_id = end_of_text(bpe, eos_token, f"tokenizer {out / TOKENIZER_FILE}")
         dtype = token_dtype(bpe.get_vocab_size())
-        writers = {
-            name: ShardWriter(out, name, shard_tokens, dtype, state.splits[name]["shards"])
-            for name in SPLITS
-        }
-        resume = {name: tuple(state.splits[name]["next"]) for name in SPLITS}
+        writers = {name: ShardWriter(out, name, shard_tokens, dtype, done[name]) for name in SPLITS}
 
         def on_shard(name: str, position: tuple[int, int]) -> None:
-            resume[name] = position
-            splits = {n: {"shards": writers[n].shards, "next": resume[n]} for n in SPLITS}
-            write_json_atomic(out / PROGRESS_FILE, {"settings": settings, "splits": splits})
+            resume[name], done[name] = position, writers[name].shards
+            write_progress()
 
         try:
             with _byte_progress(progress, total_bytes) as advance:
