@@ -10,6 +10,7 @@ one document; :func:`read_pieces` can cut it in two at a byte offset (the tail s
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import io
@@ -273,28 +274,30 @@ def _open_binary(item: InputFile) -> io.BufferedIOBase:
     return open(item.path, "rb")
 
 
-class _errors_name:
+@contextlib.contextmanager
+def _errors_name(item: InputFile) -> Iterator[None]:
     """Turn a decompression or format error while reading ``item`` into a ValueError that
     names the file (errors that already name it pass through)."""
+    try:
+        yield
+    except ValueError as error:
+        if str(item.path) in str(error):
+            raise
+        raise _unreadable(item, error) from None
+    except (OSError, EOFError, zlib.error) as error:
+        raise _unreadable(item, error) from None
+    except Exception as error:
+        if _is_format_error(error):
+            raise _unreadable(item, error) from None
+        raise
 
-    def __init__(self, item: InputFile):
-        self.item = item
 
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind, error, traceback) -> bool:
-        if error is None or (isinstance(error, ValueError) and str(self.item.path) in str(error)):
-            return False
-        if isinstance(error, (OSError, EOFError, ValueError, zlib.error)) or _is_format_error(
-            error
-        ):
-            what = f"{self.item.compression}-compressed " if self.item.compression else ""
-            raise ValueError(
-                f"cannot read {what}{self.item.kind} file {self.item.path}: {error}; "
-                "check that the file is complete and of the kind its name says"
-            ) from None
-        return False
+def _unreadable(item: InputFile, error: BaseException) -> ValueError:
+    what = f"{item.compression}-compressed " if item.compression else ""
+    return ValueError(
+        f"cannot read {what}{item.kind} file {item.path}: {error}; check that the file is "
+        "complete and of the kind its name says"
+    )
 
 
 def _is_format_error(error: BaseException) -> bool:
