@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -184,18 +185,37 @@ class ShardWriter:
     def _partial(self) -> Path:
         return self.folder / f".{shard_name(self.split, len(self.shards))}.partial"
 
-    def write(self, tokens: np.ndarray, *, num_bytes: int, ends_document: bool) -> bool:
-        """Append a piece's tokens; True when that closed a shard."""
+    def write_pieces(
+        self,
+        tokens: np.ndarray,
+        counts: list[int],
+        sizes: list[int],
+        lasts: list[bool],
+        on_close: Callable[[int], None],
+    ) -> None:
+        """Append consecutive pieces (``tokens`` is their concatenation; piece ``i`` has
+        ``counts[i]`` tokens, ``sizes[i]`` bytes of text and ends its document when ``lasts[i]``);
+        a shard closes after the first piece that brings it to ``shard_tokens`` or more, and
+        ``on_close(i)`` is called then, while ``shards`` ends with that shard."""
+        start = 0  # first token of this shard's part of ``tokens``
+        offset = 0
+        for index, (count, size, last) in enumerate(zip(counts, sizes, lasts, strict=True)):
+            offset += count
+            self._tokens += count
+            self._bytes += size
+            self._documents += int(last)
+            if self._tokens >= self.shard_tokens:
+                self._append(tokens[start:offset])
+                self.close_shard()
+                on_close(index)
+                start = offset
+        if start < offset:
+            self._append(tokens[start:offset])
+
+    def _append(self, tokens: np.ndarray) -> None:
         if self._file is None:
             self._file = open(self._partial(), "wb")  # noqa: SIM115 - closed in close_shard
         self._file.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
-        self._tokens += tokens.size
-        self._bytes += num_bytes
-        self._documents += int(ends_document)
-        if self._tokens >= self.shard_tokens:
-            self.close_shard()
-            return True
-        return False
 
     def close_shard(self) -> None:
         """Finish the current shard (if it holds anything): flush, sync, rename."""

@@ -1,10 +1,11 @@
 """Streamed encoding of a corpus into token shards with bounded memory.
 
 A reader thread reads pieces of documents (JSON parsing and decompression hold the GIL) and hands
-batches of about ``BATCH_BYTES`` of text through a queue of ``QUEUE_BATCHES``; the calling thread
+batches of about ``BATCH_BYTES`` of text through a queue of ``QUEUE_BATCHES``; an encoder thread
 encodes each batch with the ``tokenizers`` library's batch API (which releases the GIL and uses
-every core) and appends the tokens to each split's current shard. So memory holds a few batches,
-never the corpus. Each document's last piece ends with the end-of-text token.
+every core) and hands it on (one batch ahead); the calling thread appends each split's tokens to
+its current shard, so converting and writing one batch overlaps encoding the next. Memory holds
+a few batches, never the corpus. Each document's last piece ends with the end-of-text token.
 
 After every complete shard the progress record says, per split, its complete shards and the
 piece it goes on from; a resumed run reads the corpus again from the start but encodes only the
@@ -17,6 +18,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -27,6 +29,7 @@ BATCH_BYTES = 4 * 2**20  # text per encode_batch call
 QUEUE_BATCHES = 2  # batches read ahead of the encoder
 
 Position = tuple[int, int]  # (document, piece within the document)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -71,25 +74,53 @@ def encode_stream(
     on_shard: Callable[[str, Position], None],
     advance: Callable[[int], None],
 ) -> None:
-    """Encode every batch (read ahead by a thread) and append its tokens to the writers; calls
-    ``on_shard(split, position)`` after a shard of ``split`` is complete."""
-    for batch in _read_ahead(batches_in):
-        texts = [routed.piece.text for routed in batch]
-        encodings = tokenizer.encode_batch_fast(texts, add_special_tokens=False)
-        for routed, encoding, text in zip(batch, encodings, texts, strict=True):
-            piece = routed.piece
-            ids = [*encoding.ids, eos_id] if piece.last else encoding.ids
-            tokens = np.asarray(ids, dtype=writers[routed.split].dtype)  # (tokens of the piece,)
-            num_bytes = len(text) if text.isascii() else len(text.encode())
-            if writers[routed.split].write(tokens, num_bytes=num_bytes, ends_document=piece.last):
-                on_shard(routed.split, next_position(piece))
-            advance(num_bytes)
+    """Encode every batch and append its tokens to the writers; calls ``on_shard(split,
+    position)`` after a shard of ``split`` is complete. Three stages overlap: a thread reads
+    batches, a thread encodes them (the library releases the GIL), and this thread writes."""
+
+    def encoded(batches: Iterator[list[Routed]]) -> Iterator[tuple[list[Routed], list]]:
+        for batch in batches:
+            texts = [routed.piece.text for routed in batch]
+            yield batch, tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+
+    for batch, encodings in _read_ahead(encoded(_read_ahead(batches_in)), depth=1):
+        for split, writer in writers.items():
+            pieces = [
+                (r.piece, e) for r, e in zip(batch, encodings, strict=True) if r.split == split
+            ]
+            if pieces:
+                advance(_write_pieces(writer, pieces, eos_id, lambda p, s=split: on_shard(s, p)))
 
 
-def _read_ahead(items: Iterator[list[Routed]]) -> Iterator[list[Routed]]:
-    """``items``, produced by a daemon thread at most ``QUEUE_BATCHES`` ahead; an error there is
+def _write_pieces(
+    writer: ShardWriter,
+    pieces: list[tuple[Piece, object]],
+    eos_id: int,
+    on_shard: Callable[[Position], None],
+) -> int:
+    """Append encoded pieces of one split (converted to the shard dtype at once); calls
+    ``on_shard(position)`` when a shard closes. Returns the bytes of text written."""
+    ids: list[int] = []
+    counts, sizes, lasts = [], [], []
+    for piece, encoding in pieces:
+        piece_ids = encoding.ids
+        ids += piece_ids
+        if piece.last:
+            ids.append(eos_id)
+        counts.append(len(piece_ids) + piece.last)
+        sizes.append(len(piece.text) if piece.text.isascii() else len(piece.text.encode()))
+        lasts.append(piece.last)
+    tokens = np.asarray(ids, dtype=writer.dtype)  # (tokens of these pieces,)
+    writer.write_pieces(
+        tokens, counts, sizes, lasts, lambda i: on_shard(next_position(pieces[i][0]))
+    )
+    return sum(sizes)
+
+
+def _read_ahead(items: Iterator[T], *, depth: int = QUEUE_BATCHES) -> Iterator[T]:
+    """``items``, produced by a daemon thread at most ``depth`` ahead; an error there is
     raised here, and leaving early stops the thread."""
-    channel: queue.Queue = queue.Queue(maxsize=QUEUE_BATCHES)
+    channel: queue.Queue = queue.Queue(maxsize=depth)
     stop = threading.Event()
     done = object()
 
@@ -111,6 +142,10 @@ def _read_ahead(items: Iterator[list[Routed]]) -> Iterator[list[Routed]]:
             put(done)
         except BaseException as error:  # noqa: BLE001 - handed to the consumer, raised there
             put(error)
+        finally:
+            close = getattr(items, "close", None)
+            if close is not None:
+                close()  # a generator's own read-ahead stops its thread too
 
     thread = threading.Thread(target=produce, name="theseus-tokenize-reader", daemon=True)
     thread.start()
