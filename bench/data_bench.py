@@ -20,7 +20,10 @@ that process's maximum resident set, from ``wait4``):
 ``--startup-only`` measures only the start-up, on the token folders of an earlier run in
 ``--work``.
 
-Prints a table; asserts nothing. Throughput is MB of text per second of each process's wall time.
+Prints a table; asserts nothing. Throughput is MB of text per second of each process's wall time;
+the table shows medians over ``--repeats`` back-to-back pairs, and a line per size gives the ratio
+of the fastest runs (least disturbed by other jobs on a shared machine) and the median of the
+paired ratios.
 """
 
 from __future__ import annotations
@@ -148,6 +151,7 @@ def main() -> None:
         )
     tokenizer = tokenizer_dir / "tokenizer.json"
     rows = []
+    ratios = []  # (size, best library time / best theseus time, median of paired ratios)
     for size in sizes:
         text_mb = (
             sum(
@@ -173,6 +177,12 @@ def main() -> None:
             library.append(
                 run_measured([sys.executable, "-c", LIBRARY, str(tokenizer), str(corpora[size])])
             )
+        best = min(json.loads(r[2])["encode_seconds"] for r in library) / min(r[0] for r in ours)
+        pairs = [
+            json.loads(lib[2])["encode_seconds"] / mine[0]
+            for mine, lib in zip(ours, library, strict=True)
+        ]
+        ratios.append((size, best, statistics.median(pairs)))
         ours_s = statistics.median(r[0] for r in ours)
         ours_cpu = statistics.median(r[3] for r in ours)
         ours_mb = max(r[1] for r in ours)
@@ -207,6 +217,11 @@ def main() -> None:
             f"| {size} MB JSONL | {mb:.0f} | {ours_s:.1f} ({mb / ours_s:.2f}), {ours_cpu:.1f}, "
             f"{ours_mb:.0f} | {enc_s:.1f} ({mb / enc_s:.2f}), {lib_cpu:.1f}, {lib_mb:.0f} | "
             f"{enc_s / ours_s:.2f}× | {lib_cpu / ours_cpu:.2f}× | {start_s:.2f}, {start_mb:.0f} |"
+        )
+    for size, best, paired in ratios:
+        print(
+            f"{size} MB: throughput ratio of the fastest runs {best:.2f}×, median of the "
+            f"{args.repeats} back-to-back pairs {paired:.2f}×"
         )
     if len(rows) > 1:
         print(f"peak memory of tokenize, larger / smaller corpus: {rows[-1][4] / rows[0][4]:.2f}")
