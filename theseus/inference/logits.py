@@ -129,7 +129,7 @@ def check_token_ids(token_ids: Any, vocab_size: int) -> np.ndarray:
 def model_logits(trainer: BaseTrainer, params: Any, tokens: jax.Array) -> jax.Array:
     """Float32 logits (rows, seq, vocab) of ``tokens`` from storage-layout ``params``: each
     layer gathered inside the layer scan, as in the trainer's loss."""
-    params = jax.lax.with_sharding_constraint(params, trainer.entry_layout)
+    params = jax.lax.with_sharding_constraint(params, trainer.entry.layout)
 
     def run(p):
         return nnx.merge(trainer.graphdef, p)(tokens)
