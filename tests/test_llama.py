@@ -127,3 +127,16 @@ def test_plan_llama31_8b_on_64_devices():
     assert plan["num_params"] == 8_030_261_248  # Llama 3.1 8B's published count
     assert plan["mesh"] == {"batch": 8, "shard": 8}
     assert all(not row["problems"] for row in plan["rows"])
+
+
+def test_sequences_longer_than_the_context_are_refused():
+    """Both decoders refuse a training.seq_len beyond their context, naming the key to raise."""
+    from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
+
+    for trainer_class, config_class, key in (
+        (GPTTrainer, GPTTrainerConfig, "model.block_size"),
+        (LlamaTrainer, LlamaTrainerConfig, "model.max_position_embeddings"),
+    ):
+        config = apply_overrides(config_class(), [f"{key}=16", "training.seq_len=17"])
+        with pytest.raises(ValueError, match=rf"seq_len=17 exceeds {key}=16; .* raise {key}\."):
+            trainer_class(config, ShardingPolicy())

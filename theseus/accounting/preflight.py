@@ -52,6 +52,15 @@ class BatchPlan:
         )
 
 
+def check_context_length(training: TrainingConfig, context: int, key: str) -> None:
+    """``training.seq_len`` fits the model's context length ``context`` (its config key ``key``)."""
+    if training.seq_len is not None and training.seq_len > context:
+        raise ValueError(
+            f"training.seq_len={training.seq_len} exceeds {key}={context}; lower the sequence "
+            f"length or raise {key}."
+        )
+
+
 def plan_batch(training: TrainingConfig, topology: Topology, seq_len: int) -> BatchPlan:
     """Derive accumulation steps from the global and per-device batch sizes, exactly."""
     per_step = training.per_device_batch_size * topology.replicas

@@ -8,6 +8,7 @@ import jax
 import pydantic
 from flax import nnx
 
+from theseus.accounting.preflight import check_context_length
 from theseus.data import Corpus
 from theseus.model import GPT, GPT_PLAN, GPTConfig
 from theseus.model.gpt_decode import GPTDecoder
@@ -30,12 +31,7 @@ class GPTTrainer(BaseTrainer):
     plan: ClassVar[ShardingPlan] = GPT_PLAN
 
     def __init__(self, config: GPTTrainerConfig, policy, topology=None):
-        seq_len = config.training.seq_len
-        if seq_len is not None and seq_len > config.model.block_size:
-            raise ValueError(
-                f"training.seq_len={seq_len} exceeds model.block_size={config.model.block_size}; "
-                "lower the sequence length or raise the block size."
-            )
+        check_context_length(config.training, config.model.block_size, "model.block_size")
         super().__init__(config, policy, topology)
 
     def build_model(self, rngs: nnx.Rngs) -> GPT:

@@ -7,6 +7,7 @@ from typing import ClassVar
 import pydantic
 from flax import nnx
 
+from theseus.accounting.preflight import check_context_length
 from theseus.data import Corpus
 from theseus.model.llama import LLAMA_PLAN, Llama, LlamaConfig
 from theseus.model.llama_decode import LlamaDecoder
@@ -28,13 +29,8 @@ class LlamaTrainer(BaseTrainer):
     plan: ClassVar[ShardingPlan] = LLAMA_PLAN
 
     def __init__(self, config: LlamaTrainerConfig, policy, topology=None):
-        seq_len = config.training.seq_len
         context = config.model.max_position_embeddings
-        if seq_len is not None and seq_len > context:
-            raise ValueError(
-                f"training.seq_len={seq_len} exceeds model.max_position_embeddings={context}; "
-                "lower the sequence length or raise the context length."
-            )
+        check_context_length(config.training, context, "model.max_position_embeddings")
         super().__init__(config, policy, topology)
 
     def build_model(self, rngs: nnx.Rngs) -> Llama:
