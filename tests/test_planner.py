@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from support import GPT_7_5B, invoke
 
+import theseus.jobs
 import theseus.plan as planner
 from theseus.accounting.collectives import OPS
 from theseus.accounting.memory import device_bytes
@@ -428,7 +429,7 @@ def test_cli_text_and_json_agree_with_the_planner():
     assert data["policy"]["name"] == "FSDP tp=2" and data["mesh"] == {"batch": 4, "shard": 2}
 
 
-def test_cli_reads_a_config_yaml_a_chain_yaml_and_registered_jobs(tmp_path):
+def test_cli_reads_a_config_yaml_a_chain_yaml_and_registered_jobs(tmp_path, monkeypatch):
     path = tmp_path / "config.yaml"
     save_yaml(gpt(*SMALL, "model.n_layer=5"), path)
     result = invoke("plan", str(path), "--devices", "8", "--json", "model.n_head=6")
@@ -446,7 +447,9 @@ def test_cli_reads_a_config_yaml_a_chain_yaml_and_registered_jobs(tmp_path):
     data = json.loads(result.output)
     assert data["policy"]["name"] == "FSDP tp=2" and data["trainer"] == "GPTTrainer"
 
-    # Any registered job plans with its own trainer and plan.
+    # Any registered job plans with its own trainer and plan. The registry is restored after the
+    # test: a second job of GPT's config would make GPT checkpoints' job ambiguous in later tests.
+    monkeypatch.setattr(theseus.jobs, "_JOBS", dict(theseus.jobs._JOBS))
     register_job("test/planner-no-mlp-zero", NoMlpZeroTrainer, "GPT without MLP ZeRO rules")
     result = invoke("plan", "test/planner-no-mlp-zero", "--devices", "8", *SMALL)
     assert result.exit_code == 0, result.output
