@@ -35,6 +35,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from theseus.checkpoint.budget import HOST_BUDGET_BYTES, limit, read_requests, write_requests
 from theseus.checkpoint.checks import compatibility_problems, one_line
 from theseus.checkpoint.fingerprints import fingerprints
 from theseus.checkpoint.meta import CheckpointMeta, MetadataFile
@@ -116,6 +117,10 @@ class Checkpointer:
     training job): nothing is created, removed or saved, and its temporary directories are left
     alone. ``log`` receives the warnings (fallbacks, removals); the default is this module's
     logger.
+
+    ``host_budget_bytes`` bounds the array data a save or restore stages in host memory at once
+    (per process; at least one shard: see :mod:`theseus.checkpoint.budget`), so saving or
+    restoring a state never holds a second copy of it on the host.
     """
 
     def __init__(
@@ -126,9 +131,13 @@ class Checkpointer:
         async_save: bool = True,
         read_only: bool = False,
         log: Callable[[str], None] | None = None,
+        host_budget_bytes: int = HOST_BUDGET_BYTES,
     ):
         if keep < 1:
             raise ValueError(f"keep={keep}: a checkpointer keeps at least one step")
+        if host_budget_bytes < 1:
+            raise ValueError(f"host_budget_bytes={host_budget_bytes}: give a positive byte count")
+        self.host_budget_bytes = host_budget_bytes
         self.directory = Path(directory).absolute()
         self.keep = keep
         self.read_only = read_only
@@ -156,7 +165,9 @@ class Checkpointer:
         registry.add(_STATE, ocp.args.StandardSave, state_handler)
         registry.add(_STATE, ocp.args.StandardRestore, state_handler)
         # The params-only restore: orbax's partial restore reads one entry of the state item.
-        registry.add(_STATE, ocp.args.PyTreeRestore, ocp.handlers.PyTreeCheckpointHandler())
+        params_handler = ocp.handlers.PyTreeCheckpointHandler()
+        registry.add(_STATE, ocp.args.PyTreeRestore, params_handler)
+        self._state_handlers = (state_handler, params_handler)
         registry.add(_META, ocp.args.JsonSave, meta_handler)
         registry.add(_META, ocp.args.JsonRestore, meta_handler)
         try:
@@ -200,6 +211,7 @@ class Checkpointer:
         self.wait()  # a failure of the previous save is reported as that step's
         self._clear_way_for(step)
         payload = MetadataFile(meta, fingerprints(state)).to_json()
+        self._set_in_flight_limit(save=limit(self.host_budget_bytes, write_requests(state)))
         try:
             started = self._manager.save(
                 step,
@@ -215,6 +227,25 @@ class Checkpointer:
                 f"orbax declined to save step {step} in {self.directory} (steps there: "
                 f"{self.all_steps()})"
             )
+
+    def _set_in_flight_limit(self, *, save: int | None = None, restore: int | None = None) -> None:
+        """Set orbax's in-flight byte limit of the next save or restore of the state item.
+
+        Orbax takes these limits only when a handler is built, and the manager's handlers are
+        built once; the limiter itself is made afresh from them at the start of every call, so
+        setting them just before a call bounds that call alone (a save's limiter is taken before
+        :meth:`save` returns, so a background write keeps its own).
+        """
+        for handler in self._state_handlers:
+            # StandardCheckpointHandler wraps a PyTreeCheckpointHandler, which wraps the base
+            # handler that serializes; each keeps its own copy of the limits.
+            inner = getattr(handler, "_impl", handler)
+            for part in (inner, inner._handler_impl):
+                assert hasattr(part, "_save_concurrent_bytes"), f"orbax changed: {type(part)}"
+                if save is not None:
+                    part._save_concurrent_bytes = save
+                if restore is not None:
+                    part._restore_concurrent_bytes = restore
 
     def _clear_way_for(self, step: int) -> None:
         """Remove damaged steps at or after ``step``; refuse to write under good later ones."""
@@ -360,7 +391,10 @@ class Checkpointer:
         if params_only:
             saved_tree = {PARAMS: saved_tree.get(PARAMS) if isinstance(saved_tree, dict) else None}
             expected = {p: v for p, v in expected.items() if p.startswith(f"{PARAMS}/")}
-        _check_compatible(saved_tree, {PARAMS: target} if params_only else target, where)
+        full_target = {PARAMS: target} if params_only else target
+        _check_compatible(saved_tree, full_target, where)
+        requests = read_requests(saved_tree, full_target)
+        self._set_in_flight_limit(restore=limit(self.host_budget_bytes, requests))
         try:
             state = self._manager.restore(
                 step, args=ocp.args.Composite(**{_STATE: _restore_args(target, params_only)})
