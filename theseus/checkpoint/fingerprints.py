@@ -2,10 +2,11 @@
 that do not depend on the layout or device count the arrays are held in, so a restore under
 another policy checks the same numbers that were saved.
 
-Each device hashes its own shard in blocks of rows (:data:`BLOCK_ELEMENTS` elements at a time), so
-computing the fingerprints of a state needs no second copy of it: XLA on CPU does not fuse the
-element hashes into the sum, and hashing a whole shard at once would hold a uint32 array of the
-shard's size per leaf.
+On CPU devices each device hashes its own shard in blocks of rows (:data:`BLOCK_ELEMENTS` elements
+at a time), so computing the fingerprints of a state needs no second copy of it: XLA on CPU does not
+fuse the element hashes into the sum, and hashing a whole shard at once holds a uint32 array of the
+shard's size per leaf (on CPU devices, host memory). XLA fuses them into one reduction on GPUs and
+TPUs, so there each array is hashed whole, in one pass, as before.
 """
 
 from __future__ import annotations
@@ -107,6 +108,9 @@ WHOLE, ROWS = "whole", "rows"
 def _layout(leaf: Any) -> str | tuple[Any, tuple]:
     """How to walk ``leaf`` (see :data:`WHOLE`): decided outside ``jit`` from its sharding."""
     sharding = getattr(leaf, "sharding", None)
+    devices = sharding.device_set if sharding is not None else jax.devices()[:1]
+    if any(device.platform != "cpu" for device in devices):
+        return WHOLE  # fused into one reduction: no temporary the size of the array
     if not isinstance(sharding, NamedSharding) or sharding.is_fully_replicated:
         return ROWS
     try:
