@@ -16,18 +16,19 @@ class ConfigError(ValueError):
 
 class Section(pydantic.BaseModel):
     """A group of settings: unknown keys and wrong types are errors; assignments are validated,
-    and refused once the section is frozen (:meth:`freeze`)."""
+    and refused once the section is locked (:meth:`lock`; not ``freeze``, which names the
+    ``finetune.freeze`` setting)."""
 
     model_config = pydantic.ConfigDict(extra="forbid", validate_assignment=True)
     # (dotted path of this section, why it is frozen) once frozen; copies are never frozen.
     _frozen: tuple[str, str] | None = pydantic.PrivateAttr(default=None)
 
-    def freeze(self, because: str, *, path: str = "") -> None:
+    def lock(self, because: str, *, path: str = "") -> None:
         """Refuse every later assignment to this section and the sections in it, saying
         ``because``: a job built from this config would silently ignore the change."""
         for name, value in self.__dict__.items():
             if isinstance(value, Section):
-                value.freeze(because, path=f"{path}{name}.")
+                value.lock(because, path=f"{path}{name}.")
         self._frozen = (path, because)
 
     def __setattr__(self, name: str, value: Any) -> None:

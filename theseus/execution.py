@@ -226,7 +226,7 @@ class QuickSession:
         is frozen from then on: the job's batch plan and layouts are fixed."""
         if self.trainer is None:
             self.trainer = self.job.trainer_class(self.config, self.policy)
-            self.config.freeze(self._created())
+            self.config.lock(self._created())
         return self.trainer
 
     def _created(self) -> str:

@@ -116,12 +116,17 @@ def device_bytes(tree: Any, device: jax.Device) -> int:
     )
 
 
-def model_state_totals(params: Any, opt_state: Any, storage: Any, opt_layout: Any) -> MemoryTotals:
-    """Per-device model-state bytes of abstract ``params`` and ``opt_state`` in their layouts."""
-    float32_params = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32), params)
+def model_state_totals(
+    params: Any, opt_state: Any, storage: Any, opt_layout: Any, *, trained: Any = None
+) -> MemoryTotals:
+    """Per-device model-state bytes of abstract ``params`` and ``opt_state`` in their layouts;
+    the gradient sum covers ``trained`` (the trained parameters and their storage layout; by
+    default all of them: frozen parameters have none)."""
+    grad_params, grad_layout = (params, storage) if trained is None else trained
+    float32_params = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32), grad_params)
     return MemoryTotals(
         params=shard_bytes(params, storage),
-        grad_accumulator=shard_bytes(float32_params, storage),
+        grad_accumulator=shard_bytes(float32_params, grad_layout),
         optimizer=shard_bytes(opt_state, opt_layout),
     )
 

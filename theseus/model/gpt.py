@@ -28,6 +28,7 @@ from theseus.model.layers import (
     layer_norm,
     linear,
 )
+from theseus.model.lora import LoraSpec, add_adapters, scaled
 from theseus.sharding.axis import Axis, ShardingPlan
 from theseus.sharding.layer_scan import scan_layers
 
@@ -115,8 +116,12 @@ class StackedLinear(nnx.Module):
     """``n_layer`` projections: kernel ``(n_layer, d_in, d_out)`` and bias ``(n_layer, d_out)``.
 
     The bias is named after the output dimension when that is ``n_attn`` or ``n_mlp`` (so TP
-    splits it with the kernel) and unannotated when it is ``n_embd`` (replicated).
+    splits it with the kernel) and unannotated when it is ``n_embd`` (replicated). LoRA may
+    adapt the kernel (:mod:`theseus.model.lora`).
     """
+
+    lora_weight = "kernel"
+    lora_layout = "io"
 
     def __init__(
         self,
@@ -229,6 +234,7 @@ class GPT(nnx.Module):
         rngs: nnx.Rngs,
         compute_dtype: DTypeLike = jnp.float32,
         remat: bool | str = False,
+        lora: LoraSpec | None = None,
     ):
         # Plain ints, not the (mutable, unhashable) config: they become part of the graphdef.
         self.block_size = config.block_size
@@ -236,6 +242,7 @@ class GPT(nnx.Module):
         self.compute_dtype = jnp.dtype(compute_dtype)
         self.remat = remat
         self.dropout = config.dropout
+        self.lora_scale = 0.0 if lora is None else lora.scale
         embedding = nnx.initializers.normal(0.02)
         self.wte = _param(rngs, (config.vocab_size, config.n_embd), ("vocab", "n_embd"), embedding)
         self.wpe = _param(
@@ -243,6 +250,8 @@ class GPT(nnx.Module):
         )
         self.blocks = Blocks(config, rngs=rngs)
         self.ln_f = LayerNorm(config.n_embd, rngs=rngs)
+        if lora is not None:  # after the base weights, which keep their random streams
+            add_adapters(self, lora, rngs=rngs)
 
     def __call__(
         self, tokens: jax.Array, keys: jax.Array | None = None, *, deterministic: bool = True
@@ -265,7 +274,7 @@ class GPT(nnx.Module):
                 "key per example: pass keys (batch,), e.g. Keys.examples in a trainer's loss"
             )
         wte = self.wte[...]  # (vocab, n_embd)
-        x = wte[tokens] + self.wpe[...][:seq]  # (batch, seq, n_embd) float32 residual stream
+        x = (wte[tokens] + self.wpe[...][:seq]).astype(jnp.float32)  # (batch, seq, n_embd)
         x = dropout(x, self.dropout, fold_in(keys, 0))  # layer i draws from fold_in(keys, i + 1)
         layer_step = partial(
             block,
@@ -276,6 +285,7 @@ class GPT(nnx.Module):
 
         def one_layer(inputs, x):
             layer, index = inputs
+            layer = scaled(layer, self.lora_scale) if self.lora_scale else layer
             return layer_step(layer, x, fold_in(keys, index + 1))
 
         layers = nnx.to_pure_dict(nnx.state(self.blocks))  # arrays of shape (n_layer, ...)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from theseus.model.decode import ROWS, CacheArray
 from theseus.model.gpt import GPTConfig
 from theseus.model.layers import dense, layer_norm, linear
+from theseus.model.lora import scaled
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class GPTDecoder:
 
     config: GPTConfig
     compute_dtype: jnp.dtype
+    lora_scale: float = 0.0  # alpha / rank of the run's LoRA adapters (0: none)
 
     @property
     def context_len(self) -> int:
@@ -44,10 +46,11 @@ class GPTDecoder:
         _, num_new = tokens.shape
         query_positions = positions[:, None] + jnp.arange(num_new)  # (rows, n)
         wte = params["wte"]  # (vocab, n_embd)
-        x = wte[tokens] + params["wpe"][query_positions]  # (rows, n, n_embd) float32
+        x = (wte[tokens] + params["wpe"][query_positions]).astype(jnp.float32)  # (rows, n, e)
 
         def layer_step(x, inputs):
             layer, k_cache, v_cache = inputs  # caches (rows, cache_len, n_attn)
+            layer = scaled(layer, self.lora_scale) if self.lora_scale else layer
             h = layer_norm(x, **layer["ln1"], dtype=self.compute_dtype)  # (rows, n, n_embd)
             q = linear(h, **layer["attn_q"])  # (rows, n, n_attn)
             k_cache = _write(k_cache, linear(h, **layer["attn_k"]), positions)

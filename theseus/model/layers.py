@@ -99,10 +99,20 @@ def _dense_stored_bwd(move, out_dtype: jnp.dtype, w_axes: str, residuals, grad_o
 _dense_stored.defvjp(_dense_stored_fwd, _dense_stored_bwd)
 
 
-def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array) -> jax.Array:
+def linear(
+    x: jax.Array,
+    kernel: jax.Array,
+    bias: jax.Array,
+    lora_a: jax.Array | None = None,
+    lora_b: jax.Array | None = None,
+) -> jax.Array:
     """``x @ kernel + bias`` in ``x.dtype``; the bias is added in float32 before the one rounding,
-    so its gradient is also reduced in float32."""
-    return (dense(x, kernel, jnp.float32) + bias).astype(x.dtype)
+    so its gradient is also reduced in float32. With LoRA adapters ``lora_a`` (d_in, rank) and
+    ``lora_b`` (rank, d_out) (already scaled), ``x @ lora_a @ lora_b`` is added in float32 too."""
+    out = dense(x, kernel, jnp.float32)  # (..., d_out)
+    if lora_a is not None:
+        out = out + dense(dense(x, lora_a), lora_b, jnp.float32)
+    return (out + bias).astype(x.dtype)
 
 
 def layer_norm(

@@ -25,6 +25,7 @@ from jax.typing import DTypeLike
 
 from theseus.config import Section
 from theseus.model.layers import dense
+from theseus.model.lora import LoraSpec, adapter_out, add_adapters, scaled
 from theseus.sharding.axis import Axis, ShardingPlan
 from theseus.sharding.layer_scan import scan_layers
 
@@ -179,11 +180,14 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, dtype: DTypeLike) -> j
 
 
 def project(x: jax.Array, proj: dict) -> jax.Array:
-    """``x @ weight.T (+ bias)`` in ``x.dtype`` for a ``(d_out, d_in)`` weight; a bias is added
-    in float32 before the one rounding."""
-    if "bias" not in proj:
+    """``x @ weight.T (+ bias)`` in ``x.dtype`` for a ``(d_out, d_in)`` weight; a bias, and LoRA
+    adapters' share when the projection has them, are added in float32 before the one rounding."""
+    if "bias" not in proj and "lora_a" not in proj:
         return dense(x, proj["weight"], transposed=True)
-    return (dense(x, proj["weight"], jnp.float32, transposed=True) + proj["bias"]).astype(x.dtype)
+    out = dense(x, proj["weight"], jnp.float32, transposed=True)  # (.., d_out)
+    if "lora_a" in proj:
+        out = out + adapter_out(x, proj, transposed=True)
+    return (out + proj["bias"] if "bias" in proj else out).astype(x.dtype)
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: Names, init) -> nnx.Param:
@@ -194,7 +198,10 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: Names, init) -> nnx.Pa
 
 class Proj(nnx.Module):
     """A stacked projection: ``weight`` (n_layer, d_out, d_in) and optionally ``bias``
-    (n_layer, d_out)."""
+    (n_layer, d_out); LoRA may adapt its weight (:mod:`theseus.model.lora`)."""
+
+    lora_weight = "weight"
+    lora_layout = "oi"
 
     def __init__(self, num_layers, d_out, d_in, names, *, bias: bool, rngs: nnx.Rngs):
         out_name = names[0]
@@ -303,16 +310,20 @@ class Llama(nnx.Module):
         rngs: nnx.Rngs,
         compute_dtype: DTypeLike = jnp.float32,
         remat: bool | str = False,
+        lora: LoraSpec | None = None,
     ):
         c = config
         # Plain, hashable values (they become part of the graphdef), not the mutable config.
-        self.static = LlamaStatic.of(c, compute_dtype, remat=remat)
+        scale = 0.0 if lora is None else lora.scale
+        self.static = LlamaStatic.of(c, compute_dtype, remat=remat, lora_scale=scale)
         normal = nnx.initializers.normal(0.02)
         self.embed_tokens = _param(rngs, (c.vocab_size, c.hidden_size), ("vocab", "n_embd"), normal)
         self.layers = Layers(c, rngs=rngs)
         self.norm = Norm(c.hidden_size, rngs=rngs)
         if not c.tie_word_embeddings:
             self.lm_head = _param(rngs, (c.vocab_size, c.hidden_size), ("vocab", "n_embd"), normal)
+        if lora is not None:  # after the base weights, which keep their random streams
+            add_adapters(self, lora, rngs=rngs)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Float32 logits ``(batch, seq, vocab)`` of int ``tokens`` ``(batch, seq)``."""
@@ -330,10 +341,15 @@ class LlamaStatic:
     compute_dtype: jnp.dtype
     remat: bool | str
     context_len: int
+    lora_scale: float = 0.0  # alpha / rank of the LoRA adapters (0: none)
 
     @staticmethod
     def of(
-        config: LlamaConfig, compute_dtype: DTypeLike, *, remat: bool | str = False
+        config: LlamaConfig,
+        compute_dtype: DTypeLike,
+        *,
+        remat: bool | str = False,
+        lora_scale: float = 0.0,
     ) -> LlamaStatic:
         inv_freq = tuple(float(f) for f in inverse_frequencies(config))
         return LlamaStatic(
@@ -343,6 +359,7 @@ class LlamaStatic:
             jnp.dtype(compute_dtype),
             remat,
             config.max_position_embeddings,
+            lora_scale,
         )
 
 
@@ -354,12 +371,13 @@ def forward(params: dict, tokens: jax.Array, static: LlamaStatic) -> jax.Array:
             f"sequence length {seq} exceeds model.max_position_embeddings={static.context_len}."
         )
     embed = params["embed_tokens"]  # (vocab, n_embd)
-    x = embed[tokens]  # (batch, seq, n_embd) float32 residual stream
+    x = embed[tokens].astype(jnp.float32)  # (batch, seq, n_embd) residual stream
     positions = jnp.broadcast_to(jnp.arange(seq), tokens.shape)  # (batch, seq)
     cos, sin = rotary(positions, np.asarray(static.inv_freq, np.float32))  # (batch, seq, hd)
     dtype = static.compute_dtype
 
     def one_layer(layer, x):
+        layer = scaled(layer, static.lora_scale) if static.lora_scale else layer
         return block(layer, x, cos, sin, head_dim=static.head_dim, eps=static.eps, dtype=dtype)
 
     x = scan_layers(one_layer, x, params["layers"], remat=static.remat)  # gathered per layer

@@ -14,6 +14,7 @@ import numpy as np
 from theseus.model.decode import ROWS, CacheArray
 from theseus.model.gpt_decode import _write
 from theseus.model.llama import LlamaConfig, head, inverse_frequencies, mlp, project, qkv, rms_norm
+from theseus.model.lora import scaled
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class LlamaDecoder:
 
     config: LlamaConfig
     compute_dtype: jnp.dtype
+    lora_scale: float = 0.0  # alpha / rank of the run's LoRA adapters (0: none)
 
     @property
     def context_len(self) -> int:
@@ -51,10 +53,11 @@ class LlamaDecoder:
         freqs = query_positions.astype(jnp.float32)[..., None] * inv_freq  # (rows, n, hd / 2)
         angles = jnp.concatenate([freqs, freqs], axis=-1)  # (rows, n, head_dim)
         cos, sin = jnp.cos(angles), jnp.sin(angles)
-        x = params["embed_tokens"][tokens]  # (rows, n, n_embd) float32
+        x = params["embed_tokens"][tokens].astype(jnp.float32)  # (rows, n, n_embd)
 
         def layer_step(x, inputs):
             layer, k_cache, v_cache = inputs  # caches (rows, cache_len, n_kv)
+            layer = scaled(layer, self.lora_scale) if self.lora_scale else layer
             h = rms_norm(x, layer["input_layernorm"]["weight"], eps, dtype)  # (rows, n, n_embd)
             q, k, v = qkv(layer, h, cos, sin, head_dim=head_dim, eps=eps)
             k_cache = _write(k_cache, k.reshape(rows, num_new, -1), positions)

@@ -40,11 +40,15 @@ class GPTTrainer(BaseTrainer):
             rngs=rngs,
             compute_dtype=self.compute_dtype,
             remat=self.policy.activation_checkpointing,
+            lora=self.lora_spec,
         )
 
     def decoder(self) -> GPTDecoder:
         """Cached decoding for ``theseus generate`` (see theseus.model.decode)."""
-        return GPTDecoder(self.config.model, self.compute_dtype)
+        spec = self.lora_spec
+        return GPTDecoder(
+            self.config.model, self.compute_dtype, 0.0 if spec is None else spec.scale
+        )
 
     def loss(self, model: GPT, tokens: jax.Array, keys: Keys, *, train: bool) -> jax.Array:
         """Next-token loss; dropout (``model.dropout``) in training only, one key per example."""

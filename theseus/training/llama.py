@@ -39,11 +39,15 @@ class LlamaTrainer(BaseTrainer):
             rngs=rngs,
             compute_dtype=self.compute_dtype,
             remat=self.policy.activation_checkpointing,
+            lora=self.lora_spec,
         )
 
     def decoder(self) -> LlamaDecoder:
         """Cached decoding for ``theseus generate`` (see theseus.model.decode)."""
-        return LlamaDecoder(self.config.model, self.compute_dtype)
+        spec = self.lora_spec
+        return LlamaDecoder(
+            self.config.model, self.compute_dtype, 0.0 if spec is None else spec.scale
+        )
 
     def default_seq_len(self) -> int:
         return self.config.model.max_position_embeddings

@@ -34,6 +34,7 @@ from theseus.config import (
 )
 from theseus.data import Corpus
 from theseus.model.decode import Decoder
+from theseus.model.lora import LoraSpec
 from theseus.sharding.axis import PHASES, Axis, ShardingPlan, ShardingPolicy
 from theseus.sharding.layout import (
     AbstractLeaf,
@@ -41,11 +42,11 @@ from theseus.sharding.layout import (
     abstract_leaves,
     check_layouts,
     optimizer_layout,
-    path_str,
     resolve_layouts,
 )
 from theseus.sharding.topology import Topology, under_mesh
-from theseus.training import gathering
+from theseus.training import gathering, optimizer
+from theseus.training.finetune import FinetuneConfig, lora_spec, partition
 from theseus.training.keys import Keys, step_keys, validation_keys
 from theseus.training.nonfinite import update_if_finite
 
@@ -60,6 +61,7 @@ class TrainerConfig(Section):
     data: DataConfig = pydantic.Field(default_factory=DataConfig)
     logging: LoggingConfig = pydantic.Field(default_factory=LoggingConfig)
     checkpointing: CheckpointingConfig = pydantic.Field(default_factory=CheckpointingConfig)
+    finetune: FinetuneConfig = pydantic.Field(default_factory=FinetuneConfig)
 
 
 @struct.dataclass
@@ -113,6 +115,7 @@ class BaseTrainer(abc.ABC):
         self.mesh = self.topology.mesh
         self.optimizer = self.build_optimizer()
         self.graphdef, self.abstract_params = self._build_abstract_model()
+        self.partition = partition(self.abstract_leaves, config.finetune, type(self).__name__)
         self.batch_plan = preflight(
             self.abstract_params, self.plan, policy, self.topology, config.training, self.seq_len
         )
@@ -183,41 +186,22 @@ class BaseTrainer(abc.ABC):
         return sum(math.prod(leaf.shape) for leaf in self.abstract_leaves)
 
     def learning_rate(self) -> optax.Schedule:
-        opt = self.config.optimization
-        steps = self.config.training.steps
-        warmup = min(opt.warmup_steps, steps)
-        return optax.warmup_cosine_decay_schedule(
-            init_value=0.0,
-            peak_value=opt.learning_rate,
-            warmup_steps=warmup,
-            decay_steps=max(steps, warmup + 1),
-            end_value=opt.learning_rate * opt.min_learning_rate_ratio,
-        )
-
-    def _decay_mask(self, params: Any) -> Any:
-        """Weight decay applies to matrices: leaves with two or more dims besides ``n_layer``."""
-        names = {leaf.path: leaf.names for leaf in self.abstract_leaves}
-
-        def is_matrix(path, value):
-            leaf_names = names.get(path_str(path))
-            stacked = 1 if leaf_names and leaf_names[0] == "n_layer" else 0
-            return value.ndim - stacked >= 2
-
-        return jax.tree_util.tree_map_with_path(is_matrix, params)
+        return optimizer.learning_rate(self.config.optimization, self.config.training.steps)
 
     def build_optimizer(self) -> optax.GradientTransformation:
-        opt = self.config.optimization
-        return optax.chain(
-            optax.clip_by_global_norm(opt.grad_clip),
-            optax.adamw(
-                self.learning_rate(),
-                b1=opt.b1,
-                b2=opt.b2,
-                eps=opt.eps,
-                weight_decay=opt.weight_decay,
-                mask=self._decay_mask,
-            ),
+        names = optimizer.decay_mask(
+            lambda: {leaf.path: leaf.names for leaf in self.abstract_leaves}
         )
+        return optimizer.adamw(self.config.optimization, self.learning_rate(), names)
+
+    @property
+    def lora_spec(self) -> LoraSpec | None:
+        """The LoRA adapters ``finetune`` asks for: pass it to the model (``lora=``)."""
+        return lora_spec(self.config.finetune)
+
+    @property
+    def frozen_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.config.finetune.frozen_dtype or self.config.training.dtype)
 
     def execution_facts(self) -> dict[str, Any]:
         """Policy, mesh and batch accounting, as run records and checkpoints store them."""
@@ -241,7 +225,9 @@ class BaseTrainer(abc.ABC):
         with nnx.use_eager_sharding(False):
             model = self.build_model(nnx.Rngs(params=init_key))
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-        return TrainState(params, self.optimizer.init(params), jnp.zeros((), jnp.int32), rng)
+        params = self.partition.cast_frozen(params, self.frozen_dtype)
+        opt_state = self.optimizer.init(self.partition.trained(params))  # none for frozen ones
+        return TrainState(params, opt_state, jnp.zeros((), jnp.int32), rng)
 
     @cached_property
     def abstract_state(self) -> TrainState:
@@ -252,6 +238,7 @@ class BaseTrainer(abc.ABC):
         return Layouts(*(nnx.to_pure_dict(annotated[p]) for p in PHASES))
 
     def _optimizer_layout(self, update_layout: Any, mesh: Any) -> Any:
+        update_layout = self.partition.trained(update_layout)
         return optimizer_layout(self.optimizer, self.abstract_state.opt_state, update_layout, mesh)
 
     def _state_layout(self) -> TrainState:
@@ -278,8 +265,11 @@ class BaseTrainer(abc.ABC):
             check_layouts(self.abstract_params, self.plan, policy, mesh)
             layouts = self._resolve_layouts(policy, mesh)
             storage, opt_layout = layouts.storage, self._optimizer_layout(layouts.update, mesh)
-        abstract = self.abstract_state
-        return model_state_totals(abstract.params, abstract.opt_state, storage, opt_layout)
+        params, trained = self.abstract_state.params, self.partition.trained
+        opt_state = self.abstract_state.opt_state
+        return model_state_totals(
+            params, opt_state, storage, opt_layout, trained=(trained(params), trained(storage))
+        )
 
     def measured_memory(self, state: TrainState) -> MemoryTotals:
         """Bytes of ``state`` on this process's first device of the mesh (no gradient
@@ -340,13 +330,15 @@ class BaseTrainer(abc.ABC):
     @cached_property
     def accumulating_replicas(self) -> int:
         return gathering.accumulating_replicas(
-            self.layouts.storage, self.topology.replicas, self.batch_plan.accumulation_steps
+            self.partition.trained(self.layouts.storage),
+            self.topology.replicas,
+            self.batch_plan.accumulation_steps,
         )
 
     @cached_property
     def accumulator_layout(self) -> Any:
         return gathering.accumulator_layout(
-            self.layouts.storage, self.mesh, self.accumulating_replicas
+            self.partition.trained(self.layouts.storage), self.mesh, self.accumulating_replicas
         )
 
     def _train_step(self, state: TrainState, batch: jax.Array) -> tuple[TrainState, dict]:
@@ -357,9 +349,13 @@ class BaseTrainer(abc.ABC):
         rng = step_keys(state.rng, state.step, batch.shape[:3])  # one key per example, and step
 
         def replica_grads(params, step_key, tokens, rows):  # a replica's examples and keys
-            loss, grads = jax.value_and_grad(self._loss_in_layouts)(
-                params, tokens, Keys(rows, step_key), train=True
-            )
+            trained, frozen = self.partition.split(params)  # gradients of the trained alone
+
+            def loss(trained):
+                joined = self.partition.join(trained, frozen)
+                return self._loss_in_layouts(joined, tokens, Keys(rows, step_key), train=True)
+
+            loss, grads = jax.value_and_grad(loss)(trained)
             return loss, jax.tree.map(lambda g: g.astype(jnp.float32), grads)  # (), parameters
 
         per_replica = gathering.per_replica(replica_grads, replicas)
@@ -370,29 +366,31 @@ class BaseTrainer(abc.ABC):
             grad_sum = constrain(jax.tree.map(jnp.add, grad_sum, grads), self.accumulator_layout)
             return grad_sum, losses.mean()
 
-        zeros = jax.tree.map(lambda p: jnp.zeros((replicas, *p.shape), jnp.float32), state.params)
+        trained, frozen = self.partition.split(state.params)
+        zeros = jax.tree.map(lambda p: jnp.zeros((replicas, *p.shape), jnp.float32), trained)
         grad_sum, losses = jax.lax.scan(
             microbatch, constrain(zeros, self.accumulator_layout), (batch, rng.examples)
         )
         # The one reduction across replicas of the step, straight into the update layout.
         mean = jax.tree.map(lambda g: g.sum(0) / (num_micro * replicas), grad_sum)
-        grads = constrain(mean, self.layouts.update)
+        update_layout = self.partition.trained(self.layouts.update)
+        grads = constrain(mean, update_layout)
         metrics = {
             "loss": losses.mean(),
             "grad_norm": optax.tree.norm(grads),
             "learning_rate": self.learning_rate()(state.step),
         }
 
-        def update(params, opt_state):
-            params = constrain(params, self.layouts.update)
+        def update(params, opt_state):  # the trained parameters; frozen ones pass through
+            params = constrain(params, update_layout)
             updates, opt_state = self.optimizer.update(grads, opt_state, params)
-            return constrain(optax.apply_updates(params, updates), self.layouts.storage), opt_state
+            storage = self.partition.trained(self.layouts.storage)
+            return constrain(optax.apply_updates(params, updates), storage), opt_state
 
         # A non-finite loss or gradient norm keeps the old parameters and optimizer state; the
         # step counter advances either way, so the next step draws the same data and keys.
-        params, opt_state, metrics = update_if_finite(
-            update, state.params, state.opt_state, metrics
-        )
+        trained, opt_state, metrics = update_if_finite(update, trained, state.opt_state, metrics)
+        params = self.partition.join(trained, frozen)
         return TrainState(params, opt_state, state.step + 1, state.rng), metrics
 
     @cached_property
