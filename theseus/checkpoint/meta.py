@@ -57,6 +57,11 @@ class CheckpointMeta:
     accumulation_steps: int
     global_batch_size: int
     seq_len: int
+    # The frozen parameters the saved (trained) ones apply to, when the checkpoint holds the
+    # trained parameters alone (fine-tuning): {"run_dir": the run they come from, or None when
+    # they are the seed's initialisation; "step"; "seed"; "fingerprints": {path: uint32}}.
+    # None: the checkpoint holds every parameter. Older checkpoints have no such key.
+    base: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         for name in _COUNTS:
@@ -69,6 +74,10 @@ class CheckpointMeta:
                 raise ValueError(
                     f"checkpoint metadata {name} must be a JSON object, not {type(value).__name__}"
                 )
+        if self.base is not None and not isinstance(self.base, dict):
+            raise ValueError(
+                f"checkpoint metadata base must be a JSON object or null, not {self.base!r}"
+            )
 
     def to_json(self) -> dict[str, Any]:
         """The metadata as plain JSON data (the form a checkpoint stores)."""
@@ -79,8 +88,10 @@ class CheckpointMeta:
         """Read what :meth:`to_json` wrote; ``ValueError`` names missing or unknown keys."""
         if not isinstance(data, dict):
             raise ValueError(f"checkpoint metadata is a {type(data).__name__}, not a JSON object")
-        names = {field.name for field in dataclasses.fields(cls)}
-        missing, unknown = sorted(names - data.keys()), sorted(data.keys() - names)
+        fields = dataclasses.fields(cls)
+        names = {field.name for field in fields}
+        required = {f.name for f in fields if f.default is dataclasses.MISSING}
+        missing, unknown = sorted(required - data.keys()), sorted(data.keys() - names)
         if missing or unknown:
             raise ValueError(
                 f"checkpoint metadata does not describe a training step (missing keys: "

@@ -27,9 +27,9 @@ from theseus.checkpoint.meta import CHECKPOINTS, CheckpointMeta
 from theseus.config import apply_overrides, validate
 from theseus.jobs import all_jobs, get_job
 from theseus.sharding.axis import Axis, ShardingPolicy
-from theseus.sharding.layout import abstract_with
 from theseus.sharding.topology import Topology
 from theseus.training import gathering
+from theseus.training.run.checkpointing import params_target, with_base
 from theseus.training.trainer import BaseTrainer
 
 
@@ -99,11 +99,13 @@ def load_run(
         )
         trainer = trainer_class(config, policy, topology)
         trainers[meta.step] = (trainer, name)
-        return abstract_with(trainer.abstract_state.params, getattr(trainer.layouts, layout))
+        return params_target(trainer, getattr(trainer.layouts, layout), meta)
 
     with Checkpointer(run_dir / CHECKPOINTS, read_only=True, log=log) as checkpointer:
         restored = checkpointer.restore(None, target_for, params_only=True)
     trainer, name = trainers[restored.step]
+    # A fine-tuning checkpoint holds the trained parameters; its base holds the frozen ones.
+    restored = with_base(trainer, restored, getattr(trainer.layouts, layout), log=log)
     return LoadedRun(trainer, restored.state, restored.meta, name)
 
 

@@ -22,7 +22,15 @@ from theseus.config import save_yaml
 from theseus.data import Mixture, MixtureSampler
 from theseus.distributed.join import describe_processes, is_main_process
 from theseus.training.flops import count_flops
-from theseus.training.run.checkpointing import checkpoint_meta, restore_target
+from theseus.training.run.checkpointing import (
+    base_record,
+    checkpoint_meta,
+    frozen_params,
+    read_base_params,
+    restore_params,
+    restore_target,
+    saved_state,
+)
 from theseus.training.run.data import Validation, load_data, train_batch, validation_array
 from theseus.training.run.metrics import MetricsWriter
 from theseus.training.run.mode import NEW_RUN, RunMode
@@ -143,6 +151,7 @@ class StartingPoint:
     resumed_from: str | None = None
     changes: tuple[Change, ...] = ()
     resumes: list[dict] = field(default_factory=list)
+    base: dict | None = None  # where its frozen parameters come from (checkpointing.base_record)
 
 
 def starting_point(
@@ -156,22 +165,30 @@ def starting_point(
     that the resumed run can continue with the same numbers), or with ``mode.init_from`` a fresh
     state holding another run's newest good parameters (other shapes: an error naming them)."""
     if mode.init_from is not None:
-        source = mode.init_from / CHECKPOINTS
-        with Checkpointer(source, read_only=True, log=log) as other:
-            restored = other.restore(None, restore_target(trainer).params, params_only=True)
-        state = trainer.init_state().replace(params=restored.state)  # fresh optimizer state
+        storage = trainer.layouts.storage
+        restored = read_base_params(trainer, mode.init_from, storage, log=log)
+        fresh = trainer.init_state()  # fresh optimizer state and adapters
+        params = _overlay(fresh.params, restored.state)
+        base = base_record(trainer, params, run_dir=mode.init_from, step=restored.step)
         origin = f"parameters from {mode.init_from} (step {restored.step})"
-        return StartingPoint(state, first_step=1, data_position=0, resumed_from=origin)
+        state = fresh.replace(params=params)
+        return StartingPoint(state, first_step=1, data_position=0, resumed_from=origin, base=base)
     if not mode.resume:
-        return StartingPoint(trainer.init_state(), first_step=1, data_position=0)
-    restored = checkpointer.restore(None, restore_target(trainer))
+        state = trainer.init_state()
+        base = base_record(trainer, state.params, run_dir=None, step=None)
+        return StartingPoint(state, first_step=1, data_position=0, base=base)
+    restored = checkpointer.restore(None, lambda meta: restore_target(trainer, meta))
+    state = restored.state
+    if restored.meta.base is not None:  # the checkpoint holds the trained parameters alone
+        frozen = frozen_params(trainer, restored.meta.base, trainer.layouts.storage, log=log)
+        state = state.replace(params=trainer.partition.join(state.params, frozen))
     meta = restored.meta
     changes = resume_changes(
         meta, trainer.config.model_dump(mode="json"), trainer.execution_facts()
     )
     check_resume(changes, f"{out_dir} from step {meta.step}", allow_changes=mode.allow_changes)
     return StartingPoint(
-        restored.state,
+        state,
         first_step=meta.step + 1,
         data_position=meta.data_position,
         resumed_from=(
@@ -180,7 +197,16 @@ def starting_point(
         ),
         changes=tuple(changes),
         resumes=resume_history(out_dir / "run.json", meta.step, changes),
+        base=meta.base,
     )
+
+
+def _overlay(params: dict, restored: dict) -> dict:
+    """``params`` with every leaf that ``restored`` holds replaced by it (nested dicts)."""
+    out = dict(params)
+    for key, value in restored.items():
+        out[key] = _overlay(out.get(key, {}), value) if isinstance(value, dict) else value
+    return out
 
 
 def train(
@@ -316,7 +342,8 @@ def _steps(
         metrics.push(step, step_metrics, val_loss, val_by_source)
         if preempted or step % trainer.config.checkpointing.interval == 0 or last:
             metrics.flush()
-            checkpointer.save(state, checkpoint_meta(trainer, step=step, data_position=position))
+            meta = checkpoint_meta(trainer, step=step, data_position=position, base=start.base)
+            checkpointer.save(saved_state(trainer, state, start.base), meta)
         if preempted and not last:
             checkpointer.wait()
             raise Preempted(
@@ -359,7 +386,7 @@ def evaluate(
     validation = validation_array(trainer, corpus)
     # Read-only: a training job may still be saving there.
     with Checkpointer(source / CHECKPOINTS, read_only=True, log=log) as checkpointer:
-        restored = checkpointer.restore(None, restore_target(trainer).params, params_only=True)
+        restored = restore_params(trainer, checkpointer, trainer.layouts.storage, log=log)
     val_loss, by_source = validation.losses(trainer, restored.state)
     by_source = None if by_source is None else {k: float(v) for k, v in by_source.items()}
     result = EvalResult(str(out_dir), str(source), restored.step, float(val_loss), by_source)
