@@ -20,10 +20,10 @@ assert jax.device_count() == 8, "tests need 8 simulated CPU devices; XLA_FLAGS w
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """The tests that load torch (tests/test_hf.py, the Hugging Face reference) run last in each
-    worker. With torch loaded, a later multi-device XLA step aborted the process (SIGABRT in
-    test_trainer's tp=2 FSDP step, after test_hf in the same process): torch's CPU threads
-    starved XLA's device threads past XLA:CPU's 40 s collective rendezvous limit, the same abort
-    heavy load alone produced. The limit is raised above; the order keeps torch's threads away
-    from the other tests' timings."""
-    items.sort(key=lambda item: item.path.name == "test_hf.py")
+    """The tests that load torch (tests/test_hf.py and tests/test_lora_hf.py, the Hugging Face
+    reference) run last in each worker. With torch loaded, a later multi-device XLA step aborted
+    the process (SIGABRT in test_trainer's tp=2 FSDP step, after test_hf in the same process):
+    torch's CPU threads starved XLA's device threads past XLA:CPU's 40 s collective rendezvous
+    limit, the same abort heavy load alone produced. The limit is raised above; the order keeps
+    torch's threads away from the other tests' timings."""
+    items.sort(key=lambda item: item.path.name in ("test_hf.py", "test_lora_hf.py"))

@@ -41,10 +41,15 @@ def export_hf(
     max_shard_size: Annotated[
         str, typer.Option(help="largest safetensors file, e.g. 5GB or 500MB")
     ] = "5GB",
+    adapters: Annotated[
+        bool, typer.Option(help="a LoRA run's adapters alone, in peft's format")
+    ] = False,
     cpu_devices: CPUDevices = None,
 ) -> None:
     """Export a run's newest good checkpoint as config.json + safetensors + tokenizer files,
-    loadable by transformers' AutoModelForCausalLM.from_pretrained."""
+    loadable by transformers' AutoModelForCausalLM.from_pretrained (LoRA adapters merged into
+    the weights), or with --adapters a LoRA run's adapters as peft's adapter_config.json +
+    adapter_model.safetensors."""
     use_cpu_devices(cpu_devices)
     with user_errors():
         from theseus.hf.exporter import export_hf as run_export
@@ -54,5 +59,6 @@ def export_hf(
             out_dir,
             dtype=dtype,
             max_shard_size=max_shard_size,
+            adapters=adapters,
             log=lambda text: typer.echo(text, err=True),
         )

@@ -27,6 +27,7 @@ import numpy as np
 from theseus.hf.config import export_model_type, hf_config
 from theseus.hf.importer import IMPORTED_FROM, TOKENIZER_FILES, check_out_dir
 from theseus.hf.mapping import HFTensor, hf_tensors
+from theseus.hf.peft import adapter_config, adapter_tensors, merged_run_params
 from theseus.hf.safetensors import write_file
 from theseus.inference.logits import load_run
 
@@ -178,11 +179,14 @@ def export_hf(
     *,
     dtype: ExportDtype | None = None,
     max_shard_size: str | int = "5GB",
+    adapters: bool = False,
     log: Callable[[str], None] = print,
 ) -> ExportResult:
     """Write the newest good checkpoint of ``run_dir`` as a Hugging Face model folder that
-    ``transformers.AutoModelForCausalLM.from_pretrained`` loads. ``dtype`` defaults to the
-    dtype the run was imported in (float32 for a run trained here)."""
+    ``transformers.AutoModelForCausalLM.from_pretrained`` loads (a LoRA run's adapters merged
+    into its weights). ``dtype`` defaults to the dtype the run, or the run it fine-tunes, was
+    imported in (float32 for a run trained here). ``adapters``: write a LoRA run's adapters
+    alone, in peft's format, for the base model the run was initialised from."""
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     limit = parse_size(max_shard_size)
     if dtype is not None and dtype not in ("float32", "bfloat16"):
@@ -191,12 +195,23 @@ def export_hf(
     if jax.process_count() > 1:
         raise ValueError("export-hf runs in one process; start it without --coordinator")
     loaded = load_run(run_dir, layout="storage", log=log)
-    imported = imported_from(run_dir)
+    base = loaded.meta.base or {}
+    base_dir = Path(base["run_dir"]) if base.get("run_dir") else None
+    spec = loaded.trainer.lora_spec
+    if adapters and spec is None:
+        raise ValueError(
+            f"--adapters: {run_dir} has no LoRA adapters (its finetune.lora_rank is 0); export "
+            "its weights without --adapters."
+        )
+    imported = imported_from(run_dir) or (imported_from(base_dir) if base_dir else {})
     dtype_name = dtype or imported.get("dtype", "float32")
     np_dtype = _DTYPES[dtype_name]
     model = loaded.trainer.config.model.model_dump(mode="json")
     model_type = export_model_type(loaded.job, model, imported.get("model_type"))
     tensors = hf_tensors(loaded.job, model)
+    if adapters:
+        return _export_adapters(loaded, tensors, out_dir, np_dtype, base_dir, imported, log)
+    params = merged_run_params(loaded.trainer, loaded.params)
     groups = shard_files(tensors, np_dtype, limit)
     names = (
         ["model.safetensors"]
@@ -206,7 +221,7 @@ def export_hf(
     out_dir.mkdir(parents=True, exist_ok=True)
     for name, group in zip(names, groups, strict=True):
         entries = {t.name: (np_dtype, t.shape) for t in group}
-        write_file(out_dir / name, entries, tensor_values(loaded.params, group, np_dtype))
+        write_file(out_dir / name, entries, tensor_values(params, group, np_dtype))
     if len(groups) > 1:
         weight_map = {
             t.name: name for name, group in zip(names, groups, strict=True) for t in group
@@ -217,9 +232,33 @@ def export_hf(
     config = hf_config(loaded.job, model, model_type, dtype_name)
     config |= imported.get("special_tokens") or {}
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for name in TOKENIZER_FILES:
-        if (run_dir / name).is_file():
-            shutil.copyfile(run_dir / name, out_dir / name)
+    _copy_tokenizer(run_dir, base_dir, out_dir)
     result = ExportResult(str(out_dir), model_type, dtype_name, loaded.step, names, len(tensors))
+    log(result.describe())
+    return result
+
+
+def _copy_tokenizer(run_dir: Path, base_dir: Path | None, out_dir: Path) -> None:
+    """The run's tokenizer files, or those of the run it fine-tunes."""
+    for name in TOKENIZER_FILES:
+        for source in (run_dir, base_dir):
+            if source is not None and (source / name).is_file():
+                shutil.copyfile(source / name, out_dir / name)
+                break
+
+
+def _export_adapters(loaded, tensors, out_dir, np_dtype, base_dir, imported, log) -> ExportResult:
+    """peft's ``adapter_config.json`` and ``adapter_model.safetensors`` of a LoRA run."""
+    spec = loaded.trainer.lora_spec
+    found = adapter_tensors(loaded.job, tensors, loaded.params)
+    base = imported.get("source") or (str(base_dir) if base_dir else "")
+    config = adapter_config(found, rank=spec.rank, alpha=spec.alpha, base=base)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    entries = {t.name: (np_dtype, t.shape) for t in found}
+    name = "adapter_model.safetensors"
+    write_file(out_dir / name, entries, tensor_values(loaded.params, found, np_dtype))
+    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    dtype_name = "bfloat16" if np_dtype == _DTYPES["bfloat16"] else "float32"
+    result = ExportResult(str(out_dir), "peft-lora", dtype_name, loaded.step, [name], len(found))
     log(result.describe())
     return result

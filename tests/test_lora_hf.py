@@ -1,0 +1,123 @@
+"""A LoRA run on an imported Llama, out to the Hugging Face world: merged weights that
+transformers loads, peft adapters that peft loads onto the base model, both with the run's own
+logits; generation on the run; its base checked by fingerprints.
+
+Needs the reference extra (torch, transformers, peft), like tests/test_hf.py, and runs last in
+its worker for the same reason (tests/conftest.py).
+"""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+from support import invoke
+
+try:
+    import peft
+    import torch
+    import transformers
+except ImportError:
+    if os.environ.get("CI"):
+        raise
+    pytest.skip(
+        "needs the reference models: pip install -c constraints.txt -e '.[hf-reference]'",
+        allow_module_level=True,
+    )
+
+from test_hf import IDS, Reference, greedy_reference, reference_logits
+
+import theseus
+from theseus.config import apply_overrides, load_yaml
+from theseus.hf.importer import import_hf
+from theseus.sharding.axis import ShardingPolicy
+from theseus.training.llama import LlamaTrainer, LlamaTrainerConfig
+from theseus.training.run.loop import train
+from theseus.training.run.mode import RunMode
+
+LORA_RUN = [
+    "finetune.lora_rank=8",
+    "finetune.lora_alpha=16",
+    "training.seq_len=16",
+    "training.batch_size=16",
+    "training.per_device_batch_size=4",
+    "training.steps=3",
+    "optimization.learning_rate=1e-2",
+    "optimization.warmup_steps=1",
+    "training.validation_interval=3",
+    "training.validation_batches=1",
+    "checkpointing.interval=3",
+    "logging.progress_bar=false",
+]
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """An imported Llama, and a LoRA run initialised from it under tp=2 + FSDP."""
+    root = tmp_path_factory.mktemp("lora")
+    reference = Reference("llama", root / "hf")
+    base = root / "base"
+    import_hf(reference.directory, base, log=lambda _: None)
+    model = load_yaml(LlamaTrainerConfig, base / "config.yaml").model
+    config = apply_overrides(LlamaTrainerConfig(model=model), LORA_RUN)
+    run = root / "run"
+    trainer = LlamaTrainer(config, ShardingPolicy(tp=2, fsdp=True))
+    train(trainer, run, mode=RunMode(init_from=base), log=lambda _: None)
+    return reference, base, run
+
+
+def test_merged_and_peft_exports_give_the_runs_logits(lora_run, tmp_path):
+    """theseus.logits of the LoRA run (which trained away from the base) equals, within 1e-4,
+    transformers on the merged export and peft's adapters on the base model; greedy generation
+    on the run follows its own logits."""
+    reference, _, run = lora_run
+    logits = theseus.logits(run, IDS, log=lambda _: None)
+    assert np.abs(logits - reference.logits).max() > 1e-3  # the adapters changed the model
+
+    merged = invoke("export-hf", run, tmp_path / "merged")
+    assert merged.exit_code == 0, merged.output
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "merged", dtype=torch.float32
+    ).eval()
+    np.testing.assert_allclose(reference_logits(model, IDS), logits, atol=1e-4, rtol=0)
+
+    adapters = invoke("export-hf", run, tmp_path / "adapters", "--adapters")
+    assert adapters.exit_code == 0, adapters.output
+    config = json.loads((tmp_path / "adapters" / "adapter_config.json").read_text())
+    assert config["r"] == 8 and config["lora_alpha"] == 16
+    assert config["base_model_name_or_path"] == str(reference.directory.absolute())
+    base = transformers.AutoModelForCausalLM.from_pretrained(
+        reference.directory, dtype=torch.float32
+    )
+    with_adapters = peft.PeftModel.from_pretrained(base, tmp_path / "adapters").eval()
+    names = {n for n, _ in with_adapters.named_parameters() if "lora_A" in n}
+    assert len(names) == 2 * 7  # 2 layers × q, k, v, o, gate, up, down
+    np.testing.assert_allclose(reference_logits(with_adapters, IDS), logits, atol=1e-4, rtol=0)
+
+    prompt = [int(i) for i in IDS[0, :5]]
+    result = theseus.generate(
+        run, [prompt], max_new_tokens=4, temperature=0.0, policy_changes={"tp": 2},
+        log=lambda _: None,
+    )  # fmt: skip
+    assert result.completions[0].token_ids == greedy_reference(model, prompt, 4)
+
+
+def test_adapters_of_a_run_without_them_and_a_changed_base(lora_run, tmp_path):
+    """--adapters on a run without adapters: exit 2, one paragraph. A base run replaced by
+    other weights is refused when the LoRA run is read (its fingerprints)."""
+    _, base, run = lora_run
+    result = invoke("export-hf", base, tmp_path / "out", "--adapters")
+    assert result.exit_code == 2 and "has no LoRA adapters" in result.output, result.output
+    assert "Traceback" not in result.output and not (tmp_path / "out").exists()
+
+    other = Reference("llama31", tmp_path / "hf")  # the same shapes, other weights
+    saved = tmp_path / "saved-base"
+    shutil.move(base, saved)
+    try:
+        import_hf(other.directory, base, log=lambda _: None)
+        with pytest.raises(ValueError, match="not those this run was trained on"):
+            theseus.logits(run, IDS, log=lambda _: None)
+    finally:
+        shutil.rmtree(base)
+        shutil.move(saved, base)

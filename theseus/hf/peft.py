@@ -1,0 +1,101 @@
+"""LoRA adapters in and for the Hugging Face world: the ``peft`` files of a LoRA run
+(``adapter_config.json`` + ``adapter_model.safetensors``) and the merged weights of a run.
+
+theseus keeps Llama-family weights in Hugging Face's ``(d_out, d_in)`` layout and their adapters
+in that layout too (:mod:`theseus.model.lora`): ``lora_a`` of one layer is peft's
+``lora_A.weight`` ``(r, d_in)`` and ``lora_b`` its ``lora_B.weight`` ``(d_out, r)``, copied as
+they are, with peft's scale ``lora_alpha / r``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from theseus.hf.config import GPT_JOB
+from theseus.hf.mapping import HFTensor, Part
+from theseus.training.finetune import Partition, is_adapter, merged_params
+from theseus.training.trainer import BaseTrainer
+
+#: The prefix peft gives a causal language model's module names.
+PEFT_PREFIX = "base_model.model."
+
+
+def adapter_tensors(job: str, tensors: list[HFTensor], params: dict) -> list[HFTensor]:
+    """peft's tensors of the adapters in ``params`` (stacked along ``n_layer``), named after the
+    Hugging Face weights (``tensors``) they adapt."""
+    if job == GPT_JOB:
+        raise ValueError(
+            "--adapters writes peft adapters for Llama-family runs; GPT-2's fused c_attn has no "
+            "per-projection adapter in peft. Export the merged weights (without --adapters)."
+        )
+    found = []
+    for tensor in tensors:
+        (part,) = tensor.parts
+        module_path, _, leaf = part.path.rpartition("/")
+        if leaf != "weight" or not _has(params, f"{module_path}/lora_a"):
+            continue
+        stem = PEFT_PREFIX + tensor.name.removesuffix(".weight")
+        rank = _leaf(params, f"{module_path}/lora_a").shape[-2]
+        d_out, d_in = tensor.shape
+        for name, path, shape in (
+            ("lora_A", f"{module_path}/lora_a", (rank, d_in)),
+            ("lora_B", f"{module_path}/lora_b", (d_out, rank)),
+        ):
+            found.append(
+                HFTensor(f"{stem}.{name}.weight", shape, (Part(path, part.layer, 0, shape[-1]),))
+            )
+    return found
+
+
+def adapter_config(tensors: list[HFTensor], *, rank: int, alpha: float, base: str) -> dict:
+    """peft's ``adapter_config.json`` for ``tensors`` (:func:`adapter_tensors`) on ``base``."""
+    modules = sorted({t.name.split(".")[-3] for t in tensors})
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base,
+        "r": rank,
+        "lora_alpha": alpha,
+        "target_modules": modules,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+    }
+
+
+def merged_run_params(trainer: BaseTrainer, params: Any) -> Any:
+    """A LoRA run's ``params`` (in the storage layout) with each adapted weight merged,
+    ``W + (alpha / rank) · ΔW`` in float32 on the devices, and no adapters; other runs' as
+    they are."""
+    spec = trainer.lora_spec
+    if spec is None:
+        return params
+    adapters = Partition(frozenset(p.path for p in trainer.abstract_leaves if is_adapter(p.path)))
+    layout = adapters.split(trainer.layouts.storage)[0]
+    merge = jax.jit(
+        lambda p: merged_params(trainer.abstract_leaves, p, spec.scale), out_shardings=layout
+    )
+    return merge(params)
+
+
+def _has(params: dict, path: str) -> bool:
+    node: Any = params
+    for key in path.split("/"):
+        if not isinstance(node, dict) or key not in node:
+            return False
+        node = node[key]
+    return True
+
+
+def _leaf(params: dict, path: str) -> Any:
+    node: Any = params
+    for key in path.split("/"):
+        node = node[key]
+    return node
