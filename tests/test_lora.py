@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from support import EQUIVALENCE_BATCH
+from support import EQUIVALENCE_BATCH, equivalence_config, invoke
 from test_llama import MODEL, config
 from test_trainer import batches
 
@@ -21,6 +21,7 @@ from theseus.plot import read_metrics
 from theseus.sharding.axis import ShardingPolicy
 from theseus.sharding.layout import abstract_with, path_str
 from theseus.sharding.topology import Topology
+from theseus.training.gpt import GPTTrainer
 from theseus.training.llama import LlamaTrainer
 from theseus.training.run.loop import train
 from theseus.training.run.mode import RunMode
@@ -66,12 +67,16 @@ def reference():
 @pytest.mark.parametrize("accumulation", [1, 4])
 @pytest.mark.parametrize(
     "policy",
-    [ShardingPolicy(tp=2), ShardingPolicy(fsdp=True), ShardingPolicy(tp=2, fsdp=True)],
-    ids=lambda p: f"tp{p.tp}-fsdp{p.fsdp}",
+    [
+        ShardingPolicy(tp=2),
+        ShardingPolicy(fsdp=True, activation_checkpointing="full"),
+        ShardingPolicy(tp=2, fsdp=True, activation_checkpointing="dots"),
+    ],
+    ids=lambda p: f"tp{p.tp}-fsdp{p.fsdp}-{p.activation_checkpointing}",
 )
 def test_lora_matches_one_device(policy, accumulation):
-    """Losses within 1e-5 relative and adapters within 1e-4 of one device over three steps;
-    step 0 is the base model's loss; frozen parameters are bit-identical after training; the
+    """Losses within 1e-5 relative and adapters within 1e-4 of one device over three steps
+    (with activation checkpointing full and dots too); step 0 is the base model's loss; frozen parameters are bit-identical after training; the
     optimizer state and gradient sum hold the adapters alone."""
     replicas = 8 // policy.tp
     trainer = LlamaTrainer(lora_config(EQUIVALENCE_BATCH // (replicas * accumulation)), policy)
@@ -141,3 +146,77 @@ def test_lora_run_records_checkpoints_and_resumes(tmp_path):
         again = checkpoints.restore(3, target, params_only=True)
     for got, want in zip(jax.tree.leaves(again.state), jax.tree.leaves(saved.state), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_bad_finetune_settings_are_one_paragraph(tmp_path):
+    """A lora_targets or freeze pattern that matches nothing, a negative rank, and targets
+    without a rank: exit 2, one paragraph naming the setting, nothing written."""
+    cases = [
+        (["finetune.lora_rank=8", "finetune.lora_targets=[q_proj, nothing_here]"],
+         "finetune.lora_targets pattern 'nothing_here' matches no projection weight"),
+        (["finetune.lora_rank=-2"], "finetune.lora_rank=-2 must be >= 0"),
+        (["finetune.lora_targets=[n_mlp]"], "but finetune.lora_rank=0; set a positive"),
+        (["finetune.freeze=[embed]"], "finetune.freeze pattern 'embed' matches no parameter"),
+        (["finetune.freeze=[layers/*, '*']"], "freezes every parameter"),
+    ]  # fmt: skip
+    for overrides, expected in cases:
+        result = invoke(
+            "train", "--job", "llama/train/pretrain", "--out", tmp_path / "run", *overrides
+        )
+        assert result.exit_code == 2, result.output
+        assert result.output.startswith("error: ") and "Traceback" not in result.output
+        assert expected in " ".join(result.output.split()), result.output
+        assert not (tmp_path / "run").exists()
+
+
+def test_plan_llama31_8b_lora_fits_17_gb_on_one_device():
+    """theseus plan, Llama 3.1 8B in bfloat16 on one device: with LoRA rank 16 the model state
+    (bfloat16 frozen weights, float32 adapters with their gradient sum and Adam moments) is at
+    most 17 GB; full fine-tuning needs 16 bytes per parameter (about 128 GB)."""
+    llama8b = [
+        "model.vocab_size=128256", "model.hidden_size=4096", "model.intermediate_size=14336",
+        "model.num_layers=32", "model.num_heads=32", "model.num_kv_heads=8",
+        "model.max_position_embeddings=131072", "model.rope_theta=500000.0",
+        "model.rope_type=llama3", "training.seq_len=2048", "training.batch_size=1",
+        "training.dtype=bfloat16", "training.per_device_batch_size=1",
+    ]  # fmt: skip
+    plans = {}
+    for name, extra in (("lora", ["finetune.lora_rank=16"]), ("full", [])):
+        result = invoke(
+            "plan", "llama/train/pretrain", "--devices", "1", "--json", *llama8b, *extra
+        )
+        assert result.exit_code == 0, result.output
+        plans[name] = json.loads(result.output)
+    lora, full = plans["lora"], plans["full"]
+    base = full["num_params"]
+    assert base == 8_030_261_248
+    adapters = lora["num_params"] - base  # rank 16 on q, k, v, o, gate, up, down of 32 layers
+    assert adapters == 32 * 16 * (2 * (4096 + 4096) + 2 * (4096 + 1024) + 3 * (4096 + 14336))
+    assert lora["totals"]["params_bytes"] == 2 * base + 4 * adapters
+    assert lora["totals"]["grad_accumulator_bytes"] == 4 * adapters
+    assert lora["totals"]["total_bytes"] <= 17e9
+    assert full["totals"]["total_bytes"] >= 16 * base
+    assert {row["dtype"] for row in lora["rows"] if "lora" not in row["paths"][0]} == {"bfloat16"}
+
+
+def test_gpt_lora_with_bfloat16_frozen_weights():
+    """GPT takes adapters too: under tp=2 + FSDP with bfloat16 compute, its frozen weights are
+    stored in bfloat16 (no float32 copy), gathered per layer and left bit-identical by two
+    steps that train the float32 adapters."""
+    config = apply_overrides(equivalence_config(8, dtype="bfloat16"), LORA)
+    trainer = GPTTrainer(config, ShardingPolicy(tp=2, fsdp=True, activation_checkpointing="full"))
+    dtypes = {leaf.path: leaf.dtype for leaf in trainer.abstract_leaves}
+    assert dtypes["blocks/attn_q/kernel"] == jnp.bfloat16 and dtypes["wte"] == jnp.bfloat16
+    assert dtypes["blocks/attn_q/lora_a"] == jnp.float32
+    state = trainer.init_state()
+    before = trainer.partition.split(jax.device_get(state.params))
+    losses = []
+    for batch in list(batches(trainer))[:2]:
+        state, metrics = trainer.train_step(state, batch)
+        losses.append(float(metrics["loss"]))
+    trained, frozen = trainer.partition.split(jax.device_get(state.params))
+    assert np.isfinite(losses).all()
+    for got, want in zip(jax.tree.leaves(frozen), jax.tree.leaves(before[1]), strict=True):
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(got, want)
+    assert not np.array_equal(trained["blocks"]["attn_q"]["lora_b"], 0)

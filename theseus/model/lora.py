@@ -84,9 +84,11 @@ def adaptable(model: nnx.Module) -> list[Adaptable]:
 
 
 def matches(pattern: str, path: str, names: tuple[str | None, ...]) -> bool:
-    """A pattern names a parameter by its path (``fnmatch``: ``layers/*_proj/weight``,
-    ``*q_proj*``) or by one of its logical names (``n_mlp``)."""
-    return fnmatch.fnmatchcase(path, pattern) or pattern in names
+    """A pattern names a parameter by its path or one component of it (``fnmatch``:
+    ``layers/*_proj/weight``, ``q_proj``, ``*_proj``) or by one of its logical names
+    (``n_mlp``)."""
+    parts = [path, *path.split("/")]
+    return any(fnmatch.fnmatchcase(p, pattern) for p in parts) or pattern in names
 
 
 def targets(candidates: list[Adaptable], patterns: tuple[str, ...] | None) -> list[Adaptable]:
@@ -100,8 +102,9 @@ def targets(candidates: list[Adaptable], patterns: tuple[str, ...] | None) -> li
             raise ValueError(
                 f"finetune.lora_targets pattern {pattern!r} matches no projection weight of the "
                 f"model; LoRA can adapt: {listed or 'nothing (the model declares no projections)'}"
-                ". A pattern matches a parameter path (fnmatch, e.g. 'layers/*_proj/weight') or "
-                "one of its logical names (e.g. 'n_mlp'); fix or remove it."
+                ". A pattern matches a parameter path or one component of it (fnmatch, e.g. "
+                "'layers/*_proj/weight', 'q_proj') or one of its logical names (e.g. 'n_mlp'); "
+                "fix or remove it."
             )
     return [c for c in candidates if any(matches(p, c.path, c.names) for p in patterns)]
 

@@ -29,8 +29,9 @@ class FinetuneConfig(Section):
         lora_rank: 0 trains every parameter (full fine-tuning, the default); above 0, LoRA
             adapters of this rank are added to ``lora_targets`` and only they are trained.
         lora_alpha: adapters' outputs are scaled by ``lora_alpha / lora_rank``.
-        lora_targets: patterns of the projection weights that get adapters: a parameter path
-            (fnmatch, e.g. ``layers/*_proj/weight``) or a logical name (e.g. ``n_mlp``); None
+        lora_targets: patterns of the projection weights that get adapters: a parameter path or
+            one component of it (fnmatch, e.g. ``layers/*_proj/weight``, ``q_proj``) or a
+            logical name (e.g. ``n_mlp``); None
             (the default): every attention and MLP projection of the model.
         freeze: patterns (as above, over every parameter) of parameters trained neither by
             adapters nor directly.
@@ -142,8 +143,8 @@ def partition(leaves: list[AbstractLeaf], config: FinetuneConfig, model: str) ->
         if not hits:
             raise ValueError(
                 f"finetune.freeze pattern {pattern!r} matches no parameter of {model}; "
-                f"parameters: {', '.join(paths)}. A pattern matches a path (fnmatch) or a "
-                "logical name; fix or remove it."
+                f"parameters: {', '.join(paths)}. A pattern matches a path or one component "
+                "of it (fnmatch) or a logical name; fix or remove it."
             )
         frozen |= hits
     if len(frozen) == len(paths):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from functools import cached_property
 from typing import Any, ClassVar
 
@@ -115,7 +116,8 @@ class BaseTrainer(abc.ABC):
         self.mesh = self.topology.mesh
         self.optimizer = self.build_optimizer()
         self.graphdef, self.abstract_params = self._build_abstract_model()
-        self.partition = partition(self.abstract_leaves, config.finetune, type(self).__name__)
+        leaves = abstract_leaves(self.abstract_params)[0]
+        self.partition = partition(leaves, config.finetune, type(self).__name__)
         self.batch_plan = preflight(
             self.abstract_params, self.plan, policy, self.topology, config.training, self.seq_len
         )
@@ -179,7 +181,10 @@ class BaseTrainer(abc.ABC):
 
     @cached_property
     def abstract_leaves(self) -> list[AbstractLeaf]:
-        return abstract_leaves(self.abstract_params)[0]
+        """The parameters' paths, shapes, dtypes as stored (frozen ones in frozen_dtype), names."""
+        frozen, dtype = self.partition.frozen, np.dtype(self.frozen_dtype)
+        leaves = abstract_leaves(self.abstract_params)[0]
+        return [replace(x, dtype=dtype) if x.path in frozen else x for x in leaves]
 
     @cached_property
     def num_params(self) -> int:
