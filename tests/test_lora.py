@@ -126,7 +126,9 @@ def test_lora_run_records_checkpoints_and_resumes(tmp_path):
     trained, frozen = trainer.partition.split(trainer.abstract_state.params)
     storage, frozen_storage = trainer.partition.split(trainer.layouts.storage)
     adapters = shard_bytes(trained, storage)  # float32 adapters, per device
-    record = json.loads((out / "run.json").read_text())["memory_per_device"]
+    run_record = json.loads((out / "run.json").read_text())
+    assert run_record["num_trained_params"] == sum(x.size for x in jax.tree.leaves(trained))
+    record = run_record["memory_per_device"]
     assert record["predicted"]["grad_accumulator_bytes"] == adapters
     for kind in ("predicted", "measured"):  # Adam's two moments of the adapters, two counters
         assert 2 * adapters <= record[kind]["optimizer_bytes"] <= 2 * adapters + 64

@@ -274,7 +274,7 @@ class GPT(nnx.Module):
                 "key per example: pass keys (batch,), e.g. Keys.examples in a trainer's loss"
             )
         wte = self.wte[...]  # (vocab, n_embd)
-        x = (wte[tokens] + self.wpe[...][:seq]).astype(jnp.float32)  # (batch, seq, n_embd)
+        x = wte[tokens].astype(jnp.float32) + self.wpe[...][:seq].astype(jnp.float32)
         x = dropout(x, self.dropout, fold_in(keys, 0))  # layer i draws from fold_in(keys, i + 1)
         layer_step = partial(
             block,

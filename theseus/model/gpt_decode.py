@@ -46,7 +46,8 @@ class GPTDecoder:
         _, num_new = tokens.shape
         query_positions = positions[:, None] + jnp.arange(num_new)  # (rows, n)
         wte = params["wte"]  # (vocab, n_embd)
-        x = (wte[tokens] + params["wpe"][query_positions]).astype(jnp.float32)  # (rows, n, e)
+        positions_table = params["wpe"][query_positions].astype(jnp.float32)  # (rows, n, n_embd)
+        x = wte[tokens].astype(jnp.float32) + positions_table
 
         def layer_step(x, inputs):
             layer, k_cache, v_cache = inputs  # caches (rows, cache_len, n_attn)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import shutil
 import time
 from collections.abc import Callable
@@ -125,6 +126,7 @@ def write_run_record(
         **trainer.execution_facts(),
         **speed,
         "num_params": trainer.num_params,
+        "num_trained_params": _num_trained(trainer),
         "memory_per_device": {
             "predicted": as_json(trainer.memory()),
             "measured": as_json(trainer.measured_memory(state)),
@@ -138,6 +140,12 @@ def write_run_record(
     if corpus.tokenizer is not None:  # `theseus generate` decodes with the run's own copy
         shutil.copyfile(corpus.tokenizer, out_dir / "tokenizer.json")
     (out_dir / "layouts.txt").write_text(layouts_text(trainer) + "\n")
+
+
+def _num_trained(trainer: BaseTrainer) -> int:
+    """Parameters the run trains: all but the frozen ones (finetune)."""
+    frozen = trainer.partition.frozen
+    return sum(math.prod(x.shape) for x in trainer.abstract_leaves if x.path not in frozen)
 
 
 @dataclass(frozen=True)
@@ -250,7 +258,8 @@ def train(
         log(batch_plan.describe())
         log(one_line_plan(trainer))
         log(
-            f"model: {trainer.num_params:,} parameters; policy {trainer.policy.describe()}; "
+            f"model: {trainer.num_params:,} parameters ({_num_trained(trainer):,} trained); "
+            f"policy {trainer.policy.describe()}; "
             f"mesh {trainer.topology.mesh_shape}; data {corpus.description}"
         )
         compile_start = time.perf_counter()
