@@ -15,6 +15,7 @@ from typing import Any
 from theseus.config import ConfigError, apply_overrides, read_yaml, validate, write_yaml
 from theseus.jobs import Job, get_job
 from theseus.sharding.axis import ShardingPolicy
+from theseus.training.run.evaluation import run_config
 from theseus.training.run.mode import NEW_RUN, RunMode
 from theseus.training.trainer import BaseTrainer, TrainerConfig
 
@@ -180,7 +181,9 @@ class QuickSession:
 
     ``with theseus.quick("gpt/train/pretrain", out) as q: q.shard(tp=2); q.config...; q()``.
     What a training job does with a run already in ``out_dir`` is ``mode``, e.g.
-    ``mode=RunMode(resume=True)``: see :class:`RunMode`.
+    ``mode=RunMode(resume=True)``: see :class:`RunMode`. An evaluate job scores the run in
+    ``out_dir``: ``q.config`` starts as that run's config (its ``config.yaml``), so the model is
+    the run's; changes to the model section are refused when it runs.
     """
 
     def __init__(
@@ -194,7 +197,10 @@ class QuickSession:
         self.mode = mode
         self.job = get_job(job_name)
         self.out_dir = Path(out_dir)
-        self.config = self.job.trainer_class.config_class()
+        config_class = self.job.trainer_class.config_class
+        # An evaluation scores the run in out_dir: its config is the base of the user's changes.
+        saved = run_config(config_class, out_dir) if self.job.action == "evaluate" else None
+        self.config = saved or config_class()
         self.policy = ShardingPolicy()
         self.log = log
         self.trainer: BaseTrainer | None = None

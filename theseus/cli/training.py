@@ -32,7 +32,13 @@ from theseus.cli.options import (
 @job_options
 def train(
     overrides: Overrides = None,
-    job: Annotated[str, typer.Option(help="registered training job")] = DEFAULT_JOB,
+    job: Annotated[
+        str,
+        typer.Option(
+            help="registered job: a training job, or an evaluate job (gpt/evaluate, "
+            "llama/evaluate) that scores the run in --out with that run's config"
+        ),
+    ] = DEFAULT_JOB,
     steps: Steps = None,
     seed: Seed = None,
     peak_tflops: PeakTflops = None,
@@ -40,7 +46,8 @@ def train(
     imports: Imports = None,
     flags: JobFlags | None = None,
 ) -> None:
-    """Train a job (the default GPT on built-in data unless data.path is given)."""
+    """Train a job (the default GPT on built-in data unless data.path is given), or evaluate
+    the run in --out (--job llama/evaluate)."""
     join_job(flags.process, out)
     shorthands = {
         "training.steps": steps,

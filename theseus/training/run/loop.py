@@ -33,6 +33,7 @@ from theseus.training.run.checkpointing import (
     saved_state,
 )
 from theseus.training.run.data import Validation, load_data, train_batch, validation_array
+from theseus.training.run.evaluation import check_same_model
 from theseus.training.run.metrics import MetricsWriter
 from theseus.training.run.mode import NEW_RUN, RunMode
 from theseus.training.run.preemption import PreemptionWatch
@@ -391,6 +392,7 @@ def evaluate(
             f"nothing to evaluate: {source} holds no {CHECKPOINTS}/ folder; train first or give "
             "the run directory of a training job"
         )
+    check_same_model(trainer.config, source)
     corpus = load_data(trainer)
     validation = validation_array(trainer, corpus)
     # Read-only: a training job may still be saving there.
