@@ -1,0 +1,66 @@
+"""Run directories made by `import-hf`, without torch: a tiny Llama trained here is exported with
+theseus's own exporter, and that Hugging Face folder is imported again. Evaluating a run takes the
+run's own config; the import in two processes gives the one-process import's parameters."""
+
+import json
+
+import pytest
+from support import invoke
+
+from theseus.plot import read_metrics
+
+# A Llama whose KV width (16) and MLP (40) divide over 8 devices; bytes are its tokens.
+LLAMA = (
+    "model.vocab_size=256",
+    "model.hidden_size=32",
+    "model.intermediate_size=40",
+    "model.num_layers=2",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+    "model.max_position_embeddings=16",
+    "logging.progress_bar=false",
+)
+# The evaluation batch of the trained run (an imported run has the job's default batch).
+BATCH = (
+    "training.batch_size=8",
+    "training.per_device_batch_size=1",
+    "training.validation_batches=1",
+)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A trained run, its export (a Hugging Face folder) and that folder imported under FSDP."""
+    root = tmp_path_factory.mktemp("hf-runs")
+    steps = ("--steps", 2, "training.validation_interval=2", "checkpointing.interval=2")
+    result = invoke(
+        "train", "--job", "llama/train/pretrain", "--fsdp", *LLAMA, *BATCH, *steps,
+        "--out", root / "trained",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    result = invoke("export-hf", root / "trained", root / "hf")
+    assert result.exit_code == 0, result.output
+    result = invoke("import-hf", root / "hf", root / "imported", "--fsdp")
+    assert result.exit_code == 0, result.output
+    return root
+
+
+def test_evaluate_takes_the_model_from_the_run(runs):
+    """`theseus train --job llama/evaluate --out RUN` needs no model overrides, for a trained and
+    an imported run; a model the user forces is refused, naming the fields, before restoring."""
+    final_val_loss = read_metrics(runs / "trained")[-1]["val_loss"]
+    for run, extra in ((runs / "trained", ()), (runs / "imported", BATCH)):
+        result = invoke("train", "--job", "llama/evaluate", "--tp", 2, "--out", run, *extra)
+        assert result.exit_code == 0, result.output
+        evaluation = json.loads((run / "eval.json").read_text())
+        assert evaluation["val_loss"] == pytest.approx(final_val_loss, rel=1e-5)
+    forced = invoke(
+        "train", "--job", "llama/evaluate", "--out", runs / "imported", *BATCH,
+        "model.hidden_size=48", "model.rope_theta=500.0",
+    )  # fmt: skip
+    assert forced.exit_code == 2
+    assert "model.hidden_size=48 (the run's: 32); model.rope_theta=500.0" in forced.output
+    other = invoke("train", "--job", "gpt/evaluate", "--out", runs / "imported", *BATCH)
+    assert other.exit_code == 2 and "not a run of this job's model family" in other.output
+    for result in (forced, other):
+        assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
