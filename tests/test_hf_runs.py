@@ -3,11 +3,17 @@ theseus's own exporter, and that Hugging Face folder is imported again. Evaluati
 run's own config; the import in two processes gives the one-process import's parameters."""
 
 import json
+import subprocess
+import sys
 
+import jax
+import numpy as np
 import pytest
-from support import invoke
+from support import invoke, subprocess_env
 
+from theseus.inference.logits import load_run
 from theseus.plot import read_metrics
+from theseus.sharding.layout import path_str
 
 # A Llama whose KV width (16) and MLP (40) divide over 8 devices; bytes are its tokens.
 LLAMA = (
@@ -20,6 +26,7 @@ LLAMA = (
     "model.max_position_embeddings=16",
     "logging.progress_bar=false",
 )
+TIMEOUT_S = 120
 # The evaluation batch of the trained run (an imported run has the job's default batch).
 BATCH = (
     "training.batch_size=8",
@@ -64,3 +71,38 @@ def test_evaluate_takes_the_model_from_the_run(runs):
     assert other.exit_code == 2 and "not a run of this job's model family" in other.output
     for result in (forced, other):
         assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_import_in_two_processes_gives_the_one_process_parameters(runs, tmp_path):
+    """`theseus launch -n 2 -- import-hf` (2 processes × 4 CPU devices, FSDP): each process
+    places only its devices' shards, and the checkpoint is bit-identical to the one-process
+    import's (8 devices, FSDP)."""
+    out = tmp_path / "two-processes"
+    launch = ("launch", "-n", 2, "--cpu-devices-per-process", 4, "--")
+    argv = [sys.executable, "-m", "theseus", *map(str, launch), "import-hf", runs / "hf", out]
+    result = subprocess.run(
+        [*map(str, argv), "--fsdp"],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "[1] imported llama" in result.stdout
+    assert sorted(p.name for p in out.iterdir()) == [
+        "checkpoints",
+        "config.yaml",
+        "logs",
+        "run.json",
+    ]
+    one, two = (
+        load_run(run, layout="storage", log=lambda _: None) for run in (runs / "imported", out)
+    )
+    assert (one.meta.num_processes, two.meta.num_processes) == (1, 2)
+    assert one.meta.config == two.meta.config
+    names = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(one.params)[0]]
+    for name, mine, theirs in zip(
+        names, jax.tree.leaves(one.params), jax.tree.leaves(two.params), strict=True
+    ):
+        assert np.array_equal(np.asarray(mine), np.asarray(theirs)), name

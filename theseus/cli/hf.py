@@ -8,21 +8,31 @@ from typing import Annotated
 
 import typer
 
-from theseus.cli.options import CPUDevices, layout_options, use_cpu_devices, user_errors
+from theseus.cli.options import (
+    CPUDevices,
+    ProcessFlags,
+    join_job,
+    layout_options,
+    process_options,
+    use_cpu_devices,
+    user_errors,
+)
 
 
+@process_options
 @layout_options
 def import_hf(
     hf_dir: Annotated[
         Path, typer.Argument(help="Hugging Face model folder (config.json, *.safetensors)")
     ],
     out_dir: Annotated[Path, typer.Argument(help="new run directory to create")],
-    cpu_devices: CPUDevices = None,
     sharding: dict | None = None,
+    process: ProcessFlags | None = None,
 ) -> None:
     """Import a Llama, Mistral, Qwen2, Qwen3 or GPT-2 checkpoint as a run directory (streamed
-    into the storage layout of the given policy; tokenizer files copied)."""
-    use_cpu_devices(cpu_devices)
+    into the storage layout of the given policy; tokenizer files copied). In a multi-process job
+    (`theseus launch`, --coordinator) each process reads only its own devices' slices."""
+    join_job(process, out_dir)
     with user_errors():
         from theseus.hf.importer import import_hf as run_import
         from theseus.sharding.axis import ShardingPolicy

@@ -274,6 +274,15 @@ def job_flags(**given: Any) -> JobFlags:
     )
 
 
+def process_flags(**given: Any) -> ProcessFlags:
+    return ProcessFlags(**sharding_changes(**given))
+
+
+#: The process flags alone, for a command that is not a training job but may run in many
+#: processes (`import-hf`): it receives them as ``process`` (a :class:`ProcessFlags`).
+process_options = shared_options(PROCESS_FLAGS, into="process", build=process_flags)
+
+
 #: The sharding flags, --resume/--allow-changes/--overwrite/--init-from and the process flags (--distributed,
 #: --coordinator, --num-processes, --process-id, --heartbeat-timeout, --cpu-devices), declared
 #: once for `train` and `run`, which receive them as ``flags`` (a :class:`JobFlags`).

@@ -21,11 +21,13 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 from theseus.checkpoint.checkpointer import Checkpointer
 from theseus.checkpoint.meta import CHECKPOINTS, CheckpointMeta
 from theseus.config import apply_overrides, save_yaml, validate
+from theseus.distributed.supervise import log_path
 from theseus.hf.config import ModelSpec, model_spec
 from theseus.hf.mapping import HFTensor, Part, aliases, hf_tensors
 from theseus.hf.safetensors import TensorInfo, checkpoint_tensors
@@ -186,7 +188,12 @@ def _dtype_name(info: TensorInfo) -> str:
 
 
 def check_out_dir(out_dir: Path) -> None:
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+    """``out_dir`` is new or empty; the processes of a multi-process import may have written
+    their logs there (``logs/``, see :func:`theseus.distributed.supervise.log_path`)."""
+    logs = log_path(out_dir, 0).parent.name
+    if out_dir.exists() and (
+        not out_dir.is_dir() or any(p.name != logs for p in out_dir.iterdir())
+    ):
         raise ValueError(
             f"{out_dir} already exists and is not an empty directory; give a new or empty one "
             "(nothing was written)"
@@ -208,6 +215,8 @@ def import_hf(
     if not hf_dir.is_dir():
         raise ValueError(f"{hf_dir} is not a directory; give a Hugging Face model folder")
     check_out_dir(out_dir)
+    if jax.process_count() > 1:  # every process has checked before any writes
+        multihost_utils.sync_global_devices("import-hf: output directory checked")
     spec = read_spec(hf_dir)
     expected = hf_tensors(spec.job, spec.model)
     infos = match_tensors(expected, checkpoint_tensors(hf_dir), hf_dir)
