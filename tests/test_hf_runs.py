@@ -3,6 +3,7 @@ theseus's own exporter, and that Hugging Face folder is imported again. Evaluati
 run's own config; the import in two processes gives the one-process import's parameters."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -11,7 +12,8 @@ import numpy as np
 import pytest
 from support import invoke, subprocess_env
 
-from theseus.inference.logits import load_run
+from theseus.execution import quick
+from theseus.inference.logits import load_run, logits
 from theseus.plot import read_metrics
 from theseus.sharding.layout import path_str
 
@@ -106,3 +108,29 @@ def test_import_in_two_processes_gives_the_one_process_parameters(runs, tmp_path
         names, jax.tree.leaves(one.params), jax.tree.leaves(two.params), strict=True
     ):
         assert np.array_equal(np.asarray(mine), np.asarray(theirs)), name
+
+
+def test_mistral_sliding_window_is_carried_and_longer_sequences_refused(runs, tmp_path):
+    """Mistral's `sliding_window` travels into the run's model config (and back out on export);
+    theseus attends the full context, so a run longer than the window is refused before
+    anything is built, and the default sequence length is the window."""
+    hf = tmp_path / "mistral"
+    shutil.copytree(runs / "hf", hf)
+    config = json.loads((hf / "config.json").read_text())
+    config |= {"model_type": "mistral", "architectures": ["MistralForCausalLM"]}
+    (hf / "config.json").write_text(json.dumps(config | {"sliding_window": 8}))
+    run = tmp_path / "run"
+    assert invoke("import-hf", hf, run).exit_code == 0
+    longer = invoke("train", "--job", "llama/evaluate", "--out", run, *BATCH, "training.seq_len=9")
+    assert longer.exit_code == 2 and "Traceback" not in longer.output
+    assert "training.seq_len=9 exceeds model.sliding_window=8" in longer.output
+    within = invoke("train", "--job", "llama/evaluate", "--out", run, *BATCH)
+    assert within.exit_code == 0, within.output
+    with quick("llama/evaluate", run) as session:  # the Python API takes the run's config too
+        assert session.config.model.sliding_window == 8
+        assert session.override(*BATCH).create().seq_len == 8
+    with pytest.raises(ValueError, match="exceeds the model's context of 8 positions"):
+        logits(run, [list(range(9))])
+    assert invoke("export-hf", run, tmp_path / "out").exit_code == 0
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (exported["model_type"], exported["sliding_window"]) == ("mistral", 8)

@@ -3,7 +3,9 @@
 Reads both layouts transformers writes: 4.x (top-level ``rope_theta`` and ``rope_scaling``, which
 most published checkpoints have) and 5.x (``rope_parameters``). Anything theseus's models cannot
 reproduce exactly (another architecture, mixture of experts, another activation or rotary
-scaling, MLP biases, a sliding window in use) is refused with the key and the supported values.
+scaling, MLP biases, Qwen2's sliding window in use) is refused with the key and the supported
+values. Mistral's ``sliding_window`` is carried into the model config, where sequences longer than
+it are refused (see :class:`theseus.model.llama.LlamaConfig`).
 """
 
 from __future__ import annotations
@@ -94,6 +96,8 @@ def _llama(hf: dict[str, Any], model_type: str, where: str) -> dict[str, Any]:
         "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "attention_bias": bias,
         "qk_norm": model_type == "qwen3",
+        # Mistral's window is carried, and sequences longer than it are refused (see LlamaConfig).
+        "sliding_window": hf.get("sliding_window") if model_type == "mistral" else None,
         **_rope(hf, where),
     }
 
@@ -213,5 +217,5 @@ def hf_config(job: str, model: dict[str, Any], model_type: str, dtype: str) -> d
     if model_type == "qwen2":
         config["use_sliding_window"] = False
     if model_type == "mistral":
-        config["sliding_window"] = None
+        config["sliding_window"] = model.get("sliding_window")
     return config

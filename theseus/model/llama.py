@@ -74,6 +74,9 @@ class LlamaConfig(Section):
         tie_word_embeddings: the output head is the embedding table.
         attention_bias: q, k and v projections have biases (Qwen2).
         qk_norm: RMSNorm over each head of q and k before the rotary embedding (Qwen3).
+        sliding_window: Mistral's attention window, carried from an import. theseus attends the
+            full context, which equals the window's attention only up to the window's length,
+            so longer sequences are refused (see ``context_len``); None: no window.
     """
 
     vocab_size: pydantic.StrictInt = pydantic.Field(256, gt=0, description="token ids")
@@ -102,6 +105,9 @@ class LlamaConfig(Section):
     tie_word_embeddings: bool = pydantic.Field(False, description="output head = embedding")
     attention_bias: bool = pydantic.Field(False, description="q/k/v projection biases")
     qk_norm: bool = pydantic.Field(False, description="per-head q/k RMSNorm")
+    sliding_window: pydantic.StrictInt | None = pydantic.Field(
+        None, gt=0, description="Mistral's attention window (longer sequences refused)"
+    )
 
     @pydantic.model_validator(mode="after")
     def _heads_fit(self) -> LlamaConfig:
@@ -118,6 +124,13 @@ class LlamaConfig(Section):
         if self.dim_per_head % 2:
             raise ValueError(f"LlamaConfig: head_dim={self.dim_per_head} must be even (rotary).")
         return self
+
+    @property
+    def context_len(self) -> int:
+        """The longest sequence computed exactly: the context, or the sliding window if smaller."""
+        return min(
+            self.max_position_embeddings, self.sliding_window or self.max_position_embeddings
+        )
 
     @property
     def dim_per_head(self) -> int:
@@ -358,7 +371,7 @@ class LlamaStatic:
             inv_freq,
             jnp.dtype(compute_dtype),
             remat,
-            config.max_position_embeddings,
+            config.context_len,
             lora_scale,
         )
 
@@ -368,7 +381,8 @@ def forward(params: dict, tokens: jax.Array, static: LlamaStatic) -> jax.Array:
     _, seq = tokens.shape
     if seq > static.context_len:
         raise ValueError(
-            f"sequence length {seq} exceeds model.max_position_embeddings={static.context_len}."
+            f"sequence length {seq} exceeds the model's context of {static.context_len} "
+            "positions (model.max_position_embeddings, or model.sliding_window if smaller)."
         )
     embed = params["embed_tokens"]  # (vocab, n_embd)
     x = embed[tokens].astype(jnp.float32)  # (batch, seq, n_embd) residual stream

@@ -30,7 +30,7 @@ class LlamaDecoder:
 
     @property
     def context_len(self) -> int:
-        return self.config.max_position_embeddings
+        return self.config.context_len
 
     @property
     def vocab_size(self) -> int:

@@ -30,7 +30,12 @@ class LlamaTrainer(BaseTrainer):
 
     def __init__(self, config: LlamaTrainerConfig, policy, topology=None):
         context = config.model.max_position_embeddings
-        check_context_length(config.training, context, "model.max_position_embeddings")
+        check_context_length(
+            config.training,
+            context,
+            "model.max_position_embeddings",
+            window=config.model.sliding_window,
+        )
         super().__init__(config, policy, topology)
 
     def build_model(self, rngs: nnx.Rngs) -> Llama:
@@ -50,7 +55,7 @@ class LlamaTrainer(BaseTrainer):
         )
 
     def default_seq_len(self) -> int:
-        return self.config.model.max_position_embeddings
+        return self.config.model.context_len
 
     def flops_per_token(self) -> float:
         return llama_flops_per_token(self.config.model, seq_len=self.seq_len)
