@@ -178,7 +178,7 @@ def test_resume_changes_that_keep_the_numbers_are_accepted_and_others_refused():
         ["training.steps=500", "logging.log_interval=3", "checkpointing.interval=7"],
     )
     new_facts = {**facts, "policy": {"tp": 2}, "mesh_shape": {"batch": 2}, "num_devices": 4}
-    changes = resume_changes(meta, kept.model_dump(mode="json"), new_facts)
+    changes = resume_changes(meta, kept, new_facts)
     assert {c.key for c in changes} == {
         "training.steps",
         "logging.log_interval",
@@ -197,11 +197,16 @@ def test_resume_changes_that_keep_the_numbers_are_accepted_and_others_refused():
         ("optimization.warmup_steps=5", "20", "5"),
     ]:
         changed = apply_overrides(GPTTrainerConfig(), [override])
-        changes = resume_changes(meta, changed.model_dump(mode="json"), facts)
+        changes = resume_changes(meta, changed, facts)
         key = override.split("=")[0]
         with pytest.raises(ValueError, match=f"{key}: {old} -> {new}.*--allow-changes"):
             check_resume(changes, "run", allow_changes=False)
         check_resume(changes, "run", allow_changes=True)
+    # A checkpoint of an older theseus lacks the settings added since: they are not changes.
+    older = {key: value for key, value in saved.items() if key != "finetune"}
+    older["model"] = {key: value for key, value in saved["model"].items() if key != "dropout"}
+    meta = CheckpointMeta(step=10, data_position=320, config=older, **facts, **batch)
+    assert resume_changes(meta, GPTTrainerConfig(), facts) == []
 
 
 # --- saves that fail ---------------------------------------------------------------------------

@@ -192,9 +192,7 @@ def starting_point(
         frozen = frozen_params(trainer, restored.meta.base, trainer.layouts.storage, log=log)
         state = state.replace(params=trainer.partition.join(state.params, frozen))
     meta = restored.meta
-    changes = resume_changes(
-        meta, trainer.config.model_dump(mode="json"), trainer.execution_facts()
-    )
+    changes = resume_changes(meta, trainer.config, trainer.execution_facts())
     check_resume(changes, f"{out_dir} from step {meta.step}", allow_changes=mode.allow_changes)
     return StartingPoint(
         state,

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from theseus.checkpoint.meta import CheckpointMeta
+from theseus.config import Section, validate
 
 # Keys (or key prefixes ending in ".") whose change keeps the numbers of the steps: how the same
 # global batch is split over devices, how long to train, what to validate, log and save, what to
@@ -70,10 +71,19 @@ def config_diff(old: Mapping, new: Mapping) -> list[Change]:
     ]
 
 
-def resume_changes(saved: CheckpointMeta, config: Mapping, facts: Mapping) -> list[Change]:
-    """Changes from a checkpoint's metadata to the resuming run's config (JSON form) and
-    execution facts."""
-    changes = config_diff(saved.config, config)
+def saved_config(config_class: type[Section], saved: Mapping) -> Mapping:
+    """A checkpoint's config in the form this version writes it: settings added since it was
+    saved take their defaults (nobody set them, so nothing changed). A config that no longer
+    validates (a setting removed or renamed) is compared as saved, so the diff names the key."""
+    try:
+        return validate(config_class, saved).model_dump(mode="json")
+    except ValueError:
+        return saved
+
+
+def resume_changes(saved: CheckpointMeta, config: Section, facts: Mapping) -> list[Change]:
+    """Changes from a checkpoint's metadata to the resuming run's config and execution facts."""
+    changes = config_diff(saved_config(type(config), saved.config), config.model_dump(mode="json"))
     saved_facts = saved.to_json()
     changes += [
         Change(key, saved_facts[key], facts[key])
