@@ -1,15 +1,29 @@
 """What several test files share: tiny GPT configurations, the 7.5B configuration of the scale
-tests and benches, tiny corpora, the CLI and the environment of subprocesses."""
+tests and benches, tiny corpora, the CLI, the environment of subprocesses, and the equivalence
+harness (policies, batches, "run N steps", "assert the same numbers")."""
 
+import dataclasses
+import functools
+import json
 import os
+import struct
 from pathlib import Path
+from typing import Any
 
+import jax
+import numpy as np
 from typer.testing import CliRunner, Result
 
 from theseus.cli.app import app
 from theseus.config import apply_overrides
+from theseus.data import Sampler, load_corpus, validation_batches
 from theseus.model import GPTConfig
-from theseus.training.gpt import GPTTrainerConfig
+from theseus.model.llama import LlamaConfig
+from theseus.sharding.axis import ShardingPolicy
+from theseus.sharding.topology import Topology, under_mesh
+from theseus.training.gpt import GPTTrainer
+from theseus.training.llama import LlamaTrainer
+from theseus.training.trainer import BaseTrainer, TrainerConfig
 
 # n_embd and n_mlp divide by 8 (tp=8 and FSDP over 8 devices); other dims differ from them.
 # Dropout is on: per-example keys must make its masks the same under every layout.
@@ -57,27 +71,112 @@ def write_corpus(folder: Path, num_files: int = 3) -> Path:
     return folder
 
 
+def read_events(directory: Path) -> dict[str, dict[int, object]]:
+    """Every summary value of the TensorBoard event files under ``directory``: tag -> step ->
+    value (TFRecord framing: length, its CRC, the Event proto, its CRC)."""
+    from tensorboardX.proto import event_pb2  # the test extra has it; the package does not need it
+
+    values: dict[str, dict[int, object]] = {}
+    for path in sorted(directory.glob("events.out.tfevents.*")):
+        data, offset = path.read_bytes(), 0
+        while offset < len(data):
+            (length,) = struct.unpack_from("<Q", data, offset)
+            event = event_pb2.Event.FromString(data[offset + 12 : offset + 12 + length])
+            offset += 12 + length + 4
+            for value in event.summary.value:
+                kind = value.WhichOneof("value")
+                got = value.simple_value if kind == "simple_value" else value.tensor
+                values.setdefault(value.tag, {})[event.step] = got
+    return values
+
+
+def write_mixture(root: Path, weights: tuple[float, float] = (0.7, 0.3)) -> str:
+    """Two byte sources of different text under ``root``, JSON Lines documents and a plain text
+    file; returns their ``data.sources`` value with ``weights``."""
+    root.mkdir(parents=True, exist_ok=True)
+    records = [
+        {"text": f"record {i}: " + "lorem ipsum dolor sit amet " * (3 + i % 5)} for i in range(211)
+    ]
+    (root / "notes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (root / "fox.txt").write_text("The quick brown fox jumps over the lazy dog. " * 301)
+    return f"{root / 'notes.jsonl'}:{weights[0]},{root / 'fox.txt'}:{weights[1]}"
+
+
 def invoke(*args: object) -> Result:
     """Run the ``theseus`` command in this process (``result.exit_code``, ``result.output``)."""
     return CliRunner().invoke(app, [str(a) for a in args])
 
 
 def subprocess_env() -> dict[str, str]:
-    """This environment without the forced 8 devices: a subprocess picks its own count with
-    --cpu-devices or jax_num_cpu_devices."""
+    """This environment (the session's compilation cache and XLA flags among it) without the
+    forced 8 devices: a subprocess picks its own count with --cpu-devices or
+    jax_num_cpu_devices."""
     env = dict(os.environ)
-    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(
-        "--xla_force_host_platform_device_count=8", ""
-    )
+    env["XLA_FLAGS"] = env["XLA_FLAGS"].replace("--xla_force_host_platform_device_count=8", "")
     return env
 
 
+# --- the equivalence harness ---------------------------------------------------------------------
+#
+# "Train a few steps under a policy, compare with one device": every equivalence test uses these.
+# Trainers are memoised per worker, so identical configurations share one trace and one compiled
+# step; the runs of references are memoised too. Tolerances are CONTRIBUTING's and never change.
+
+LOSS_RTOL = 1e-5  # losses (and validation losses) against one device, relative
+PARAM_ATOL = 1e-4  # parameters after a few AdamW steps (about the learning rate)
+STEPS = 3
+# XLA:CPU's default code generation, for claims that depend on it (tests/conftest.py).
+DEFAULT_CODEGEN = {"xla_cpu_use_fusion_emitters": True}
+
+POLICIES = [
+    ShardingPolicy(tp=1, zero=False),
+    ShardingPolicy(tp=1),
+    ShardingPolicy(tp=1, fsdp=True),
+    ShardingPolicy(tp=2),
+    ShardingPolicy(tp=2, fsdp=True),
+    ShardingPolicy(tp=4, fsdp=True),
+    ShardingPolicy(tp=8, zero=False),
+]
+
+
+def policy_id(policy: ShardingPolicy) -> str:
+    remat = (
+        "" if policy.activation_checkpointing == "none" else f"-{policy.activation_checkpointing}"
+    )
+    return f"tp{policy.tp}-zero{policy.zero}-fsdp{policy.fsdp}{remat}"
+
+
+# Every Llama feature on: GQA (8 query heads, 2 key/value heads), a head_dim (8) apart from
+# hidden_size / num_heads (5), q/k/v biases, q/k norms, Llama 3.1 rotary scaling, untied head.
+# The q, k/v and MLP widths (64, 16, 48) and the vocabulary divide by 8 (tp=8, ZeRO over 8).
+EQUIVALENCE_LLAMA = LlamaConfig(
+    vocab_size=256,
+    hidden_size=40,
+    intermediate_size=48,
+    num_layers=3,
+    num_heads=8,
+    num_kv_heads=2,
+    head_dim=8,
+    max_position_embeddings=24,
+    rope_type="llama3",
+    rope_original_max_position_embeddings=8,
+    attention_bias=True,
+    qk_norm=True,
+)
+
+TRAINERS: dict[type, type[BaseTrainer]] = {GPTConfig: GPTTrainer, LlamaConfig: LlamaTrainer}
+
+
 def equivalence_config(
-    per_device_batch_size: int, model: GPTConfig = EQUIVALENCE_MODEL, **training
-) -> GPTTrainerConfig:
+    per_device_batch_size: int,
+    model: GPTConfig | LlamaConfig = EQUIVALENCE_MODEL,
+    *overrides: str,
+    **training,
+) -> TrainerConfig:
     """A global batch of 32 and a learning rate of 1e-3, small enough that parameters of
-    different layouts agree to 1e-4 after a few Adam steps."""
-    overrides = {
+    different layouts agree to 1e-4 after a few Adam steps; the trainer config of ``model``'s
+    family, ``training.KEY=VALUE`` from ``training`` and then ``overrides``."""
+    settings = {
         "training.batch_size": EQUIVALENCE_BATCH,
         "training.per_device_batch_size": per_device_batch_size,
         "training.steps": 100,
@@ -85,6 +184,138 @@ def equivalence_config(
         "optimization.warmup_steps": 1,
         **{f"training.{k}": v for k, v in training.items()},
     }
-    return apply_overrides(
-        GPTTrainerConfig(model=model), [f"{k}={v}" for k, v in overrides.items()]
+    config_class = TRAINERS[type(model)].config_class
+    assignments = [f"{k}={v}" for k, v in settings.items()]
+    return apply_overrides(config_class(model=model), [*assignments, *overrides])
+
+
+def policy_config(
+    policy: ShardingPolicy, accumulation: int, model=EQUIVALENCE_MODEL, *overrides: str
+) -> TrainerConfig:
+    """The equivalence config whose 32 examples take ``accumulation`` microbatches under
+    ``policy`` on 8 devices."""
+    replicas = 8 // policy.tp
+    return equivalence_config(EQUIVALENCE_BATCH // (replicas * accumulation), model, *overrides)
+
+
+_TRAINERS: dict[tuple, BaseTrainer] = {}
+
+
+def shared_trainer(
+    config: TrainerConfig,
+    policy: ShardingPolicy,
+    *,
+    num_devices: int = 8,
+    trainer_class: type[BaseTrainer] | None = None,
+) -> BaseTrainer:
+    """The trainer of ``config`` under ``policy`` on the first ``num_devices`` devices, built
+    once per worker: tests that ask for the same one share its traced and compiled steps. (Use it
+    for trainers whose steps a test only calls; build your own to change one.)"""
+    trainer_class = trainer_class or TRAINERS[type(config.model)]
+    key = (trainer_class, config.model_dump_json(), policy, num_devices)
+    if key not in _TRAINERS:
+        topology = Topology.new(policy, devices=jax.devices()[:num_devices])
+        _TRAINERS[key] = trainer_class(config, policy, topology)
+    return _TRAINERS[key]
+
+
+@functools.cache
+def builtin_corpus():
+    return load_corpus(None)
+
+
+def step_batch(trainer: BaseTrainer, index: int) -> jax.Array:
+    """Global batch ``index`` of the built-in corpus: the same examples under every mesh and
+    accumulation split."""
+    plan = trainer.batch_plan
+    rows = Sampler(builtin_corpus().train, plan.seq_len, seed=0).global_batch(
+        index * plan.global_batch_size, plan.accumulation_steps, plan.examples_per_microbatch
+    )  # (accumulation, examples, seq_len + 1)
+    return trainer.put_batch(lambda r: rows[:, r], rows.shape)
+
+
+def validation_batch(trainer: BaseTrainer, num_batches: int) -> jax.Array:
+    plan = trainer.batch_plan
+    held_out = validation_batches(
+        builtin_corpus().validation,
+        plan.seq_len,
+        num_batches * plan.accumulation_steps,
+        plan.examples_per_microbatch,
     )
+    return trainer.put_batch(lambda r: held_out[:, r], held_out.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """What a few steps gave: per-step losses, the initial and final parameters (host),
+    the validation loss (None without validation) and the step counter."""
+
+    losses: np.ndarray
+    initial: Any
+    params: Any
+    val_loss: float | None
+    step: int
+
+
+_RUNS: dict[tuple, tuple[BaseTrainer, Run]] = {}
+
+
+def run_steps(
+    trainer: BaseTrainer,
+    steps: int = STEPS,
+    *,
+    validation: int = 0,
+    compiler_options: dict[str, Any] | None = None,
+) -> Run:
+    """``steps`` steps from the trainer's initial state on the built-in corpus (and the mean
+    validation loss of ``validation`` batches after them), the step compiled with XLA's
+    ``compiler_options`` when given; memoised per trainer."""
+    key = (id(trainer), steps, validation, tuple(sorted((compiler_options or {}).items())))
+    if key in _RUNS and _RUNS[key][0] is trainer:
+        return _RUNS[key][1]
+    step = trainer.train_step
+    if compiler_options is not None:
+        shape = jax.ShapeDtypeStruct(
+            trainer.batch_plan.shape, np.int32, sharding=trainer.batch_sharding
+        )
+        lowered = trainer.train_step.lower(trainer.abstract_state, shape)
+        step = under_mesh(lowered.compile(compiler_options=compiler_options), trainer.mesh)
+    state = trainer.init_state()
+    initial = jax.device_get(state.params)
+    losses = []
+    for index in range(steps):
+        state, metrics = step(state, step_batch(trainer, index))
+        losses.append(float(metrics["loss"]))
+    val_loss = None
+    if validation:
+        val_loss = float(
+            trainer.validation_step(state.params, validation_batch(trainer, validation))
+        )
+    run = Run(np.array(losses), initial, jax.device_get(state.params), val_loss, int(state.step))
+    _RUNS[key] = (trainer, run)
+    return run
+
+
+def one_device_run(config: TrainerConfig, steps: int = STEPS, *, validation: int = 0) -> Run:
+    """The reference: ``config``'s whole global batch on one device, no accumulation."""
+    single = config.model_copy(deep=True)
+    single.training.per_device_batch_size = single.training.batch_size
+    trainer = shared_trainer(single, ShardingPolicy(), num_devices=1)
+    assert trainer.batch_plan.accumulation_steps == 1
+    return run_steps(trainer, steps, validation=validation)
+
+
+def assert_same_numbers(
+    got: Run, want: Run, *, loss_rtol: float = LOSS_RTOL, param_atol: float = PARAM_ATOL
+) -> None:
+    """Losses (and validation losses) within ``loss_rtol`` relative, parameters within
+    ``param_atol``, the same step counter, and a falling loss (so the run trained)."""
+    np.testing.assert_allclose(got.losses, want.losses, rtol=loss_rtol)
+    assert got.losses[-1] < got.losses[0], got.losses
+    assert got.step == want.step
+    flat = jax.tree_util.tree_flatten_with_path(got.params)[0]
+    for (path, value), expected in zip(flat, jax.tree.leaves(want.params), strict=True):
+        np.testing.assert_allclose(value, expected, atol=param_atol, rtol=0, err_msg=str(path))
+    assert (got.val_loss is None) == (want.val_loss is None)
+    if want.val_loss is not None:
+        np.testing.assert_allclose(got.val_loss, want.val_loss, rtol=loss_rtol)

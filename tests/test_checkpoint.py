@@ -1,7 +1,6 @@
 """Checkpoints: reshard on restore, keep-last-K, metadata, parameters alone, and damaged or
 foreign checkpoints."""
 
-import functools
 import glob
 import json
 import os
@@ -14,7 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-from support import EQUIVALENCE_BATCH, EQUIVALENCE_MODEL, equivalence_config
+from support import (
+    EQUIVALENCE_BATCH,
+    EQUIVALENCE_MODEL,
+    equivalence_config,
+    shared_trainer,
+    step_batch,
+)
 
 from theseus.checkpoint.budget import limit, write_requests
 from theseus.checkpoint.checkpointer import (
@@ -24,7 +29,6 @@ from theseus.checkpoint.checkpointer import (
     fingerprints,
 )
 from theseus.checkpoint.meta import CheckpointMeta
-from theseus.data import Sampler, load_corpus
 from theseus.sharding.axis import ShardingPolicy
 from theseus.sharding.topology import Topology
 from theseus.training.gpt import GPTTrainer
@@ -36,24 +40,12 @@ GLOBAL_BATCH = EQUIVALENCE_BATCH
 SAVED_POLICY = ShardingPolicy(tp=2, fsdp=True)
 
 
-def make_trainer(policy, per_device_batch_size, devices=None, model=MODEL) -> GPTTrainer:
+def make_trainer(policy, per_device_batch_size, num_devices=8, model=MODEL) -> GPTTrainer:
     config = equivalence_config(per_device_batch_size, model)
-    topology = Topology.new(policy, devices=devices) if devices is not None else None
-    return GPTTrainer(config, policy, topology)
+    return shared_trainer(config, policy, num_devices=num_devices)
 
 
-@functools.cache
-def corpus():
-    return load_corpus(None)
-
-
-def batch(trainer: GPTTrainer, index: int) -> jax.Array:
-    """Global batch ``index``: the same examples under every mesh and accumulation split."""
-    plan = trainer.batch_plan
-    rows = Sampler(corpus().train, plan.seq_len, seed=0).global_batch(
-        index * plan.global_batch_size, plan.accumulation_steps, plan.examples_per_microbatch
-    )
-    return trainer.put_batch(lambda r: rows[:, r], rows.shape)
+batch = step_batch
 
 
 def host(tree):
@@ -130,7 +122,7 @@ TARGETS = {
 @pytest.mark.parametrize("name", TARGETS)
 def test_restore_reshards_and_training_continues(saved, name):
     policy, per_device, num_devices = TARGETS[name]
-    trainer = make_trainer(policy, per_device, devices=jax.devices()[:num_devices])
+    trainer = make_trainer(policy, per_device, num_devices)
     target = restore_target(trainer)
     with Checkpointer(saved["directory"]) as checkpointer:
         assert checkpointer.latest_step() == 2
@@ -375,7 +367,7 @@ def test_incompatible_shapes_name_the_path(saved):
 
 def test_params_only_restore_reads_the_params_into_another_layout(saved):
     policy, per_device, num_devices = TARGETS["tp4-8devices"]
-    trainer = make_trainer(policy, per_device, devices=jax.devices()[:num_devices])
+    trainer = make_trainer(policy, per_device, num_devices)
     target = restore_target(trainer).params
     asked = []
 

@@ -2,31 +2,19 @@
 (no download) for every supported model type and both config.json layouts.
 
 Needs the reference extra (torch, transformers): ``pip install -c constraints.txt -e
-'.[hf-reference]'``. Without it these tests skip, except under CI (``CI`` set), where they fail.
+'.[hf-reference]'``. Without it these tests skip, except under CI (``CI`` set), where they fail
+(tests/hf_reference.py, which imports torch on first use).
 """
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
-import tokenizers
+from hf_reference import IDS, KINDS, VOCAB, Reference, greedy_reference, libraries, reference_logits
 from support import invoke
-
-try:
-    import torch
-    import transformers
-    from safetensors.torch import load_file, save_file
-except ImportError:
-    if os.environ.get("CI"):
-        raise
-    pytest.skip(
-        "needs the reference models: pip install -c constraints.txt -e '.[hf-reference]'",
-        allow_module_level=True,
-    )
 
 import theseus
 from theseus.config import apply_overrides, load_yaml
@@ -42,100 +30,6 @@ from theseus.training.llama import LlamaTrainer, LlamaTrainerConfig
 from theseus.training.run.loop import train
 from theseus.training.run.mode import RunMode
 from theseus.training.trainer import next_token_loss
-
-VOCAB = 256  # the built-in byte corpus trains on it; divides into 8 ZeRO partitions
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=48,
-    intermediate_size=56,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-)
-LLAMA31 = {
-    "rope_type": "llama3",
-    "rope_theta": 500000.0,
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 16,  # below the test's positions: every band is scaled
-}
-# kind: (transformers config, config.json layout, saved dtype)
-KINDS = {
-    "llama": (lambda: transformers.LlamaConfig(**COMMON), "5.x", torch.float32),
-    "llama31": (
-        lambda: transformers.LlamaConfig(**COMMON, rope_parameters=LLAMA31),
-        "5.x",
-        torch.float32,
-    ),
-    "llama31-4.x": (
-        lambda: transformers.LlamaConfig(**COMMON, rope_parameters=LLAMA31),
-        "4.x",
-        torch.float32,
-    ),
-    "qwen2": (lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=True), "4.x", None),
-    "qwen3": (lambda: transformers.Qwen3Config(**COMMON, head_dim=16), "5.x", torch.float32),
-    "gpt2": (
-        lambda: transformers.GPT2Config(
-            vocab_size=VOCAB, n_positions=32, n_embd=48, n_layer=2, n_head=4
-        ),
-        "5.x",
-        torch.float32,
-    ),
-    "llama-bf16": (lambda: transformers.LlamaConfig(**COMMON), "5.x", torch.bfloat16),
-}
-IDS = np.random.RandomState(0).randint(0, VOCAB, (3, 13))
-
-
-def to_4x_layout(config_file: Path) -> None:
-    """Rewrite a transformers 5.x config.json as 4.x wrote it: top-level rope_theta and
-    rope_scaling (None for plain rotary)."""
-    config = json.loads(config_file.read_text())
-    rope = dict(config.pop("rope_parameters"))
-    config["rope_theta"] = rope.pop("rope_theta")
-    config["rope_scaling"] = None if rope["rope_type"] == "default" else rope
-    config_file.write_text(json.dumps(config, indent=2))
-
-
-def reference_logits(model, ids: np.ndarray) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(ids)).logits.float().numpy()
-
-
-def byte_tokenizer() -> tokenizers.Tokenizer:
-    """A byte-level tokenizer of 256 ids (no merges), as a model folder would ship one."""
-    alphabet = sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet())
-    model = tokenizers.models.BPE({c: i for i, c in enumerate(alphabet)}, [])
-    tokenizer = tokenizers.Tokenizer(model)
-    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = tokenizers.decoders.ByteLevel()
-    return tokenizer
-
-
-class Reference:
-    """A saved transformers model and its float32 logits of IDS."""
-
-    def __init__(self, kind: str, directory: Path):
-        make_config, layout, dtype = KINDS[kind]
-        torch.manual_seed(len(kind))
-        model = transformers.AutoModelForCausalLM.from_config(make_config()).eval()
-        with torch.no_grad():
-            for param in model.parameters():  # so that unit norms and zero biases matter too
-                param.normal_(0.0, 0.2)
-        if dtype is not None:
-            model = model.to(dtype)
-        self.directory = directory
-        model.save_pretrained(directory)
-        if layout == "4.x":
-            to_4x_layout(directory / "config.json")
-        byte_tokenizer().save(str(directory / "tokenizer.json"))
-        # What is on disk, in float32 (a model converted to bfloat16 and back in memory would keep
-        # its bfloat16-rounded rotary frequencies).
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            directory, dtype=torch.float32
-        ).eval()
-        self.logits = reference_logits(self.model, IDS)
 
 
 @pytest.fixture(scope="module")
@@ -183,6 +77,8 @@ def test_logits_match_transformers(kind, references, imported, caplog):
 def test_export_loads_back_bit_identical(kind, references, imported, tmp_path):
     """import → export writes every tensor bit for bit; transformers loads it with no missing or
     unexpected keys and its logits are the original's within 1e-5."""
+    lib = libraries()
+    torch, load_file = lib.torch, lib.load_file
     reference = references(kind)
     out = tmp_path / "hf"
     max_shard = "20KB" if kind == "llama31-4.x" else "5GB"  # several shards and an index
@@ -198,17 +94,12 @@ def test_export_loads_back_bit_identical(kind, references, imported, tmp_path):
     for name, tensor in original.items():
         assert written[name].dtype == tensor.dtype, name
         assert torch.equal(written[name].view(torch.uint8), tensor.view(torch.uint8)), name
-    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    loaded, info = lib.transformers.AutoModelForCausalLM.from_pretrained(
+        out, output_loading_info=True
+    )
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     got = reference_logits(loaded.float().eval(), IDS)
     np.testing.assert_allclose(got, reference.logits, atol=1e-5, rtol=0)
-
-
-def greedy_reference(model, prompt: list[int], new: int) -> list[int]:
-    ids = list(prompt)
-    for _ in range(new):
-        ids.append(int(reference_logits(model, np.array([ids]))[0, -1].argmax()))
-    return ids[len(prompt) :]
 
 
 @pytest.mark.parametrize("kind", ["llama31", "qwen2", "qwen3", "gpt2"])
@@ -252,9 +143,10 @@ def _config(folder: Path, **changes) -> None:
 
 
 def _drop_tensor(folder: Path, name: str) -> None:
-    tensors = load_file(folder / "model.safetensors")
+    lib = libraries()
+    tensors = lib.load_file(folder / "model.safetensors")
     del tensors[name]
-    save_file(tensors, folder / "model.safetensors")
+    lib.save_file(tensors, folder / "model.safetensors")
 
 
 def _truncate(folder: Path) -> None:

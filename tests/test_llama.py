@@ -1,95 +1,51 @@
 """The Llama-family model under every policy: the numbers of one device; its plan, parameter count,
 FLOPs and the planner's view of Llama 3.1 8B."""
 
-import functools
 import json
 
-import jax
-import numpy as np
 import pytest
-from support import EQUIVALENCE_BATCH, invoke
-from test_trainer import POLICIES, batches
+from support import (
+    EQUIVALENCE_LLAMA,
+    POLICIES,
+    assert_same_numbers,
+    equivalence_config,
+    invoke,
+    one_device_run,
+    policy_config,
+    policy_id,
+    run_steps,
+    shared_trainer,
+)
 
 from theseus.config import apply_overrides
-from theseus.model.llama import LlamaConfig, num_params
+from theseus.model.llama import num_params
 from theseus.sharding.axis import ShardingPolicy
-from theseus.sharding.topology import Topology
 from theseus.training.flops import xla_flops_per_token
 from theseus.training.llama import LlamaTrainer, LlamaTrainerConfig
 
-# Every feature on: GQA (8 query heads, 2 key/value heads), a head_dim (8) apart from
-# hidden_size / num_heads (5), q/k/v biases, q/k norms, Llama 3.1 rotary scaling, untied head.
-# The q, k/v and MLP widths (64, 16, 48) and the vocabulary divide by 8 (tp=8, ZeRO over 8).
-MODEL = LlamaConfig(
-    vocab_size=256,
-    hidden_size=40,
-    intermediate_size=48,
-    num_layers=3,
-    num_heads=8,
-    num_kv_heads=2,
-    head_dim=8,
-    max_position_embeddings=24,
-    rope_type="llama3",
-    rope_original_max_position_embeddings=8,
-    attention_bias=True,
-    qk_norm=True,
-)
+MODEL = EQUIVALENCE_LLAMA
 
 
-def config(per_device_batch_size: int, model: LlamaConfig = MODEL) -> LlamaTrainerConfig:
+def config(per_device_batch_size: int):
     """The GPT equivalence test's settings (global batch 32, learning rate 1e-3, 3 steps)."""
-    overrides = {
-        "training.batch_size": EQUIVALENCE_BATCH,
-        "training.per_device_batch_size": per_device_batch_size,
-        "training.steps": 100,
-        "optimization.learning_rate": 1e-3,
-        "optimization.warmup_steps": 1,
-    }
-    return apply_overrides(
-        LlamaTrainerConfig(model=model), [f"{k}={v}" for k, v in overrides.items()]
-    )
+    return equivalence_config(per_device_batch_size, MODEL)
 
 
-def run(trainer: LlamaTrainer):
-    """Three steps: per-step losses, final parameters on the host, the step counter. (GPT's
-    equivalence test also compares validation losses; the step here is the costly compile.)"""
-    state = trainer.init_state()
-    losses = []
-    for batch in batches(trainer):
-        state, metrics = trainer.train_step(state, batch)
-        losses.append(float(metrics["loss"]))
-    return np.array(losses), jax.device_get(state.params), int(state.step)
-
-
-@functools.cache
-def reference():
-    one_device = Topology.new(ShardingPolicy(), devices=jax.devices()[:1])
-    trainer = LlamaTrainer(config(EQUIVALENCE_BATCH), ShardingPolicy(), one_device)
-    losses, params, _ = run(trainer)
-    return losses, params
-
-
-@pytest.mark.parametrize("accumulation", [1, 4])
-@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: f"tp{p.tp}-zero{p.zero}-fsdp{p.fsdp}")
-def test_policy_matches_one_device(policy, accumulation):
+@pytest.mark.parametrize("policy", POLICIES, ids=policy_id)
+def test_policy_matches_one_device(policy):
     """Losses within 1e-5 relative over three steps and parameters within 1e-4 (the suite's
-    tolerances), and the loss goes down."""
-    replicas = 8 // policy.tp
-    trainer = LlamaTrainer(config(EQUIVALENCE_BATCH // (replicas * accumulation)), policy)
-    assert trainer.batch_plan.accumulation_steps == accumulation
-    losses, params, step = run(trainer)
-    assert step == 3
-    ref_losses, ref_params = reference()
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert losses[-1] < losses[0]
-    for (path, got), want in zip(
-        jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(ref_params), strict=True
-    ):
-        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0, err_msg=str(path))
+    tolerances), and the loss goes down, with 4 microbatches per step. (Accumulation is the
+    trainer's, not the model's: GPT's matrix runs every policy with accumulation 1 and 4, and
+    also compares validation losses.)"""
+    trainer = shared_trainer(policy_config(policy, 4, MODEL), policy)
+    assert trainer.batch_plan.accumulation_steps == 4
+    got = run_steps(trainer)
+    assert got.step == 3
+    assert_same_numbers(got, one_device_run(trainer.config))
 
 
 def test_plan_names_and_counts():
-    trainer = LlamaTrainer(config(4), ShardingPolicy(tp=2, fsdp=True))
+    trainer = shared_trainer(config(4), ShardingPolicy(tp=2, fsdp=True))
     names = {leaf.path: leaf.names for leaf in trainer.abstract_leaves}
     assert names["layers/q_proj/weight"] == ("n_layer", "n_q", "n_embd")
     assert names["layers/k_proj/bias"] == ("n_layer", "n_kv")
@@ -102,9 +58,7 @@ def test_plan_names_and_counts():
 
 
 def test_analytic_flops_match_xla():
-    trainer = LlamaTrainer(
-        config(4), ShardingPolicy(), Topology.new(ShardingPolicy(), jax.devices()[:1])
-    )
+    trainer = shared_trainer(config(4), ShardingPolicy(), num_devices=1)
     analytic, xla = trainer.flops_per_token(), xla_flops_per_token(trainer)
     assert abs(analytic / xla - 1) < 0.1, (analytic, xla)
 

@@ -10,9 +10,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from support import EQUIVALENCE_BATCH, equivalence_config, invoke
-from test_llama import MODEL, config
-from test_trainer import batches
+from support import (
+    EQUIVALENCE_BATCH,
+    EQUIVALENCE_LLAMA,
+    assert_same_numbers,
+    equivalence_config,
+    invoke,
+    one_device_run,
+    policy_config,
+    policy_id,
+    run_steps,
+    shared_trainer,
+    step_batch,
+)
 
 from theseus.accounting.memory import shard_bytes
 from theseus.checkpoint.checkpointer import Checkpointer
@@ -20,7 +30,6 @@ from theseus.config import apply_overrides
 from theseus.plot import read_metrics
 from theseus.sharding.axis import ShardingPolicy
 from theseus.sharding.layout import abstract_with, path_str
-from theseus.sharding.topology import Topology
 from theseus.training.gpt import GPTTrainer
 from theseus.training.llama import LlamaTrainer
 from theseus.training.run.loop import train
@@ -29,39 +38,26 @@ from theseus.training.trainer import next_token_loss
 
 LORA = ["finetune.lora_rank=8", "finetune.lora_alpha=16"]
 # Two layers are enough for the layer scan; the widths are test_llama's (every feature on).
-SMALL = MODEL.model_copy(update={"num_layers": 2})
+SMALL = EQUIVALENCE_LLAMA.model_copy(update={"num_layers": 2})
 
 
 def lora_config(per_device_batch_size: int, *overrides: str):
-    return apply_overrides(config(per_device_batch_size, SMALL), [*LORA, *overrides])
-
-
-def run(trainer: LlamaTrainer):
-    """Three steps: losses, the initial and final parameters on the host."""
-    state = trainer.init_state()
-    initial = jax.device_get(state.params)
-    losses = []
-    for batch in batches(trainer):
-        state, metrics = trainer.train_step(state, batch)
-        losses.append(float(metrics["loss"]))
-    return np.array(losses), initial, jax.device_get(state.params)
+    return equivalence_config(per_device_batch_size, SMALL, *LORA, *overrides)
 
 
 @functools.cache
-def reference():
-    one_device = Topology.new(ShardingPolicy(), devices=jax.devices()[:1])
-    trainer = LlamaTrainer(lora_config(EQUIVALENCE_BATCH), ShardingPolicy(), one_device)
-    losses, _, final = run(trainer)
-    # The base model (no adapters, same seed) on the first batch: step 0's loss.
-    base = LlamaTrainer(config(EQUIVALENCE_BATCH, SMALL), ShardingPolicy(), one_device)
-    tokens = jax.device_get(next(iter(batches(base))))[0]  # (examples, seq + 1)
-    base_params = base.init_state().params
+def base_loss() -> float:
+    """The base model (no adapters, same seed) on the first batch: step 0's loss."""
+    base = shared_trainer(
+        equivalence_config(EQUIVALENCE_BATCH, SMALL), ShardingPolicy(), num_devices=1
+    )
+    tokens = jax.device_get(step_batch(base, 0))[0]  # (examples, seq + 1)
 
     @jax.jit
-    def base_loss(params, tokens):
+    def loss(params, tokens):
         return next_token_loss(nnx.merge(base.graphdef, params)(tokens[:, :-1]), tokens[:, 1:])
 
-    return losses, final, float(base_loss(base_params, jnp.asarray(tokens)))
+    return float(loss(base.init_state().params, jnp.asarray(tokens)))
 
 
 @pytest.mark.parametrize("accumulation", [1, 4])
@@ -72,28 +68,22 @@ def reference():
         ShardingPolicy(fsdp=True, activation_checkpointing="full"),
         ShardingPolicy(tp=2, fsdp=True, activation_checkpointing="dots"),
     ],
-    ids=lambda p: f"tp{p.tp}-fsdp{p.fsdp}-{p.activation_checkpointing}",
+    ids=policy_id,
 )
 def test_lora_matches_one_device(policy, accumulation):
     """Losses within 1e-5 relative and adapters within 1e-4 of one device over three steps
-    (with activation checkpointing full and dots too); step 0 is the base model's loss; frozen parameters are bit-identical after training; the
-    optimizer state and gradient sum hold the adapters alone."""
-    replicas = 8 // policy.tp
-    trainer = LlamaTrainer(lora_config(EQUIVALENCE_BATCH // (replicas * accumulation)), policy)
+    (with activation checkpointing full and dots too); step 0 is the base model's loss; frozen
+    parameters are bit-identical after training; the optimizer state and gradient sum hold the
+    adapters alone."""
+    trainer = shared_trainer(policy_config(policy, accumulation, SMALL, *LORA), policy)
     assert trainer.batch_plan.accumulation_steps == accumulation
-    losses, initial, final = run(trainer)
-    ref_losses, ref_final, base_loss = reference()
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    np.testing.assert_allclose(losses[0], base_loss, rtol=1e-5)
-    assert losses[-1] < losses[0]
-    for (path, got), want in zip(
-        jax.tree_util.tree_flatten_with_path(final)[0], jax.tree.leaves(ref_final), strict=True
-    ):
-        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0, err_msg=str(path))
-    trained, frozen = trainer.partition.split(final)
-    _, frozen_before = trainer.partition.split(initial)
-    for got, want in zip(jax.tree.leaves(frozen), jax.tree.leaves(frozen_before), strict=True):
-        np.testing.assert_array_equal(got, want)  # bit-identical
+    got = run_steps(trainer)
+    assert_same_numbers(got, one_device_run(trainer.config))
+    np.testing.assert_allclose(got.losses[0], base_loss(), rtol=1e-5)
+    trained, frozen = trainer.partition.split(got.params)
+    _, frozen_before = trainer.partition.split(got.initial)
+    for value, before in zip(jax.tree.leaves(frozen), jax.tree.leaves(frozen_before), strict=True):
+        np.testing.assert_array_equal(value, before)  # bit-identical
     assert {p.rsplit("/", 1)[-1] for p in _paths(trained)} == {"lora_a", "lora_b"}
     assert len(_paths(trained)) == 2 * 7  # q, k, v, o, gate, up, down
 
@@ -213,8 +203,8 @@ def test_gpt_lora_with_bfloat16_frozen_weights():
     state = trainer.init_state()
     before = trainer.partition.split(jax.device_get(state.params))
     losses = []
-    for batch in list(batches(trainer))[:2]:
-        state, metrics = trainer.train_step(state, batch)
+    for index in range(2):
+        state, metrics = trainer.train_step(state, step_batch(trainer, index))
         losses.append(float(metrics["loss"]))
     trained, frozen = trainer.partition.split(jax.device_get(state.params))
     assert np.isfinite(losses).all()

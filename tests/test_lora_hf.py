@@ -7,26 +7,12 @@ its worker for the same reason (tests/conftest.py).
 """
 
 import json
-import os
 import shutil
 
 import numpy as np
 import pytest
+from hf_reference import IDS, Reference, greedy_reference, libraries, reference_logits
 from support import invoke
-
-try:
-    import peft
-    import torch
-    import transformers
-except ImportError:
-    if os.environ.get("CI"):
-        raise
-    pytest.skip(
-        "needs the reference models: pip install -c constraints.txt -e '.[hf-reference]'",
-        allow_module_level=True,
-    )
-
-from test_hf import IDS, Reference, greedy_reference, reference_logits
 
 import theseus
 from theseus.config import apply_overrides, load_yaml
@@ -75,6 +61,8 @@ def test_merged_and_peft_exports_give_the_runs_logits(lora_run, tmp_path):
     logits = theseus.logits(run, IDS, log=lambda _: None)
     assert np.abs(logits - reference.logits).max() > 1e-3  # the adapters changed the model
 
+    lib = libraries()
+    torch, transformers, peft = lib.torch, lib.transformers, lib.peft
     merged = invoke("export-hf", run, tmp_path / "merged")
     assert merged.exit_code == 0, merged.output
     model = transformers.AutoModelForCausalLM.from_pretrained(

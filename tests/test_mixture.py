@@ -1,18 +1,14 @@
 """Weighted mixtures of sources: draws follow the weights and depend only on (seed, index); a
 two-source mixture trains under tp=2 + FSDP on 8 devices to the numbers of one device, with each
-source's validation loss; SIGKILL + --resume continues bit for bit; bad sources exit 2."""
+source's validation loss; bad sources exit 2. (SIGKILL and SIGTERM of a mixture run, resumed bit for
+bit: tests/test_cli.py.)"""
 
 import json
-import signal
-import subprocess
-import sys
-import time
 
 import jax
 import numpy as np
 import pytest
-from support import TINY_GPT, invoke, subprocess_env
-from test_speed import read_events
+from support import TINY_GPT, invoke, read_events, write_mixture
 
 from theseus.config import DataConfig, apply_overrides, validate
 from theseus.data import MixtureSampler, load_mixture
@@ -30,13 +26,7 @@ WEIGHTS = (0.7, 0.3)
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
     """Two byte sources of different text: JSON Lines documents and a plain text file."""
-    root = tmp_path_factory.mktemp("mixture")
-    records = [
-        {"text": f"record {i}: " + "lorem ipsum dolor sit amet " * (3 + i % 5)} for i in range(211)
-    ]
-    (root / "notes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    (root / "fox.txt").write_text("The quick brown fox jumps over the lazy dog. " * 301)
-    return f"{root / 'notes.jsonl'}:{WEIGHTS[0]},{root / 'fox.txt'}:{WEIGHTS[1]}"
+    return write_mixture(tmp_path_factory.mktemp("mixture"), WEIGHTS)
 
 
 def test_draws_follow_the_weights_and_depend_only_on_seed_and_index():
@@ -100,64 +90,6 @@ def test_mixture_under_tp2_fsdp_matches_one_device(sources, tmp_path):
         )
         np.testing.assert_allclose(theirs["val_loss"], weighted, rtol=1e-6)
         np.testing.assert_allclose(mine["val_loss"], theirs["val_loss"], rtol=1e-5)
-
-
-def cli(*args):
-    return [sys.executable, "-m", "theseus", *[str(a) for a in args]]
-
-
-@pytest.mark.slow
-def test_sigkill_then_resume_continues_bit_for_bit(sources, tmp_path):
-    args = [
-        "--cpu-devices",
-        "1",
-        *TINY_GPT,
-        f"data.sources={sources}",
-        "training.per_device_batch_size=16",
-        "training.steps=12",
-        "checkpointing.interval=3",
-    ]
-    env = subprocess_env()
-    subprocess.run(
-        cli("train", "--out", tmp_path / "full", *args),
-        env=env,
-        check=True,
-        capture_output=True,
-        timeout=600,
-    )
-    run_dir = tmp_path / "killed"
-    process = subprocess.Popen(
-        cli("train", "--out", run_dir, *args),
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.time() + 300
-    try:
-        while time.time() < deadline:
-            steps = [int(p.name) for p in (run_dir / "checkpoints").glob("*") if p.name.isdigit()]
-            if steps and max(steps) >= 6:
-                break
-            assert process.poll() is None, "the run ended before it could be killed"
-            time.sleep(0.05)
-        process.send_signal(signal.SIGKILL)
-        assert process.wait(timeout=60) == -signal.SIGKILL
-    finally:
-        process.kill()
-    subprocess.run(
-        cli("train", "--out", run_dir, *args, "--resume"),
-        env=env,
-        check=True,
-        capture_output=True,
-        timeout=600,
-    )
-    assert rows(run_dir)[-1]["step"] == 12
-    strip = ("step_time_s", "tokens_per_s", "mfu")
-    cleaned = [
-        [{k: v for k, v in r.items() if k not in strip} for r in rows(d)]
-        for d in (run_dir, tmp_path / "full")
-    ]
-    assert cleaned[0] == cleaned[1]  # bit for bit, both sources' validation losses included
 
 
 def test_bad_sources_exit_2_and_write_nothing(sources, tmp_path):

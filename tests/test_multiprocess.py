@@ -3,8 +3,10 @@ launch`, a SLURM-style environment detected by JAX itself, a killed peer, SIGTER
 (preemption), and checkpoints restored across process counts (1×8, 2×4, 4×2), all held to the
 losses of one uninterrupted process of 8 devices. Subprocesses with timeouts and their own ports.
 
-The slow tests form one chain (module fixtures): the 1×8 reference, then a SLURM-style 2×4 run
-whose process 1 is killed; its checkpoint feeds the 2×4, 1×8 and 4×2 restores.
+The slow tests form one chain (module fixtures): the 1×8 reference; a SLURM-style 2×4 run whose
+process 1 is killed after step 5, resumed on both processes (2×4 → 2×4) and, from a copy, in 1×8;
+a second 2×4 run preempted by SIGTERM to process 1 in its first steps, finished in 4×2 through
+`theseus launch`; and a copy of the reference at step 4 finished in 2×4 through `theseus launch`.
 """
 
 import json
@@ -25,27 +27,14 @@ from theseus.distributed.launch import check_command, free_port
 from theseus.distributed.supervise import lost_processes, report_uncaught, restart_command
 from theseus.plot import read_metrics
 
-STEPS = 16  # room after step 5, where process 1 is killed, on a fast machine
+STEPS = 16  # room after step 5 (the kill) and after the resume (SIGTERM) on a fast machine
 ARGS = ["--tp", "2", "--fsdp", *TINY_GPT, f"training.steps={STEPS}", "checkpointing.keep=20"]
 TIMEOUT_S = 300
 
 
-# JAX's persistent compilation cache, shared by this module's runs: they compile the same few
-# programs (filled in by the fixture below).
-CACHE_ENV: dict[str, str] = {}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(tmp_path_factory):
-    CACHE_ENV.update(
-        JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax-cache")),
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-    )
-
-
 def child_env(**extra):
-    return {**subprocess_env(), **CACHE_ENV, **extra}
+    """Processes share the test session's compilation cache (tests/conftest.py)."""
+    return {**subprocess_env(), **extra}
 
 
 def theseus(*args):
@@ -70,8 +59,11 @@ def losses(run_dir):
     return [(r["step"], r["loss"], r.get("val_loss")) for r in rows]
 
 
-def assert_same_losses(run_dir, reference, steps=range(1, STEPS + 1)):
-    got = {step: (loss, val) for step, loss, val in losses(run_dir)}
+def assert_same_losses(run, reference, steps=range(1, STEPS + 1)):
+    """The losses of ``run`` (a run directory or its recorded losses) are those of the run
+    directory ``reference`` to 1e-5, at ``steps``."""
+    recorded = run if isinstance(run, list) else losses(run)
+    got = {step: (loss, val) for step, loss, val in recorded}
     assert sorted(got) == list(steps)
     for step, ref_loss, ref_val in losses(reference):
         if step in got:
@@ -139,8 +131,9 @@ def reference(tmp_path_factory):
 def killed(tmp_path_factory, reference):
     """A SLURM-style 2×4 run whose process 1 is killed after step 5; checks the survivor's end.
 
-    Returns the run directory, two copies of it taken right after the kill (for the 1×8 and 4×2
-    restores), process 0's stdout and stderr, and the seconds it took to end after the kill."""
+    Returns the run directory, a copy of it taken right after the kill (for the 1×8 restore),
+    the losses it recorded, process 0's stdout and stderr, and the seconds it took to end after
+    the kill."""
     base = tmp_path_factory.mktemp("mp")
     out, port = base / "slurm", free_port()
     processes = [start_slurm_task(i, port, out, "--heartbeat-timeout", 10) for i in range(2)]
@@ -157,32 +150,37 @@ def killed(tmp_path_factory, reference):
         waited = time.monotonic() - killed_at
     finally:
         finish(processes)
-    copies = [resumable_copy(out, base / f"after-kill-{i}", STEPS) for i in range(2)]
-    return out, copies, stdout, stderr, waited
+    copy = resumable_copy(out, base / "after-kill", STEPS)
+    return out, copy, losses(out), stdout, stderr, waited
 
 
 @pytest.mark.slow
 def test_slurm_environment_joins_and_a_dead_peer_ends_the_job_cleanly(killed, reference):
-    out, _, stdout, stderr, waited = killed
+    out, _, recorded, stdout, stderr, waited = killed
     assert stdout.startswith("processes: 0 of 2 (slurm cluster detected); 4 local cpu device(s)")
     assert waited < 60, stderr
     assert "process 1 of this job stopped responding" in stderr, stderr
     assert "Traceback" not in stderr and "Check failure" not in stderr, stderr
     assert f"{out}/checkpoints/" in stderr and "--resume" in stderr
     assert (out / "logs" / "process-0.log").read_text().count("heartbeat") > 0
-    recorded = losses(out)
     assert len(recorded) >= 5
-    assert_same_losses(out, reference, steps=range(1, len(recorded) + 1))
+    assert_same_losses(recorded, reference, steps=range(1, len(recorded) + 1))
 
 
 @pytest.mark.slow
-def test_sigterm_to_one_process_stops_both_at_one_step_and_resume_is_exact(
-    tmp_path, killed, reference
-):
-    """SIGTERM to process 1 alone: both processes finish the same step (JAX's preemption sync
-    point), save it and exit with status 4. --resume then gives bit for bit the losses of the
-    killed 2×4 run, uninterrupted up to its kill after step 5, and the 1×8 losses to 1e-5."""
-    out, port = tmp_path / "preempted", free_port()
+def test_resume_after_a_dead_peer_gives_the_uninterrupted_losses(killed, reference):
+    out = killed[0]
+    port = free_port()
+    finished = finish([start_slurm_task(i, port, out, "--resume") for i in range(2)])
+    assert "done:" in finished[0][0], finished
+    assert_same_losses(out, reference)  # 2×4 → 2×4
+
+
+@pytest.fixture(scope="module")
+def preempted(tmp_path_factory):
+    """A SLURM-style 2×4 run and SIGTERM to process 1 alone once both processes joined:
+    (the run directory, outputs, exit statuses)."""
+    out, port = tmp_path_factory.mktemp("mp") / "preempted", free_port()
     processes = [start_slurm_task(i, port, out) for i in range(2)]
     try:
         # Once both processes joined (the run directory exists), before or in the first steps:
@@ -196,51 +194,55 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_resume_is_exact(
         processes[1].send_signal(signal.SIGTERM)  # to its supervisor, which passes it on
     finally:
         outputs = finish(processes)
-    assert [p.returncode for p in processes] == [4, 4], outputs
+    return out, outputs, [p.returncode for p in processes]
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_process_stops_both_at_one_step_and_is_exact(killed, preempted):
+    """SIGTERM to process 1 alone: both processes finish the same step (JAX's preemption sync
+    point), save it and exit with status 4, with the killed 2×4 run's losses bit for bit."""
+    out, outputs, statuses = preempted
+    assert statuses == [4, 4], outputs
     pattern = rf"stopped: preempted \(SIGTERM\): finished step (\d+) of {STEPS}"
     stops = {int(re.search(pattern, stderr).group(1)) for _, stderr in outputs}
     assert len(stops) == 1, outputs  # the same step on both processes
     stop = stops.pop()
     assert max(int(p.name) for p in (out / "checkpoints").iterdir()) == stop
-    assert [step for step, _, _ in losses(out)] == list(range(1, stop + 1))
-
-    port = free_port()
-    resumed = finish([start_slurm_task(i, port, out, "--resume") for i in range(2)])
-    assert f"resumed from step {stop}" in resumed[0][0], resumed
-    assert "done:" in resumed[0][0], resumed
-    uninterrupted = losses(killed[0])[:5]  # the killed run's steps 1-5, before its kill
-    assert stop < 5 and losses(out)[:5] == uninterrupted  # bit for bit
-    assert_same_losses(out, reference)
+    assert stop < 5 and losses(out) == killed[2][:stop]  # bit for bit
 
 
 @pytest.mark.slow
-def test_resume_after_a_dead_peer_gives_the_uninterrupted_losses(killed, reference):
-    out = killed[0]
-    port = free_port()
-    finished = finish([start_slurm_task(i, port, out, "--resume") for i in range(2)])
-    assert "done:" in finished[0][0], finished
-    assert_same_losses(out, reference)  # 2×4 → 2×4
+def test_preempted_run_resumes_in_four_processes_through_launch(preempted, reference):
+    """`theseus launch -n 4` (4×2) resumes the preempted 2×4 run and gives the uninterrupted
+    1×8 losses; only process 0 reports, each line names its process, and native chatter stays
+    in the logs."""
+    out = preempted[0]
+    launch = ["launch", "-n", 4, "--cpu-devices-per-process", 2, "--"]
+    result = run(theseus(*launch, "train", "--out", out, "--resume", *ARGS))
+    assert_same_losses(out, reference)  # 2×4 → 4×2
+    record = json.loads((out / "run.json").read_text())
+    assert record["num_processes"] == 4 and record["mesh_shape"] == {"batch": 4, "shard": 2}
+    lines = result.stdout.splitlines()
+    assert any(line.startswith("[0] processes: 0 of 4 (coordinator 127.0.0.1:") for line in lines)
+    assert any(line.startswith("[0] resumed from step ") for line in lines)
+    assert any(line.startswith("[0] done:") for line in lines)
+    assert all(line.startswith(("[0] ", "[1] ", "[2] ", "[3] ")) for line in lines)
+    assert not any(line.startswith(("[1] done:", "[2] done:", "[3] done:")) for line in lines)
+    assert "Gloo" not in result.stdout
+    assert (out / "logs" / "process-3.log").is_file()
 
 
 @pytest.mark.slow
 def test_two_process_checkpoint_restores_into_one_process(killed, reference):
-    out = killed[1][0]
+    out = killed[1]
     run(theseus("train", "--cpu-devices", 8, "--out", out, "--resume", *ARGS))
     assert_same_losses(out, reference)  # 2×4 → 1×8
 
 
 @pytest.mark.slow
-def test_two_process_checkpoint_restores_into_four_processes(killed, reference):
-    out = killed[1][1]
-    launch = ["launch", "-n", 4, "--cpu-devices-per-process", 2, "--"]
-    run(theseus(*launch, "train", "--out", out, "--resume", *ARGS))
-    assert_same_losses(out, reference)  # 2×4 → 4×2
-
-
-@pytest.mark.slow
 def test_launch_restores_one_process_checkpoint_into_two(tmp_path, reference):
     """`theseus launch -n 2` gives the losses of one process of 8 devices, resuming that
-    process's checkpoint (1×8 → 2×4); the SLURM-style run above covers 2×4 from step 1."""
+    process's checkpoint (1×8 → 2×4)."""
     out = resumable_copy(reference, tmp_path / "from-one", 4)
     launch = ["launch", "-n", 2, "--cpu-devices-per-process", 4, "--"]
     result = run(theseus(*launch, "train", "--out", out, "--resume", *ARGS))
@@ -250,10 +252,6 @@ def test_launch_restores_one_process_checkpoint_into_two(tmp_path, reference):
     lines = result.stdout.splitlines()
     assert "[0] processes: 0 of 2 (coordinator 127.0.0.1:" in lines[0] + lines[1]
     assert any(line.startswith("[0] resumed from step 4") for line in lines)
-    assert any(line.startswith("[0] done:") for line in lines)
-    assert all(line.startswith(("[0] ", "[1] ")) for line in lines)
-    assert not any(line.startswith("[1] done:") for line in lines)  # only process 0 reports
-    assert "Gloo" not in result.stdout  # native chatter stays in the logs
     assert (out / "logs" / "process-1.log").is_file()
 
 

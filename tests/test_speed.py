@@ -4,14 +4,13 @@ and the GPU benchmark's CPU behaviour."""
 import importlib.util
 import json
 import os
-import struct
 import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from support import TINY_GPT
+from support import TINY_GPT, read_events
 
 from theseus.config import apply_overrides
 from theseus.plot import read_metrics
@@ -70,25 +69,6 @@ def test_gpu_bench_refuses_cpu_and_dry_runs(capsys, monkeypatch):
     assert gpu.main(["--dry-run", "--policies", "tp=2+FSDP"]) == 0
     table = capsys.readouterr().out
     assert "| tiny | tp=2+FSDP |" in table and "theseus / hand-written" in table
-
-
-def read_events(directory: Path) -> dict[str, dict[int, object]]:
-    """Every summary value of the TensorBoard event files under ``directory``: tag -> step ->
-    value (TFRecord framing: length, its CRC, the Event proto, its CRC)."""
-    from tensorboardX.proto import event_pb2
-
-    values: dict[str, dict[int, object]] = {}
-    for path in sorted(directory.glob("events.out.tfevents.*")):
-        data, offset = path.read_bytes(), 0
-        while offset < len(data):
-            (length,) = struct.unpack_from("<Q", data, offset)
-            event = event_pb2.Event.FromString(data[offset + 12 : offset + 12 + length])
-            offset += 12 + length + 4
-            for value in event.summary.value:
-                kind = value.WhichOneof("value")
-                got = value.simple_value if kind == "simple_value" else value.tensor
-                values.setdefault(value.tag, {})[event.step] = got
-    return values
 
 
 def test_tensorboard_writer_writes_scalars_and_config(tmp_path):

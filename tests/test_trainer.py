@@ -1,18 +1,28 @@
 """Every policy trains GPT (with dropout) to the numbers of one device; layouts and memory match
 the plan."""
 
-import functools
 import math
 
 import jax
 import numpy as np
 import pytest
-from support import EQUIVALENCE_BATCH, EQUIVALENCE_MODEL, equivalence_config
+from support import (
+    EQUIVALENCE_BATCH,
+    EQUIVALENCE_MODEL,
+    POLICIES,
+    assert_same_numbers,
+    equivalence_config,
+    one_device_run,
+    policy_config,
+    policy_id,
+    run_steps,
+    shared_trainer,
+    step_batch,
+)
 
 from theseus.accounting.collectives import count_collectives, loop_bodies_with
 from theseus.accounting.preflight import plan_batch
 from theseus.config import apply_overrides
-from theseus.data import Sampler, load_corpus, validation_batches
 from theseus.sharding.axis import ShardingPolicy
 from theseus.sharding.layout import LayoutError
 from theseus.sharding.topology import Topology
@@ -20,92 +30,26 @@ from theseus.training.gpt import GPTTrainer
 
 MODEL = EQUIVALENCE_MODEL
 GLOBAL_BATCH = EQUIVALENCE_BATCH
-STEPS = 3
 VALIDATION_BATCHES = 2
 
-POLICIES = [
-    ShardingPolicy(tp=1, zero=False),
-    ShardingPolicy(tp=1),
-    ShardingPolicy(tp=1, fsdp=True),
-    ShardingPolicy(tp=2),
-    ShardingPolicy(tp=2, fsdp=True),
-    ShardingPolicy(tp=4, fsdp=True),
-    ShardingPolicy(tp=8, zero=False),
-]
-
-
 config = equivalence_config
-
-
-@functools.cache
-def corpus():
-    return load_corpus(None)
-
-
-def batches(trainer: GPTTrainer):
-    plan = trainer.batch_plan
-    sampler = Sampler(corpus().train, plan.seq_len, seed=0)
-    shape = (plan.accumulation_steps, plan.examples_per_microbatch, plan.seq_len + 1)
-    for step in range(STEPS):
-        position = step * plan.global_batch_size
-        rows = sampler.global_batch(position, plan.accumulation_steps, plan.examples_per_microbatch)
-        yield trainer.put_batch(lambda r, rows=rows: rows[:, r], shape)
-
-
-def run(trainer: GPTTrainer):
-    """Three steps; per-step losses, final params on host, validation loss."""
-    state = trainer.init_state()
-    losses = []
-    for batch in batches(trainer):
-        state, metrics = trainer.train_step(state, batch)
-        losses.append(float(metrics["loss"]))
-    plan = trainer.batch_plan
-    held_out = validation_batches(
-        corpus().validation,
-        plan.seq_len,
-        VALIDATION_BATCHES * plan.accumulation_steps,
-        plan.examples_per_microbatch,
-    )
-    val = float(
-        trainer.validation_step(
-            state.params, trainer.put_batch(lambda r: held_out[:, r], held_out.shape)
-        )
-    )
-    return np.array(losses), jax.device_get(state.params), val, state
 
 
 def with_dropout(dropout: float):
     return MODEL.model_copy(update={"dropout": dropout})
 
 
-@functools.cache
-def reference(dropout: float = MODEL.dropout):
-    one_device = Topology.new(ShardingPolicy(), devices=jax.devices()[:1])
-    trainer = GPTTrainer(config(GLOBAL_BATCH, with_dropout(dropout)), ShardingPolicy(), one_device)
-    assert trainer.batch_plan.accumulation_steps == 1
-    losses, params, val, _ = run(trainer)
-    return losses, params, val
-
-
 def assert_matches_one_device(trainer: GPTTrainer):
     """Losses within 1e-5 relative over three steps, parameters within 1e-4, validation 1e-5."""
-    losses, params, val, state = run(trainer)
-    ref_losses, ref_params, ref_val = reference(trainer.config.model.dropout)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert losses[-1] < losses[0]
-    for (path, got), want in zip(
-        jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(ref_params), strict=True
-    ):
-        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0, err_msg=str(path))
-    np.testing.assert_allclose(val, ref_val, rtol=1e-5)
-    assert int(state.step) == STEPS
+    got = run_steps(trainer, validation=VALIDATION_BATCHES)
+    assert_same_numbers(got, one_device_run(trainer.config, validation=VALIDATION_BATCHES))
+    assert got.step == 3
 
 
 @pytest.mark.parametrize("accumulation", [1, 4])
-@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: f"tp{p.tp}-zero{p.zero}-fsdp{p.fsdp}")
+@pytest.mark.parametrize("policy", POLICIES, ids=policy_id)
 def test_policy_matches_one_device(policy, accumulation):
-    replicas = 8 // policy.tp
-    trainer = GPTTrainer(config(GLOBAL_BATCH // (replicas * accumulation)), policy)
+    trainer = shared_trainer(policy_config(policy, accumulation), policy)
     assert trainer.batch_plan.accumulation_steps == accumulation
     assert trainer.batch_plan.global_batch_size == GLOBAL_BATCH
     assert trainer.config.model.dropout == 0.1
@@ -114,10 +58,12 @@ def test_policy_matches_one_device(policy, accumulation):
 
 def test_deterministic_model_matches_one_device():
     """Without dropout as well; and dropout changes the losses, so the tests above can fail."""
-    trainer = GPTTrainer(config(2, with_dropout(0.0)), ShardingPolicy(tp=2, fsdp=True))
+    policy = ShardingPolicy(tp=2, fsdp=True)
+    trainer = shared_trainer(config(2, with_dropout(0.0)), policy)
     assert trainer.batch_plan.accumulation_steps == 4
     assert_matches_one_device(trainer)
-    dropout_losses, deterministic_losses = reference()[0], reference(0.0)[0]
+    dropout_losses = one_device_run(config(2), validation=VALIDATION_BATCHES).losses
+    deterministic_losses = one_device_run(trainer.config, validation=VALIDATION_BATCHES).losses
     assert np.abs(dropout_losses / deterministic_losses - 1).max() > 1e-3
 
 
@@ -127,9 +73,9 @@ def shard_shapes(array):
 
 @pytest.mark.parametrize("policy", [ShardingPolicy(tp=2, fsdp=True), ShardingPolicy(tp=4)])
 def test_state_shards_follow_layouts(policy):
-    trainer = GPTTrainer(config(4 // (policy.tp // 2)), policy)
+    trainer = shared_trainer(policy_config(policy, 1), policy)
     state = trainer.init_state()
-    state, _ = trainer.train_step(state, next(batches(trainer)))
+    state, _ = trainer.train_step(state, step_batch(trainer, 0))
     layouts = trainer.layouts
     flat_params = jax.tree_util.tree_flatten_with_path(state.params)[0]
     storage = jax.tree.leaves(layouts.storage)
@@ -174,16 +120,15 @@ def replicated_bytes(trainer):
 
 @pytest.mark.parametrize("policy", POLICIES, ids=lambda p: f"tp{p.tp}-zero{p.zero}-fsdp{p.fsdp}")
 def test_measured_memory_matches_layouts(policy):
-    trainer = GPTTrainer(config(4 * policy.tp // 1 if policy.tp < 8 else 32), policy)
+    trainer = shared_trainer(policy_config(policy, 1), policy)
     measured = trainer.measured_memory(trainer.init_state())
     assert measured.persistent / trainer.memory().persistent == pytest.approx(1.0, abs=0.02)
 
 
 def test_fsdp_memory_is_an_eighth_plus_replicated_leaves():
-    one_device = Topology.new(ShardingPolicy(), devices=jax.devices()[:1])
-    single = GPTTrainer(config(GLOBAL_BATCH), ShardingPolicy(), one_device)
+    single = shared_trainer(config(GLOBAL_BATCH), ShardingPolicy(), num_devices=1)
     single_bytes = single.measured_memory(single.init_state()).persistent
-    fsdp = GPTTrainer(config(4), ShardingPolicy(fsdp=True))
+    fsdp = shared_trainer(config(4), ShardingPolicy(fsdp=True))
     fsdp_bytes = fsdp.measured_memory(fsdp.init_state()).persistent
     replicated = replicated_bytes(fsdp)
     expected = (single_bytes - replicated) / 8 + replicated
@@ -223,7 +168,7 @@ def collective_lines(hlo: str) -> list[str]:
 
 @pytest.mark.parametrize("policy", [ShardingPolicy(), ShardingPolicy(fsdp=True)])
 def test_bfloat16_compute_reduces_gradients_in_float32(policy):
-    trainer = GPTTrainer(config(2, dtype="bfloat16"), policy)
+    trainer = shared_trainer(config(2, dtype="bfloat16"), policy)
     batch_shape = (trainer.batch_plan.accumulation_steps, 16, trainer.seq_len + 1)
     batch = jax.ShapeDtypeStruct(batch_shape, np.int32, sharding=trainer.batch_sharding)
     hlo = trainer.train_step.lower(trainer.abstract_state, batch).compile().as_text()
@@ -235,16 +180,16 @@ def test_bfloat16_compute_reduces_gradients_in_float32(policy):
 
 def test_bfloat16_training_tracks_float32():
     policy = ShardingPolicy(tp=2, fsdp=True)
-    losses, params, _, _ = run(GPTTrainer(config(2, dtype="bfloat16"), policy))
-    ref_losses = reference()[0]
-    np.testing.assert_allclose(losses, ref_losses, rtol=2e-2)  # bfloat16 has 8 mantissa bits
-    assert all(p.dtype == np.float32 for p in jax.tree.leaves(params))
+    got = run_steps(shared_trainer(config(2, dtype="bfloat16"), policy))
+    ref_losses = one_device_run(config(2), validation=VALIDATION_BATCHES).losses
+    np.testing.assert_allclose(got.losses, ref_losses, rtol=2e-2)  # bfloat16: 8 mantissa bits
+    assert all(p.dtype == np.float32 for p in jax.tree.leaves(got.params))
 
 
 @pytest.mark.parametrize("remat", ["full", "dots"])
 def test_activation_checkpointing_matches_one_device(remat):
     policy = ShardingPolicy(tp=2, fsdp=True, activation_checkpointing=remat)
-    trainer = GPTTrainer(config(2), policy)
+    trainer = shared_trainer(config(2), policy)
     batch_shape = (trainer.batch_plan.accumulation_steps, 16, trainer.seq_len + 1)
     batch = jax.ShapeDtypeStruct(batch_shape, np.int32, sharding=trainer.batch_sharding)
     jaxpr = str(jax.make_jaxpr(trainer._train_step)(trainer.abstract_state, batch))

@@ -1,0 +1,145 @@
+"""The Hugging Face reference of tests/test_hf.py and tests/test_lora_hf.py: tiny random
+transformers models made here (no download), their float32 logits and greedy tokens.
+
+torch, transformers and peft are imported on first use, so only the worker that runs the Hugging
+Face group loads them (torch's threads would otherwise share every worker with XLA's device
+threads). Without the reference extra (``pip install -c constraints.txt -e '.[hf-reference]'``)
+those tests skip, except under CI (``CI`` set), where they fail.
+"""
+
+import functools
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import tokenizers
+
+
+@functools.cache
+def _imported() -> SimpleNamespace | None:
+    try:
+        import peft
+        import safetensors.torch
+        import torch
+        import transformers
+    except ImportError:
+        if os.environ.get("CI"):
+            raise
+        return None
+    torch.set_num_threads(1)  # tiny models; XLA's device threads keep the cores
+    return SimpleNamespace(
+        torch=torch,
+        transformers=transformers,
+        peft=peft,
+        load_file=safetensors.torch.load_file,
+        save_file=safetensors.torch.save_file,
+    )
+
+
+def libraries() -> SimpleNamespace:
+    """torch, transformers, peft and safetensors' load_file/save_file; the calling test skips
+    when they are not installed (and fails under CI)."""
+    found = _imported()
+    if found is None:
+        pytest.skip(
+            "needs the reference models: pip install -c constraints.txt -e '.[hf-reference]'"
+        )
+    return found
+
+
+VOCAB = 256  # the built-in byte corpus trains on it; divides into 8 ZeRO partitions
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=48,
+    intermediate_size=56,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+LLAMA31 = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,  # below the test's positions: every band is scaled
+}
+# kind: (transformers config from the transformers module, config.json layout, saved dtype)
+KINDS = {
+    "llama": (lambda t: t.LlamaConfig(**COMMON), "5.x", "float32"),
+    "llama31": (lambda t: t.LlamaConfig(**COMMON, rope_parameters=LLAMA31), "5.x", "float32"),
+    "llama31-4.x": (lambda t: t.LlamaConfig(**COMMON, rope_parameters=LLAMA31), "4.x", "float32"),
+    "qwen2": (lambda t: t.Qwen2Config(**COMMON, tie_word_embeddings=True), "4.x", None),
+    "qwen3": (lambda t: t.Qwen3Config(**COMMON, head_dim=16), "5.x", "float32"),
+    "gpt2": (
+        lambda t: t.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=48, n_layer=2, n_head=4),
+        "5.x",
+        "float32",
+    ),
+    "llama-bf16": (lambda t: t.LlamaConfig(**COMMON), "5.x", "bfloat16"),
+}
+IDS = np.random.RandomState(0).randint(0, VOCAB, (3, 13))
+
+
+def to_4x_layout(config_file: Path) -> None:
+    """Rewrite a transformers 5.x config.json as 4.x wrote it: top-level rope_theta and
+    rope_scaling (None for plain rotary)."""
+    config = json.loads(config_file.read_text())
+    rope = dict(config.pop("rope_parameters"))
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = None if rope["rope_type"] == "default" else rope
+    config_file.write_text(json.dumps(config, indent=2))
+
+
+def reference_logits(model, ids: np.ndarray) -> np.ndarray:
+    torch = libraries().torch
+    with torch.no_grad():
+        return model(torch.tensor(ids)).logits.float().numpy()
+
+
+def greedy_reference(model, prompt: list[int], new: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(new):
+        ids.append(int(reference_logits(model, np.array([ids]))[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+def byte_tokenizer() -> tokenizers.Tokenizer:
+    """A byte-level tokenizer of 256 ids (no merges), as a model folder would ship one."""
+    alphabet = sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    model = tokenizers.models.BPE({c: i for i, c in enumerate(alphabet)}, [])
+    tokenizer = tokenizers.Tokenizer(model)
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = tokenizers.decoders.ByteLevel()
+    return tokenizer
+
+
+class Reference:
+    """A saved transformers model and its float32 logits of IDS."""
+
+    def __init__(self, kind: str, directory: Path):
+        lib = libraries()
+        torch, transformers = lib.torch, lib.transformers
+        make_config, layout, dtype = KINDS[kind]
+        torch.manual_seed(len(kind))
+        model = transformers.AutoModelForCausalLM.from_config(make_config(transformers)).eval()
+        with torch.no_grad():
+            for param in model.parameters():  # so that unit norms and zero biases matter too
+                param.normal_(0.0, 0.2)
+        if dtype is not None:
+            model = model.to(getattr(torch, dtype))
+        self.directory = directory
+        model.save_pretrained(directory)
+        if layout == "4.x":
+            to_4x_layout(directory / "config.json")
+        byte_tokenizer().save(str(directory / "tokenizer.json"))
+        # What is on disk, in float32 (a model converted to bfloat16 and back in memory would keep
+        # its bfloat16-rounded rotary frequencies).
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            directory, dtype=torch.float32
+        ).eval()
+        self.logits = reference_logits(self.model, IDS)
