@@ -8,6 +8,7 @@ several tests (or workers, or subprocesses) build is compiled once.
 import os
 import shutil
 import tempfile
+from importlib.metadata import version
 from pathlib import Path
 
 # Compilation dominates these tests (tiny models, few steps), so XLA:CPU compiles cheaply: LLVM
@@ -20,10 +21,19 @@ from pathlib import Path
 # when a device thread waits more than 40 s at a collective's rendezvous; on a loaded 2-core
 # machine (two workers, each running 8 device threads and subprocesses) that happened to correct
 # programs, so the limits are raised to 10 minutes.
+
+
+def _classic_emitters_flag() -> str:
+    """jaxlib 0.10 keeps the classic emitters behind a flag; later ones dropped it, and an unknown
+    XLA flag ends the process."""
+    major, minor = (int(part) for part in version("jaxlib").split(".")[:2])
+    return " --xla_cpu_use_fusion_emitters=false" if (major, minor) < (0, 11) else ""
+
+
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "")
     + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-    + " --xla_cpu_use_fusion_emitters=false"
+    + _classic_emitters_flag()
     + " --xla_cpu_collective_call_terminate_timeout_seconds=600"
     + " --xla_cpu_collective_timeout_seconds=600"
 ).strip()
