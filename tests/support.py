@@ -259,7 +259,7 @@ class Run:
     step: int
 
 
-_RUNS: dict[tuple, tuple[BaseTrainer, Run]] = {}
+_RUNS: dict[tuple, Run] = {}  # keyed by the trainer itself, which the memo keeps alive
 
 
 def run_steps(
@@ -272,9 +272,9 @@ def run_steps(
     """``steps`` steps from the trainer's initial state on the built-in corpus (and the mean
     validation loss of ``validation`` batches after them), the step compiled with XLA's
     ``compiler_options`` when given; memoised per trainer."""
-    key = (id(trainer), steps, validation, tuple(sorted((compiler_options or {}).items())))
-    if key in _RUNS and _RUNS[key][0] is trainer:
-        return _RUNS[key][1]
+    key = (trainer, steps, validation, tuple(sorted((compiler_options or {}).items())))
+    if key in _RUNS:
+        return _RUNS[key]
     step = trainer.train_step
     if compiler_options is not None:
         shape = jax.ShapeDtypeStruct(
@@ -294,7 +294,7 @@ def run_steps(
             trainer.validation_step(state.params, validation_batch(trainer, validation))
         )
     run = Run(np.array(losses), initial, jax.device_get(state.params), val_loss, int(state.step))
-    _RUNS[key] = (trainer, run)
+    _RUNS[key] = run
     return run
 
 
