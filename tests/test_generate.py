@@ -173,6 +173,10 @@ def test_generate_cli_json_and_bad_input(run_dir, token_folder, tmp_path):
         ((run_dir, "--prompt", "a", "--top-p", 0), "top_p=0.0"),
         ((run_dir, "--prompt", "a", "--top-p", 1.5), "top_p=1.5"),
         ((run_dir, "--prompt", "a", "--tokenizer", token_folder[1] / "tokenizer.json"), "263"),
+        (
+            (run_dir, "--prompt-ids", "5,99999"),
+            "token id 99999, outside the model's vocabulary of 256",
+        ),
     ]:
         result = invoke("generate", *args)
         assert result.exit_code == 2, (args, result.output)
@@ -194,3 +198,44 @@ def test_top_k_top_p_and_greedy_limit_the_choice():
     assert chosen(temperature=1.0, top_p=0.6) == {0, 1}  # 0.5 < 0.6: the second is needed
     assert chosen(temperature=1.0, top_p=0.5) == {0}
     assert chosen(num_valid=3, temperature=1.0) == {0, 1, 2}
+
+
+def test_a_tp2_fsdp_run_reads_on_one_device(run_dir, tmp_path):
+    """A run trained under tp=2 + FSDP on 8 devices gives the same logits on 1 device with no
+    layout flag (the policy that fits is named in one line), generates and exports there."""
+    one, notes = jax.devices()[:1], []
+    ids = [list(b"Beautiful is"), list(b"Simple beats")]
+    eight = theseus.logits(run_dir, ids, log=lambda _: None)
+    alone = theseus.logits(run_dir, ids, devices=one, log=notes.append)
+    np.testing.assert_allclose(alone, eight, atol=1e-5, rtol=0)
+    assert [n for n in notes if "does not fit 1 device(s)" in n] == [notes[0]], notes
+    assert "reading it under tp=1 zero=True fsdp=True" in notes[0]
+    generated = theseus.generate(run_dir, ["Be"], max_new_tokens=2, devices=one, log=lambda _: None)
+    assert generated.mesh_shape == {"batch": 1, "shard": 1}
+    assert len(generated.completions[0].token_ids) == 2
+    theseus.export_hf(run_dir, tmp_path / "hf", devices=one, log=lambda _: None)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"] == 256
+
+
+def test_generate_by_ids_on_a_vocabulary_beyond_bytes(tmp_path):
+    """A tokenizer-less model of 384 ids generates from any ids below 384 (CLI and Python): the
+    text shows ids that are bytes, the ids are given; an id at 384 is refused naming it."""
+    run = tmp_path / "v384"
+    with theseus.quick("gpt/train/pretrain", run, log=lambda _: None) as q:
+        q.override(*TINY_GPT, "model.vocab_size=384", "training.steps=1")
+        q()
+    result = invoke(
+        "generate", run, "--prompt-ids", "300,301", "--prompt-ids", "104,105",
+        "--max-new-tokens", 3, "--temperature", 0,
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "--- prompt '⟨300⟩⟨301⟩', sample 0" in result.stdout
+    assert "--- prompt 'hi', sample 0" in result.stdout
+    assert "--- token ids [300, 301] + [" in result.stdout
+    generated = theseus.generate(run, [[300, 301], [383, 104]], max_new_tokens=3, temperature=0)
+    first = generated.completions[0]
+    assert first.prompt == "⟨300⟩⟨301⟩" and first.prompt_ids == [300, 301]
+    assert generated.completions[1].prompt == "⟨383⟩h"
+    refused = invoke("generate", run, "--prompt-ids", "5,384")
+    assert refused.exit_code == 2, refused.output
+    assert "token id 384, outside the model's vocabulary of 384 ids" in refused.output

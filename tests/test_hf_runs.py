@@ -56,13 +56,22 @@ def runs(tmp_path_factory):
 
 def test_evaluate_takes_the_model_from_the_run(runs):
     """`theseus train --job llama/evaluate --out RUN` needs no model overrides, for a trained and
-    an imported run; a model the user forces is refused, naming the fields, before restoring."""
+    an imported run, and prints its result once; `theseus evaluate RUN` needs no job either (the
+    run names it); a model the user forces is refused, naming the fields, before restoring."""
     final_val_loss = read_metrics(runs / "trained")[-1]["val_loss"]
     for run, extra in ((runs / "trained", ()), (runs / "imported", BATCH)):
         result = invoke("train", "--job", "llama/evaluate", "--tp", 2, "--out", run, *extra)
         assert result.exit_code == 0, result.output
+        assert result.output.count("validation loss") == 1, result.output
         evaluation = json.loads((run / "eval.json").read_text())
         assert evaluation["val_loss"] == pytest.approx(final_val_loss, rel=1e-5)
+    for run in (runs / "trained", runs / "imported"):
+        assert json.loads((run / "run.json").read_text())["job"] == "llama/train/pretrain"
+    result = invoke("evaluate", runs / "imported", *BATCH)
+    assert result.exit_code == 0, result.output
+    assert "(llama/train/pretrain, tp=1 zero=True fsdp=True" in result.stdout
+    evaluation = json.loads((runs / "imported" / "eval.json").read_text())
+    assert evaluation["val_loss"] == pytest.approx(final_val_loss, rel=1e-5)
     forced = invoke(
         "train", "--job", "llama/evaluate", "--out", runs / "imported", *BATCH,
         "model.hidden_size=48", "model.rope_theta=500.0",

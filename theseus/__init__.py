@@ -1,7 +1,7 @@
 """theseus: annotate a model once with logical axis names, train it under DP, TP, ZeRO or FSDP.
 
 ``theseus.chain``, ``theseus.quick``, ``theseus.register``, ``theseus.BaseTrainer``,
-``theseus.tokenize``, ``theseus.generate``, ``theseus.logits``, ``theseus.import_hf`` and
+``theseus.tokenize``, ``theseus.generate``, ``theseus.logits``, ``theseus.evaluate``, ``theseus.import_hf`` and
 ``theseus.export_hf`` load the training stack on first use, so
 ``import theseus`` (and the command line) stay light.
 """
@@ -20,6 +20,7 @@ _LAZY = {
     "scan_layers": "theseus.sharding.layer_scan",
     "generate": "theseus.inference",
     "logits": "theseus.inference.logits",
+    "evaluate": "theseus.inference.runs",
     "import_hf": "theseus.hf.importer",
     "export_hf": "theseus.hf.exporter",
     "tokenize": "theseus.data.bpe",

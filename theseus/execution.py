@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from theseus.config import ConfigError, apply_overrides, read_yaml, validate, write_yaml
-from theseus.jobs import Job, get_job
+from theseus.jobs import Job, get_job, job_of_run
 from theseus.sharding.axis import ShardingPolicy
-from theseus.training.run.evaluation import run_config
+from theseus.training.run.evaluation import check_base_model, run_config
 from theseus.training.run.mode import NEW_RUN, RunMode
 from theseus.training.trainer import BaseTrainer, TrainerConfig
 
@@ -58,6 +58,9 @@ def run_job(
     job: Job, config: TrainerConfig, policy: ShardingPolicy, out_dir: str | Path, **options: Any
 ) -> Any:
     """Create the job's trainer (pre-flight checks included), then run it."""
+    mode = options.get("mode", NEW_RUN)
+    if job.action == "train" and mode.init_from is not None:
+        check_base_model(config, mode.init_from)
     return run_trainer(job, job.trainer_class(config, policy), out_dir, **options)
 
 
@@ -183,24 +186,31 @@ class QuickSession:
     What a training job does with a run already in ``out_dir`` is ``mode``, e.g.
     ``mode=RunMode(resume=True)``: see :class:`RunMode`. An evaluate job scores the run in
     ``out_dir``: ``q.config`` starts as that run's config (its ``config.yaml``), so the model is
-    the run's; changes to the model section are refused when it runs.
+    the run's; changes to the model section are refused when it runs. A training job started
+    from another run's parameters (``mode=RunMode(init_from=BASE)``) takes BASE's model
+    section the same way; ``job_name=None`` then means BASE's own job.
     """
 
     def __init__(
         self,
-        job_name: str,
+        job_name: str | None,
         out_dir: str | Path,
         *,
         mode: RunMode = RunMode(),
         log=print,
     ):
         self.mode = mode
-        self.job = get_job(job_name)
+        base = mode.init_from
+        if job_name is None and base is None:
+            raise ValueError("name the job to run (e.g. gpt/train/pretrain, see `theseus jobs`)")
+        self.job = get_job(job_name or job_of_run(base))
         self.out_dir = Path(out_dir)
         config_class = self.job.trainer_class.config_class
         # An evaluation scores the run in out_dir: its config is the base of the user's changes.
         saved = run_config(config_class, out_dir) if self.job.action == "evaluate" else None
-        self.config = saved or config_class()
+        # A run started from another run's parameters has that run's model.
+        based = run_config(config_class, base) if base is not None else None
+        self.config = saved or (config_class(model=based.model) if based else config_class())
         self.policy = ShardingPolicy()
         self.log = log
         self.trainer: BaseTrainer | None = None
@@ -231,6 +241,8 @@ class QuickSession:
         """Create the job: mesh, layouts and pre-flight checks (nothing allocated). The config
         is frozen from then on: the job's batch plan and layouts are fixed."""
         if self.trainer is None:
+            if self.job.action == "train" and self.mode.init_from is not None:
+                check_base_model(self.config, self.mode.init_from)
             self.trainer = self.job.trainer_class(self.config, self.policy)
             self.config.lock(self._created())
         return self.trainer
@@ -246,5 +258,5 @@ class QuickSession:
         return run_trainer(self.job, self.create(), self.out_dir, mode=self.mode, log=self.log)
 
 
-def quick(job_name: str, out_dir: str | Path, **options: Any) -> QuickSession:
+def quick(job_name: str | None, out_dir: str | Path, **options: Any) -> QuickSession:
     return QuickSession(job_name, out_dir, **options)

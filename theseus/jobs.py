@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
+from theseus.config import read_yaml
+from theseus.training.run.evaluation import RUN_CONFIG
+from theseus.training.run.identity import record_training_job
 from theseus.training.trainer import BaseTrainer
 
 Action = Literal["train", "evaluate"]
@@ -40,6 +45,8 @@ def register_job(
         )
     job = Job(name, trainer_class, action, description)
     _JOBS[name] = job
+    if action == "train":
+        record_training_job(trainer_class, name)
     return job
 
 
@@ -68,6 +75,44 @@ def get_job(name: str) -> Job:
 
 def all_jobs() -> list[Job]:
     return [_JOBS[name] for name in sorted(_JOBS)]
+
+
+# Runs saved before checkpoints and run.json recorded their job: a model section with one of
+# these keys was written by that family's pretraining job (the only two families then).
+_LEGACY_JOBS = (("n_embd", "gpt/train/pretrain"), ("hidden_size", "llama/train/pretrain"))
+
+
+def legacy_job(config: Mapping[str, Any]) -> str:
+    """The job of a run whose records name none (saved by a release before they did): GPT's
+    pretraining job when its config's model section has ``n_embd``, Llama's when it has
+    ``hidden_size``; otherwise the job must be named."""
+    model = config.get("model") if isinstance(config, Mapping) else None
+    for key, name in _LEGACY_JOBS:
+        if isinstance(model, Mapping) and key in model:
+            return name
+    raise ValueError(
+        "this run does not record its job and its model section is neither GPT's nor "
+        "Llama's; name the job that trained it (--job NAME, job=NAME in Python)"
+    )
+
+
+def job_of_run(run_dir: str | Path) -> str:
+    """The training job that wrote ``run_dir``: the one its ``run.json`` names, else (a run of
+    a release before runs recorded it) :func:`legacy_job` of its ``config.yaml``."""
+    run_dir = Path(run_dir)
+    try:
+        record = json.loads((run_dir / "run.json").read_text())
+    except (OSError, ValueError):
+        record = {}
+    name = record.get("job") if isinstance(record, dict) else None
+    if isinstance(name, str):
+        return name
+    config_file = run_dir / RUN_CONFIG
+    if not config_file.is_file():
+        raise ValueError(
+            f"{run_dir} is not a run directory: it holds neither run.json nor {RUN_CONFIG}"
+        )
+    return legacy_job(read_yaml(config_file, "run config") or {})
 
 
 def _register_builtin() -> None:

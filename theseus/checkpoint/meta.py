@@ -62,6 +62,10 @@ class CheckpointMeta:
     # they are the seed's initialisation; "step"; "seed"; "fingerprints": {path: uint32}}.
     # None: the checkpoint holds every parameter. Older checkpoints have no such key.
     base: dict[str, Any] | None = None
+    # The registered training job that wrote the checkpoint (theseus.jobs), e.g.
+    # "llama/train/pretrain"; None when its trainer class has none. Checkpoints of releases
+    # before it was recorded lack the key: their job follows theseus.jobs.legacy_job.
+    job: str | None = None
 
     def __post_init__(self) -> None:
         for name in _COUNTS:
@@ -74,6 +78,8 @@ class CheckpointMeta:
                 raise ValueError(
                     f"checkpoint metadata {name} must be a JSON object, not {type(value).__name__}"
                 )
+        if self.job is not None and not isinstance(self.job, str):
+            raise ValueError(f"checkpoint metadata job must be a string or null, not {self.job!r}")
         if self.base is not None and not isinstance(self.base, dict):
             raise ValueError(
                 f"checkpoint metadata base must be a JSON object or null, not {self.base!r}"

@@ -24,7 +24,14 @@ def main() -> None:
 
 
 # In the order `theseus --help` lists them.
-for command in (training.train, training.run, training.configure, training.jobs, training.plot):
+for command in (
+    training.train,
+    training.run,
+    training.evaluate,
+    training.configure,
+    training.jobs,
+    training.plot,
+):
     app.command()(command)
 app.command(context_settings={"allow_interspersed_args": False})(launch.launch)
 app.command(name="plan", context_settings={"allow_extra_args": False})(plan.plan_command)

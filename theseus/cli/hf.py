@@ -9,8 +9,12 @@ from typing import Annotated
 import typer
 
 from theseus.cli.options import (
+    BaseRun,
     CPUDevices,
+    Imports,
     ProcessFlags,
+    RunJob,
+    import_modules,
     join_job,
     layout_options,
     process_options,
@@ -41,6 +45,7 @@ def import_hf(
         run_import(hf_dir, out_dir, policy=policy, log=lambda text: typer.echo(text, err=True))
 
 
+@layout_options
 def export_hf(
     run_dir: Annotated[Path, typer.Argument(help="run directory (trained or imported)")],
     out_dir: Annotated[Path, typer.Argument(help="new Hugging Face model folder to create")],
@@ -54,14 +59,20 @@ def export_hf(
     adapters: Annotated[
         bool, typer.Option(help="a LoRA run's adapters alone, in peft's format")
     ] = False,
+    job: RunJob = None,
+    base: BaseRun = None,
     cpu_devices: CPUDevices = None,
+    imports: Imports = None,
+    sharding: dict | None = None,
 ) -> None:
     """Export a run's newest good checkpoint as config.json + safetensors + tokenizer files,
     loadable by transformers' AutoModelForCausalLM.from_pretrained (LoRA adapters merged into
     the weights), or with --adapters a LoRA run's adapters as peft's adapter_config.json +
-    adapter_model.safetensors."""
+    adapter_model.safetensors. The run is read under its own layout where it fits the devices
+    at hand, else under one that does (named), or under --tp/--zero/--fsdp."""
     use_cpu_devices(cpu_devices)
     with user_errors():
+        import_modules(imports)
         from theseus.hf.exporter import export_hf as run_export
 
         run_export(
@@ -70,5 +81,8 @@ def export_hf(
             dtype=dtype,
             max_shard_size=max_shard_size,
             adapters=adapters,
+            policy_changes=sharding,
+            job=job,
+            base=base,
             log=lambda text: typer.echo(text, err=True),
         )

@@ -90,6 +90,19 @@ Imports = Annotated[
     list[str] | None,
     typer.Option("--import", help="Python module to import first (registers your own jobs)"),
 ]
+# The flags of the commands that read a run (evaluate, generate, export-hf).
+RunJob = Annotated[
+    str | None,
+    typer.Option("--job", help="registered job of the run \\[default: the one the run records]"),
+]
+BaseRun = Annotated[
+    Path | None,
+    typer.Option(
+        "--base",
+        help="the base run of a fine-tuning (LoRA) run, when it is not where the run recorded it "
+        "(checked by its fingerprints)",
+    ),
+]
 #: The job that `train`, `plan` and `generate` use when none is named.
 DEFAULT_JOB = "gpt/train/pretrain"
 # `train`'s own flags and `run`'s chain file, named here like the shared ones above so that

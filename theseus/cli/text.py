@@ -9,9 +9,11 @@ from typing import Annotated
 import typer
 
 from theseus.cli.options import (
+    BaseRun,
     CPUDevices,
     Imports,
     Overwrite,
+    RunJob,
     import_modules,
     layout_options,
     use_cpu_devices,
@@ -107,9 +109,8 @@ def generate(
         list[str] | None,
         typer.Option(help="a prompt as comma-separated token ids, e.g. 1,15043,29892 (repeatable)"),
     ] = None,
-    job: Annotated[
-        str | None, typer.Option(help="registered job of the run \\[default: read from the run]")
-    ] = None,
+    job: RunJob = None,
+    base: BaseRun = None,
     cpu_devices: CPUDevices = None,
     imports: Imports = None,
     sharding: dict | None = None,
@@ -139,14 +140,18 @@ def generate(
             tokenizer=tokenizer,
             policy_changes=sharding,
             job=job,
+            base=base,
             log=lambda text: typer.echo(text, err=True),
         )
     if json_output:
         typer.echo(json.dumps(result.to_json(), indent=2))
         return
-    for item in result.completions:
+    by_ids = len(prompt or [])  # prompts from this index on were given as token ids
+    for row, item in enumerate(result.completions):
         typer.echo(f"--- prompt {item.prompt!r}, sample {item.sample}")
         typer.echo(item.prompt + item.completion)
+        if by_ids <= row // num_samples < by_ids + len(prompt_ids or []):
+            typer.echo(f"--- token ids {item.prompt_ids} + {item.token_ids}")
     typer.echo(
         f"--- {result.new_tokens} new tokens per sample, {result.tokens_per_s:,.0f} tokens/s, "
         f"checkpoint step {result.checkpoint_step}, {result.policy}",

@@ -11,12 +11,15 @@ import typer
 
 from theseus.cli.options import (
     DEFAULT_JOB,
+    BaseRun,
     ChainFile,
+    CPUDevices,
     Imports,
     JobFlags,
     Overrides,
     PeakTflops,
     RunDir,
+    RunJob,
     Seed,
     Steps,
     echo_on_main,
@@ -24,7 +27,9 @@ from theseus.cli.options import (
     import_modules,
     job_options,
     join_job,
+    layout_options,
     sharding_options,
+    use_cpu_devices,
     user_errors,
 )
 
@@ -33,12 +38,13 @@ from theseus.cli.options import (
 def train(
     overrides: Overrides = None,
     job: Annotated[
-        str,
+        str | None,
         typer.Option(
             help="registered job: a training job, or an evaluate job (gpt/evaluate, "
-            "llama/evaluate) that scores the run in --out with that run's config"
+            "llama/evaluate) that scores the run in --out with that run's config "
+            f"\\[default: the --init-from run's job, else {DEFAULT_JOB}]"
         ),
-    ] = DEFAULT_JOB,
+    ] = None,
     steps: Steps = None,
     seed: Seed = None,
     peak_tflops: PeakTflops = None,
@@ -62,6 +68,8 @@ def train(
         import_modules(imports)
         from theseus.execution import quick
 
+        if job is None and flags.run.init_from is None:
+            job = DEFAULT_JOB
         session = quick(job, out, mode=flags.run).override(*extra)
         session.shard(**flags.sharding)
         summary = session()
@@ -85,6 +93,35 @@ def run(
         results = chain.run(out, mode=flags.run)
     for result in results:
         echo_on_main(result.describe())
+
+
+@layout_options
+def evaluate(
+    run_dir: Annotated[Path, typer.Argument(help="run directory (trained or imported)")],
+    overrides: Overrides = None,
+    job: RunJob = None,
+    base: BaseRun = None,
+    cpu_devices: CPUDevices = None,
+    imports: Imports = None,
+    sharding: dict[str, Any] | None = None,
+) -> None:
+    """Validation loss of a run's newest good checkpoint on the run's own data and config
+    (overrides on top, the model excepted), written to RUN_DIR/eval.json; under the run's layout
+    where it fits the devices at hand, else one that does (named), or --tp/--zero/--fsdp."""
+    use_cpu_devices(cpu_devices)
+    with user_errors():
+        import_modules(imports)
+        from theseus.inference.runs import evaluate as evaluate_run
+
+        result = evaluate_run(
+            run_dir,
+            overrides or [],
+            policy_changes=sharding,
+            job=job,
+            base=base,
+            log=lambda text: typer.echo(text, err=True),
+        )
+    typer.echo(result.describe())
 
 
 @sharding_options

@@ -15,7 +15,7 @@ import functools
 import json
 import re
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -180,13 +180,19 @@ def export_hf(
     dtype: ExportDtype | None = None,
     max_shard_size: str | int = "5GB",
     adapters: bool = False,
+    policy_changes: dict[str, Any] | None = None,
+    devices: Sequence[jax.Device] | None = None,
+    job: str | None = None,
+    base: str | Path | None = None,
     log: Callable[[str], None] = print,
 ) -> ExportResult:
     """Write the newest good checkpoint of ``run_dir`` as a Hugging Face model folder that
     ``transformers.AutoModelForCausalLM.from_pretrained`` loads (a LoRA run's adapters merged
     into its weights). ``dtype`` defaults to the dtype the run, or the run it fine-tunes, was
     imported in (float32 for a run trained here). ``adapters``: write a LoRA run's adapters
-    alone, in peft's format, for the base model the run was initialised from."""
+    alone, in peft's format, for the base model the run was initialised from. The run is read
+    under its policy merged with ``policy_changes``, or one that fits ``devices``; ``job`` and
+    ``base`` as :func:`theseus.inference.logits.load_run`."""
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     limit = parse_size(max_shard_size)
     if dtype is not None and dtype not in ("float32", "bfloat16"):
@@ -194,9 +200,16 @@ def export_hf(
     check_out_dir(out_dir)
     if jax.process_count() > 1:
         raise ValueError("export-hf runs in one process; start it without --coordinator")
-    loaded = load_run(run_dir, layout="storage", log=log)
-    base = loaded.meta.base or {}
-    base_dir = Path(base["run_dir"]) if base.get("run_dir") else None
+    loaded = load_run(
+        run_dir,
+        policy_changes=policy_changes,
+        devices=devices,
+        job=job,
+        base=base,
+        layout="storage",
+        log=log,
+    )
+    base_dir = loaded.base_dir
     spec = loaded.trainer.lora_spec
     if adapters and spec is None:
         raise ValueError(

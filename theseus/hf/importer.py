@@ -229,6 +229,7 @@ def import_hf(
         data_position=0,
         config=config.model_dump(mode="json"),
         **trainer.execution_facts(),
+        job=spec.job,
     )
     out_dir.mkdir(parents=True, exist_ok=True)
     with Checkpointer(out_dir / CHECKPOINTS, log=log) as checkpointer:

@@ -21,7 +21,9 @@ class Codec(Protocol):
 
 @dataclass(frozen=True)
 class ByteCodec:
-    """Each UTF-8 byte is a token (the byte corpora's encoding)."""
+    """Each UTF-8 byte is a token (the byte corpora's encoding) in a vocabulary of
+    ``vocab_size`` ids (a model's may exceed the 256 bytes): an id that is no byte is shown as
+    ``⟨id⟩``."""
 
     vocab_size: int = BYTE_VOCAB_SIZE
     description: str = "UTF-8 bytes"
@@ -30,7 +32,16 @@ class ByteCodec:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
-        return bytes(ids).decode("utf-8", errors="replace")
+        pieces, run = [], bytearray()
+        for token in ids:
+            if 0 <= token < BYTE_VOCAB_SIZE:
+                run.append(token)
+                continue
+            pieces.append(run.decode("utf-8", errors="replace"))
+            pieces.append(f"⟨{token}⟩")
+            run = bytearray()
+        pieces.append(run.decode("utf-8", errors="replace"))
+        return "".join(pieces)
 
 
 class TokenizerCodec:
@@ -49,16 +60,19 @@ class TokenizerCodec:
 
 
 def resolve_codec(
-    run_dir: Path, tokenizer: str | Path | None, data_path: str | None, model_vocab: int
+    run_dirs: list[Path], tokenizer: str | Path | None, data_path: str | None, model_vocab: int
 ) -> Codec:
-    """``tokenizer`` when given, else the run's ``tokenizer.json``, else the tokenizer of the
-    tokenized folder it trained on (``data_path``, the run's ``data.path``), else bytes; it must
-    fit the model's vocabulary."""
+    """``tokenizer`` when given, else the ``tokenizer.json`` of the first of ``run_dirs`` (the
+    run, then the run it fine-tunes) that has one, else the tokenizer of the tokenized folder it
+    trained on (``data_path``, the run's ``data.path``), else bytes over the model's
+    vocabulary; it must fit the model's vocabulary."""
     folder = Path(data_path) if data_path else None
+    own = next((d / TOKENIZER_FILE for d in run_dirs if (d / TOKENIZER_FILE).is_file()), None)
+    run_dir = run_dirs[0]
     if tokenizer is not None:
         codec: Codec = TokenizerCodec(Path(tokenizer))
-    elif (run_dir / TOKENIZER_FILE).is_file():
-        codec = TokenizerCodec(run_dir / TOKENIZER_FILE)
+    elif own is not None:
+        codec = TokenizerCodec(own)
     elif folder is not None and (folder / TOKENIZER_FILE).is_file():
         codec = TokenizerCodec(folder / TOKENIZER_FILE)
     elif folder is not None and (folder.suffix == ".bin" or (folder / TOKENIZED_RECORD).exists()):
@@ -67,7 +81,7 @@ def resolve_codec(
             "was found for them; pass --tokenizer PATH/tokenizer.json"
         )
     else:
-        codec = ByteCodec()
+        codec = ByteCodec(vocab_size=model_vocab)
     if codec.vocab_size > model_vocab:
         raise ValueError(
             f"the {codec.description} does not match the checkpoint: it has {codec.vocab_size} "

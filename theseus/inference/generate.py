@@ -161,11 +161,7 @@ class Generator:
         for index, length in enumerate(lengths):
             if length == 0:
                 raise ValueError(f"prompt {index} is empty; give each prompt at least one token")
-            if min(prompts[index]) < 0 or max(prompts[index]) >= self.decoder.vocab_size:
-                raise ValueError(
-                    f"prompt {index} has token ids outside [0, {self.decoder.vocab_size}), the "
-                    "model's vocabulary; encode it with the run's tokenizer"
-                )
+            check_prompt_ids(index, prompts[index], self.decoder.vocab_size)
             if length >= context:
                 raise ValueError(
                     f"prompt {index} has {length} tokens, but the model reads at most {context} "
@@ -241,19 +237,33 @@ class Generator:
         return compiled_prefill.compile(), compiled_step.compile()
 
 
+def check_prompt_ids(index: int, ids: Sequence[int], vocab_size: int) -> None:
+    """Every id of prompt ``index`` lies in the model's vocabulary; else an error naming one."""
+    outside = [i for i in ids if not 0 <= i < vocab_size]
+    if outside:
+        raise ValueError(
+            f"prompt {index} has token id {outside[0]}, outside the model's vocabulary of "
+            f"{vocab_size} ids (0..{vocab_size - 1}); give ids below {vocab_size}, or text "
+            "encoded with the run's tokenizer"
+        )
+
+
 def load_generator(
     run_dir: str | Path,
     *,
     policy_changes: dict[str, Any] | None = None,
     devices: Sequence[jax.Device] | None = None,
     job: str | None = None,
+    base: str | Path | None = None,
     log: Callable[[str], None] = print,
 ) -> LoadedGenerator:
     """A :class:`Generator` with the newest good checkpoint of ``run_dir`` in the compute layout
-    of the run's policy merged with ``policy_changes``, and that checkpoint's metadata. The job
-    is read from the run (``job`` names it when its config fits several registered jobs)."""
-    loaded = load_run(run_dir, policy_changes=policy_changes, devices=devices, job=job, log=log)
-    return LoadedGenerator(Generator(loaded.trainer, loaded.params), loaded.meta)
+    of the run's policy merged with ``policy_changes`` (or one that fits ``devices``), and that
+    checkpoint's metadata; ``job`` and ``base`` as :func:`theseus.inference.logits.load_run`."""
+    loaded = load_run(
+        run_dir, policy_changes=policy_changes, devices=devices, job=job, base=base, log=log
+    )
+    return LoadedGenerator(Generator(loaded.trainer, loaded.params), loaded.meta, loaded.base_dir)
 
 
 @dataclass(frozen=True)
@@ -263,6 +273,7 @@ class LoadedGenerator:
 
     generator: Generator
     meta: CheckpointMeta
+    base_dir: Path | None = None  # the run a fine-tuning run's base comes from
 
     @property
     def step(self) -> int:
@@ -283,15 +294,18 @@ def generate(
     policy_changes: dict[str, Any] | None = None,
     devices: Sequence[jax.Device] | None = None,
     job: str | None = None,
+    base: str | Path | None = None,
     log: Callable[[str], None] = print,
 ) -> Generation:
     """Complete ``prompts`` with the newest good checkpoint of ``run_dir``.
 
     A prompt is text or a list of token ids. Text is encoded with ``tokenizer`` (a
     ``tokenizer.json``), else the run's own tokenizer (a run trained on a ``theseus tokenize``
-    folder or imported from Hugging Face keeps a copy), else as UTF-8 bytes.
+    folder or imported from Hugging Face keeps a copy; a fine-tuning run uses its base's),
+    else as UTF-8 bytes; without a tokenizer, ids that are no byte are shown as ``⟨id⟩``.
     ``policy_changes`` (e.g. ``{"tp": 2}``) merge into the run's saved policy; ``devices``
-    default to all of JAX's devices.
+    default to all of JAX's devices; ``job`` and ``base`` as
+    :func:`theseus.inference.logits.load_run`.
     """
     sampling = Sampling(temperature, top_k, top_p)  # checked before anything is loaded
     if isinstance(prompts, str) or not all(_is_prompt(p) for p in prompts):
@@ -299,14 +313,16 @@ def generate(
     if not prompts or not all(len(p) for p in prompts):
         raise ValueError("give one or more prompts, none of them empty (--prompt TEXT)")
     loaded = load_generator(
-        run_dir, policy_changes=policy_changes, devices=devices, job=job, log=log
+        run_dir, policy_changes=policy_changes, devices=devices, job=job, base=base, log=log
     )
     generator = loaded.generator
     trainer = generator.trainer
-    codec: Codec = resolve_codec(
-        Path(run_dir), tokenizer, trainer.config.data.path, generator.decoder.vocab_size
-    )
+    vocab_size = generator.decoder.vocab_size
+    run_dirs = [Path(run_dir), *([loaded.base_dir] if loaded.base_dir else [])]
+    codec: Codec = resolve_codec(run_dirs, tokenizer, trainer.config.data.path, vocab_size)
     prompt_ids = [codec.encode(p) if isinstance(p, str) else [int(i) for i in p] for p in prompts]
+    for index, ids in enumerate(prompt_ids):
+        check_prompt_ids(index, ids, vocab_size)
     prompts = [
         p if isinstance(p, str) else codec.decode(ids)
         for p, ids in zip(prompts, prompt_ids, strict=True)

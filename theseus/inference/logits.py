@@ -1,8 +1,7 @@
 """A run's model with its newest good parameters, and its float32 logits under any policy.
 
-:func:`load_run` finds the run's job (the registered training job whose config the checkpoint's
-config is), builds its trainer for the
-run's policy merged with the caller's changes, and restores only the parameters into the layout
+:func:`load_run` reads the run's job from its checkpoint, builds its trainer for the
+run's policy merged with the caller's changes (or a policy that fits the devices at hand), and restores only the parameters into the layout
 asked for. :func:`logits` scores token ids: the parameters stay in their storage layout and each
 layer is gathered inside the layer scan as in training, so under FSDP the model is never whole on
 a device.
@@ -25,46 +24,29 @@ from jax.sharding import PartitionSpec as P
 from theseus.checkpoint.checkpointer import Checkpointer
 from theseus.checkpoint.meta import CHECKPOINTS, CheckpointMeta
 from theseus.config import apply_overrides, validate
-from theseus.jobs import all_jobs, get_job
+from theseus.inference.runs import reading_trainer
+from theseus.jobs import get_job, legacy_job
 from theseus.sharding.axis import Axis, ShardingPolicy
 from theseus.sharding.topology import Topology
 from theseus.training import gathering
-from theseus.training.run.checkpointing import params_target, with_base
+from theseus.training.run.checkpointing import base_location, params_target, with_base
 from theseus.training.trainer import BaseTrainer
 
 
 @dataclass(frozen=True)
 class LoadedRun:
     """A run's trainer (for the requested policy), its newest good parameters, the metadata
-    saved with them and the run's job."""
+    saved with them, the run's job and, for a fine-tuning run, the run its base comes from."""
 
     trainer: BaseTrainer
     params: Any
     meta: CheckpointMeta
     job: str
+    base_dir: Path | None = None
 
     @property
     def step(self) -> int:
         return self.meta.step
-
-
-def job_of(config: dict[str, Any]) -> str:
-    """The registered training job whose config class accepts a checkpoint's ``config``."""
-    fits = []
-    for job in all_jobs():
-        if job.action != "train":
-            continue
-        try:
-            validate(job.trainer_class.config_class, config)
-        except ValueError:
-            continue
-        fits.append(job.name)
-    if len(fits) != 1:
-        raise ValueError(
-            f"cannot tell the job of this checkpoint from its config (matching jobs: "
-            f"{fits or 'none'}); name it (job=NAME, --job NAME)"
-        )
-    return fits[0]
 
 
 def load_run(
@@ -73,12 +55,16 @@ def load_run(
     policy_changes: dict[str, Any] | None = None,
     devices: Sequence[jax.Device] | None = None,
     job: str | None = None,
+    base: str | Path | None = None,
     layout: Literal["compute", "storage"] = "compute",
     log: Callable[[str], None] = print,
 ) -> LoadedRun:
     """The newest good parameters of ``run_dir`` in the ``layout`` of the run's policy merged
-    with ``policy_changes``, with the trainer that defines that layout. The job is the one whose
-    config the checkpoint's is, unless ``job`` names it."""
+    with ``policy_changes`` (a policy that fits ``devices`` when the run's does not and no
+    layout change is given: :func:`theseus.inference.runs.reading_trainer`). The job is the one
+    the checkpoint records (:func:`theseus.jobs.legacy_job` for a run saved before checkpoints
+    recorded it), unless ``job`` names it; ``base`` is the base run of a fine-tuning run that
+    moved apart from it (checked by its fingerprints)."""
     run_dir = Path(run_dir)
     if not (run_dir / CHECKPOINTS).is_dir():
         raise ValueError(
@@ -88,16 +74,17 @@ def load_run(
     trainers: dict[int, tuple[BaseTrainer, str]] = {}  # by step: the layouts of each step read
 
     def target_for(meta: CheckpointMeta) -> Any:
-        name = job if job is not None else job_of(meta.config)
+        name = job or meta.job or legacy_job(meta.config)
         trainer_class = get_job(name).trainer_class
-        policy = validate(ShardingPolicy, meta.policy).merge(**(policy_changes or {}))
-        topology = Topology.new(policy, devices)
         config = validate(trainer_class.config_class, meta.config)
-        # Scoring and generation never split a training batch: make the accounting fit any mesh.
-        config = apply_overrides(
-            config, [f"training.batch_size={topology.replicas}", "training.per_device_batch_size=1"]
-        )
-        trainer = trainer_class(config, policy, topology)
+
+        def config_for(topology: Topology) -> Any:
+            # Scoring and generation never split a training batch: accounting for any mesh.
+            batch = [f"training.batch_size={topology.replicas}", "training.per_device_batch_size=1"]
+            return apply_overrides(config, batch)
+
+        saved = validate(ShardingPolicy, meta.policy)
+        trainer = reading_trainer(trainer_class, config_for, saved, policy_changes, devices, log)
         trainers[meta.step] = (trainer, name)
         return params_target(trainer, getattr(trainer.layouts, layout), meta)
 
@@ -105,8 +92,13 @@ def load_run(
         restored = checkpointer.restore(None, target_for, params_only=True)
     trainer, name = trainers[restored.step]
     # A fine-tuning checkpoint holds the trained parameters; its base holds the frozen ones.
-    restored = with_base(trainer, restored, getattr(trainer.layouts, layout), log=log)
-    return LoadedRun(trainer, restored.state, restored.meta, name)
+    target = getattr(trainer.layouts, layout)
+    base_dir = base and Path(base)
+    found = (
+        None if restored.meta.base is None else base_location(run_dir, restored.meta.base, base_dir)
+    )
+    restored = with_base(trainer, restored, target, run_dir=run_dir, base_dir=base_dir, log=log)
+    return LoadedRun(trainer, restored.state, restored.meta, name, found)
 
 
 def check_token_ids(token_ids: Any, vocab_size: int) -> np.ndarray:
@@ -145,13 +137,22 @@ def logits(
     *,
     policy_changes: dict[str, Any] | None = None,
     devices: Sequence[jax.Device] | None = None,
+    job: str | None = None,
+    base: str | Path | None = None,
     log: Callable[[str], None] = print,
 ) -> np.ndarray:
     """Float32 logits ``(rows, seq, vocab)`` of ``token_ids`` (rows, seq) under the newest good
     checkpoint of ``run_dir`` (a training run or an imported model), computed under the run's
-    policy merged with ``policy_changes`` (e.g. ``{"tp": 2, "fsdp": True}``)."""
+    policy merged with ``policy_changes`` (e.g. ``{"tp": 2, "fsdp": True}``), or one that fits
+    ``devices`` (see :func:`load_run`, which also says what ``job`` and ``base`` are)."""
     loaded = load_run(
-        run_dir, policy_changes=policy_changes, devices=devices, layout="storage", log=log
+        run_dir,
+        policy_changes=policy_changes,
+        devices=devices,
+        job=job,
+        base=base,
+        layout="storage",
+        log=log,
     )
     trainer = loaded.trainer
     vocab = trainer.config.model.vocab_size

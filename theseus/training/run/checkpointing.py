@@ -11,6 +11,7 @@ every read of the checkpoint (resume, evaluation, scoring, generation, export) c
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from theseus.checkpoint.fingerprints import fingerprints
 from theseus.checkpoint.meta import CHECKPOINTS, CheckpointMeta
 from theseus.sharding.layout import abstract_with
 from theseus.training.finetune import Partition, is_adapter
+from theseus.training.run.identity import job_of_trainer
 from theseus.training.trainer import BaseTrainer, TrainState
 
 
@@ -53,6 +55,7 @@ def checkpoint_meta(
         config=trainer.config.model_dump(mode="json"),
         **trainer.execution_facts(),
         base=base,
+        job=job_of_trainer(trainer),
     )
 
 
@@ -64,19 +67,56 @@ def saved_state(trainer: BaseTrainer, state: TrainState, base: dict | None) -> T
 
 
 def base_record(
-    trainer: BaseTrainer, params: Any, *, run_dir: Path | None, step: int | None
+    trainer: BaseTrainer, params: Any, *, run_dir: Path | None, step: int | None, out_dir: Path
 ) -> dict | None:
-    """The ``base`` of a run's checkpoints whose parameters start as ``params``: None when
-    nothing is frozen."""
+    """The ``base`` of the checkpoints in ``out_dir`` of a run whose parameters start as
+    ``params`` (from the run ``run_dir``, or the seed's initialisation when None): None when
+    nothing is frozen. The base run is recorded relative to ``out_dir`` where it can be, so
+    the two folders can move together."""
     frozen = trainer.partition.split(params)[1]
     if not frozen:
         return None
     return {
-        "run_dir": None if run_dir is None else str(Path(run_dir).resolve()),
+        "run_dir": None if run_dir is None else _relative_to(Path(run_dir), Path(out_dir)),
         "step": step,
         "seed": trainer.config.training.seed,
         "fingerprints": fingerprints(frozen),
     }
+
+
+def _relative_to(path: Path, start: Path) -> str:
+    """``path`` relative to the folder ``start``, or absolute where no relative path exists
+    (another drive)."""
+    try:
+        return os.path.relpath(path.resolve(), start.resolve())
+    except ValueError:
+        return str(path.resolve())
+
+
+def base_location(run_dir: Path, base: dict, given: Path | None = None) -> Path | None:
+    """The run holding the frozen parameters of ``run_dir``'s checkpoint ``base`` (None: the
+    seed's initialisation): ``given`` (``--base DIR``) when the user names it, else the recorded
+    path, relative to ``run_dir``. An absolute path (as releases before relative paths recorded
+    it) that no longer exists is looked up as the folder of its name beside ``run_dir``, where a
+    base copied together with its fine-tuning run lands. The base's fingerprints check the
+    folder found (:func:`frozen_params`)."""
+    if base["run_dir"] is None:
+        return None
+    if given is not None:
+        return Path(given)
+    recorded = Path(base["run_dir"])
+    candidates = [run_dir / recorded]
+    if recorded.is_absolute():
+        candidates.append(Path(run_dir).absolute().parent / recorded.name)
+    for candidate in candidates:
+        if (candidate / CHECKPOINTS).is_dir():
+            return candidate
+    raise ValueError(
+        f"the base of the fine-tuning run {run_dir}, recorded as {base['run_dir']}, is not "
+        f"found ({' or '.join(str(c) for c in candidates)} hold no {CHECKPOINTS}/): it was moved "
+        "apart from the run or removed. Point to it with --base DIR (base=DIR in Python); its "
+        "fingerprints check that it is the base this run was trained on."
+    )
 
 
 def read_base_params(
@@ -110,27 +150,37 @@ def read_base_params(
 
 
 def frozen_params(
-    trainer: BaseTrainer, base: dict, layout: Any, *, log: Callable[[str], None] = print
+    trainer: BaseTrainer,
+    base: dict,
+    layout: Any,
+    *,
+    run_dir: Path,
+    base_dir: Path | None = None,
+    log: Callable[[str], None] = print,
 ) -> Any:
-    """The frozen parameters a checkpoint's ``base`` points to, in ``layout``, after checking
+    """The frozen parameters the ``base`` of a checkpoint of ``run_dir`` points to (found by
+    :func:`base_location`, ``base_dir`` naming the base run), in ``layout``, after checking
     their fingerprints against those the run started from."""
-    if base["run_dir"] is None:
+    found = base_location(Path(run_dir), base, base_dir)
+    if found is None:
         params = trainer.init_state(base["seed"]).params
         frozen = trainer.partition.split(params)[1]
         frozen = jax.device_put(frozen, trainer.partition.split(layout)[1])
         where = f"the initialisation of seed {base['seed']}"
     else:
-        restored = read_base_params(trainer, base["run_dir"], layout, step=base["step"], log=log)
+        restored = read_base_params(trainer, found, layout, step=base["step"], log=log)
         frozen = trainer.partition.split(restored.state)[1]
-        where = f"{base['run_dir']} (step {base['step']})"
+        where = f"{found} (step {base['step']})"
     got = fingerprints(frozen)
     wrong = sorted(p for p, v in base["fingerprints"].items() if got.get(p) != v)
     wrong += sorted(p for p in got if p not in base["fingerprints"])
     if wrong:
         raise ValueError(
-            f"the frozen base parameters from {where} are not those this run was trained on: "
+            f"the frozen base parameters from {where} are not those {run_dir} was trained on: "
             f"{len(wrong)} differ ({', '.join(wrong[:5])}{' ...' if len(wrong) > 5 else ''}). "
-            "The base run was overwritten or changed; restore it, or start a new fine-tuning run."
+            "It is another base, or the base run was overwritten or changed; point to the base "
+            "the run was trained on (--base DIR, base=DIR in Python), or start a new "
+            "fine-tuning run."
         )
     return frozen
 
@@ -140,21 +190,32 @@ def restore_params(
     checkpointer: Checkpointer,
     layout: Any,
     *,
+    base_dir: Path | None = None,
     log: Callable[[str], None] = print,
 ) -> Restored:
     """Every parameter of the newest good checkpoint in ``layout``: a checkpoint holding the
-    trained ones alone is joined with its checked base."""
+    trained ones alone is joined with its checked base (``base_dir``: see :func:`with_base`)."""
     restored = checkpointer.restore(
         None, lambda meta: params_target(trainer, layout, meta), params_only=True
     )
-    return with_base(trainer, restored, layout, log=log)
+    run_dir = checkpointer.directory.parent
+    return with_base(trainer, restored, layout, run_dir=run_dir, base_dir=base_dir, log=log)
 
 
 def with_base(
-    trainer: BaseTrainer, restored: Restored, layout: Any, *, log: Callable[[str], None] = print
+    trainer: BaseTrainer,
+    restored: Restored,
+    layout: Any,
+    *,
+    run_dir: Path,
+    base_dir: Path | None = None,
+    log: Callable[[str], None] = print,
 ) -> Restored:
-    """``restored`` parameters joined with the frozen ones of its base, if it has one."""
+    """``restored`` parameters of a checkpoint of ``run_dir`` joined with the frozen ones of
+    its base, if it has one (found where :func:`base_location` says, ``base_dir`` naming it)."""
     if restored.meta.base is None:
         return restored
-    frozen = frozen_params(trainer, restored.meta.base, layout, log=log)
+    frozen = frozen_params(
+        trainer, restored.meta.base, layout, run_dir=run_dir, base_dir=base_dir, log=log
+    )
     return dataclasses.replace(restored, state=trainer.partition.join(restored.state, frozen))

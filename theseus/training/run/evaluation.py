@@ -1,4 +1,4 @@
-"""What an evaluate job takes from the run it scores: the run's own config (``config.yaml``, written
+"""What an evaluate job (and a run started with ``--init-from``) takes from the run it reads: the run's own config (``config.yaml``, written
 by every training run and by ``theseus import-hf``) as the base under the user's overrides, and a
 model section that must stay the run's, refused field by field before anything is restored."""
 
@@ -28,11 +28,11 @@ def run_config(config_class: type[ConfigT], run_dir: str | Path) -> ConfigT | No
         ) from None
 
 
-def model_changes(given: ConfigT, run: ConfigT) -> list[str]:
+def model_changes(given: ConfigT, run: ConfigT, whose: str = "the run's") -> list[str]:
     """Each ``model.*`` field where ``given`` differs from ``run``, with both values."""
     ours, theirs = given.model.model_dump(mode="json"), run.model.model_dump(mode="json")
     return [
-        f"model.{name}={ours[name]!r} (the run's: {theirs[name]!r})"
+        f"model.{name}={ours[name]!r} ({whose}: {theirs[name]!r})"
         for name in ours
         if ours[name] != theirs[name]
     ]
@@ -49,4 +49,19 @@ def check_same_model(config: ConfigT, source: str | Path) -> None:
         raise ValueError(
             f"cannot evaluate {source} with another model: {'; '.join(changes)}. An evaluation "
             f"takes the model section from the run's {RUN_CONFIG}; drop these overrides"
+        )
+
+
+def check_base_model(config: ConfigT, base_dir: str | Path) -> None:
+    """Refuse to start from ``base_dir``'s parameters (``--init-from``) with a model other
+    than the base run's own, field by field, before anything is restored."""
+    saved = run_config(type(config), base_dir)
+    if saved is None:
+        return
+    changes = model_changes(config, saved, "the base's")
+    if changes:
+        raise ValueError(
+            f"cannot start from {base_dir} with another model: {'; '.join(changes)}. A run "
+            f"started with --init-from takes the model section from the base's {RUN_CONFIG}; "
+            "drop these overrides"
         )

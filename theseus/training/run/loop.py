@@ -34,6 +34,7 @@ from theseus.training.run.checkpointing import (
 )
 from theseus.training.run.data import Validation, load_data, train_batch, validation_array
 from theseus.training.run.evaluation import check_same_model
+from theseus.training.run.identity import job_of_trainer
 from theseus.training.run.metrics import MetricsWriter
 from theseus.training.run.mode import NEW_RUN, RunMode
 from theseus.training.run.preemption import PreemptionWatch
@@ -124,6 +125,7 @@ def write_run_record(
     if not is_main_process():
         return
     record = {
+        "job": job_of_trainer(trainer),
         **trainer.execution_facts(),
         **speed,
         "num_params": trainer.num_params,
@@ -178,18 +180,21 @@ def starting_point(
         restored = read_base_params(trainer, mode.init_from, storage, log=log)
         fresh = trainer.init_state()  # fresh optimizer state and adapters
         params = _overlay(fresh.params, restored.state)
-        base = base_record(trainer, params, run_dir=mode.init_from, step=restored.step)
+        base = base_record(
+            trainer, params, run_dir=mode.init_from, step=restored.step, out_dir=out_dir
+        )
         origin = f"parameters from {mode.init_from} (step {restored.step})"
         state = fresh.replace(params=params)
         return StartingPoint(state, first_step=1, data_position=0, resumed_from=origin, base=base)
     if not mode.resume:
         state = trainer.init_state()
-        base = base_record(trainer, state.params, run_dir=None, step=None)
+        base = base_record(trainer, state.params, run_dir=None, step=None, out_dir=out_dir)
         return StartingPoint(state, first_step=1, data_position=0, base=base)
     restored = checkpointer.restore(None, lambda meta: restore_target(trainer, meta))
     state = restored.state
     if restored.meta.base is not None:  # the checkpoint holds the trained parameters alone
-        frozen = frozen_params(trainer, restored.meta.base, trainer.layouts.storage, log=log)
+        storage = trainer.layouts.storage
+        frozen = frozen_params(trainer, restored.meta.base, storage, run_dir=out_dir, log=log)
         state = state.replace(params=trainer.partition.join(state.params, frozen))
     meta = restored.meta
     changes = resume_changes(meta, trainer.config, trainer.execution_facts())
@@ -378,10 +383,13 @@ def evaluate(
     out_dir: str | Path,
     *,
     source_dir: str | Path | None = None,
+    base_dir: Path | None = None,
     log: Callable[[str], None] = print,
 ) -> EvalResult:
     """Validation loss of the newest good checkpoint in ``source_dir`` (default: ``out_dir``),
-    restored into this trainer's layouts; written to ``out_dir/eval.json``."""
+    restored into this trainer's layouts (a fine-tuning run's base found as
+    ``checkpointing.base_location`` says, ``base_dir`` naming it); written to
+    ``out_dir/eval.json``. The caller reports the result (``EvalResult.describe``)."""
     out_dir = Path(out_dir)
     log = log if is_main_process() else _silent
     source = Path(source_dir) if source_dir is not None else out_dir
@@ -395,7 +403,8 @@ def evaluate(
     validation = validation_array(trainer, corpus)
     # Read-only: a training job may still be saving there.
     with Checkpointer(source / CHECKPOINTS, read_only=True, log=log) as checkpointer:
-        restored = restore_params(trainer, checkpointer, trainer.layouts.storage, log=log)
+        storage = trainer.layouts.storage
+        restored = restore_params(trainer, checkpointer, storage, base_dir=base_dir, log=log)
     val_loss, by_source = validation.losses(trainer, restored.state)
     by_source = None if by_source is None else {k: float(v) for k, v in by_source.items()}
     result = EvalResult(str(out_dir), str(source), restored.step, float(val_loss), by_source)
@@ -404,5 +413,4 @@ def evaluate(
         (out_dir / "eval.json").write_text(
             json.dumps({**asdict(result), "policy": trainer.policy.model_dump()}, indent=2) + "\n"
         )
-    log(result.describe())
     return result

@@ -1,0 +1,24 @@
+"""What a run records about what it is: the registered training job of its trainer class.
+
+The registry (:mod:`theseus.jobs`) tells this module, when a training job is registered, which
+job a trainer class trains; every checkpoint (``CheckpointMeta.job``) and ``run.json`` of a run
+then name that job, so reading a run never has to guess it from its config. A class registered
+under several training jobs records the first; a class never registered records none (reading
+such a run needs the job named: ``--job NAME``, ``job=NAME``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_JOB_OF_CLASS: dict[type, str] = {}
+
+
+def record_training_job(trainer_class: type, name: str) -> None:
+    """``name`` is the training job of ``trainer_class`` unless the class already has one."""
+    _JOB_OF_CLASS.setdefault(trainer_class, name)
+
+
+def job_of_trainer(trainer: Any) -> str | None:
+    """The training job of ``trainer``'s class (the class itself, not a base class)."""
+    return _JOB_OF_CLASS.get(type(trainer))
