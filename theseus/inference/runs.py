@@ -2,8 +2,8 @@
 
 A run is read under its own sharding policy merged with the user's changes. When the user
 changes no layout setting and the run's policy does not fit the devices at hand (a tp that does
-not divide them, a dimension FSDP cannot split), a policy that fits is derived, the nearest
-first: smaller tp dividing the run's, then without FSDP; one line names it. Numbers do not
+not divide them, a dimension FSDP or ZeRO cannot split), a policy that fits is derived, the
+nearest first (:func:`fallback_policies`); one line names it. Numbers do not
 depend on the layout, so reading under another one gives the run's own function.
 """
 
@@ -30,11 +30,12 @@ LAYOUT_FIELDS = ("tp", "zero", "fsdp")
 
 def fallback_policies(saved: ShardingPolicy) -> list[ShardingPolicy]:
     """Policies to read a run saved under ``saved`` with, nearest first: every tp dividing the
-    run's (largest first), each with the run's FSDP setting and then without FSDP."""
+    run's (largest first), each with the run's FSDP and ZeRO settings, then without FSDP, then
+    without ZeRO either (reading never updates, so ZeRO's layout is never used)."""
     found = []
     for tp in (t for t in range(saved.tp, 0, -1) if saved.tp % t == 0):
-        for fsdp in dict.fromkeys((saved.fsdp, False)):
-            policy = saved.merge(tp=tp, fsdp=fsdp)
+        for fsdp, zero in ((saved.fsdp, saved.zero), (False, saved.zero), (False, False)):
+            policy = saved.merge(tp=tp, fsdp=fsdp, zero=zero)
             if policy not in found:
                 found.append(policy)
     return found
