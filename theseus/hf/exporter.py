@@ -25,11 +25,12 @@ import ml_dtypes
 import numpy as np
 
 from theseus.hf.config import export_model_type, hf_config
-from theseus.hf.importer import IMPORTED_FROM, TOKENIZER_FILES, check_out_dir
+from theseus.hf.importer import IMPORTED_FROM, check_out_dir
 from theseus.hf.mapping import HFTensor, hf_tensors
 from theseus.hf.peft import adapter_config, adapter_tensors, merged_run_params
 from theseus.hf.safetensors import write_file
 from theseus.inference.logits import load_run
+from theseus.training.run.identity import TOKENIZER_FILES
 
 ExportDtype = Literal["float32", "bfloat16"]
 _DTYPES = {

@@ -13,7 +13,6 @@ the job and model config in its metadata), ``config.yaml``, ``run.json`` and the
 from __future__ import annotations
 
 import json
-import shutil
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,18 +34,10 @@ from theseus.jobs import get_job
 from theseus.sharding.axis import ShardingPolicy
 from theseus.sharding.layout import is_sharding, path_str
 from theseus.sharding.topology import Topology
+from theseus.training.run.identity import TOKENIZER_FILES, copy_tokenizer_files
 from theseus.training.trainer import BaseTrainer
 
 IMPORTED_FROM = "imported_from"  # run.json: the Hugging Face model an import came from
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "generation_config.json",
-)
 
 
 @dataclass(frozen=True)
@@ -237,8 +228,7 @@ def import_hf(
         checkpointer.wait()
     copied = [name for name in TOKENIZER_FILES if (hf_dir / name).is_file()]
     if jax.process_index() == 0:
-        for name in copied:
-            shutil.copyfile(hf_dir / name, out_dir / name)
+        copy_tokenizer_files(hf_dir, out_dir)
         save_yaml(config, out_dir / "config.yaml")
         record = {
             "job": spec.job,

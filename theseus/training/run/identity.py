@@ -1,4 +1,5 @@
-"""What a run records about what it is: the registered training job of its trainer class.
+"""What a run records about what it is: the registered training job of its trainer class, and
+the tokenizer files it keeps.
 
 The registry (:mod:`theseus.jobs`) tells this module, when a training job is registered, which
 job a trainer class trains; every checkpoint (``CheckpointMeta.job``) and ``run.json`` of a run
@@ -9,7 +10,21 @@ such a run needs the job named: ``--job NAME``, ``job=NAME``).
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
 from typing import Any
+
+#: The tokenizer files of a Hugging Face model folder that a run keeps: ``import-hf`` copies
+#: them, and a run started from another run's parameters (``--init-from``) copies that run's.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "generation_config.json",
+)
 
 _JOB_OF_CLASS: dict[type, str] = {}
 
@@ -22,3 +37,11 @@ def record_training_job(trainer_class: type, name: str) -> None:
 def job_of_trainer(trainer: Any) -> str | None:
     """The training job of ``trainer``'s class (the class itself, not a base class)."""
     return _JOB_OF_CLASS.get(type(trainer))
+
+
+def copy_tokenizer_files(source: Path, out_dir: Path) -> list[str]:
+    """Copy the tokenizer files of the run ``source`` into ``out_dir``; returns their names."""
+    copied = [name for name in TOKENIZER_FILES if (Path(source) / name).is_file()]
+    for name in copied:
+        shutil.copyfile(Path(source) / name, Path(out_dir) / name)
+    return copied

@@ -34,7 +34,7 @@ from theseus.training.run.checkpointing import (
 )
 from theseus.training.run.data import Validation, load_data, train_batch, validation_array
 from theseus.training.run.evaluation import check_same_model
-from theseus.training.run.identity import job_of_trainer
+from theseus.training.run.identity import copy_tokenizer_files, job_of_trainer
 from theseus.training.run.metrics import MetricsWriter
 from theseus.training.run.mode import NEW_RUN, RunMode
 from theseus.training.run.preemption import PreemptionWatch
@@ -243,6 +243,8 @@ def train(
     corpus = load_data(trainer)
     validation = validation_array(trainer, corpus)
     prepare_run_dir(out_dir, mode)
+    if mode.init_from is not None and is_main_process():  # the base's tokenizer is the run's
+        copy_tokenizer_files(mode.init_from, out_dir)
     tensorboard = None
     if config.logging.tensorboard and is_main_process():
         tensorboard = TensorBoardWriter(out_dir, config.model_dump(mode="json"))
