@@ -70,7 +70,7 @@ def test_help_explains_flags():
     words = " ".join(result.output.replace("│", " ").split())  # the table's wrapped cells
     for default in ("[default: 1]", "[default: on]", "[default: auto]", "[default: 30]"):
         assert default in words
-    for command in ("run", "configure", "jobs", "plot"):
+    for command in ("run", "evaluate", "configure", "jobs", "plot"):
         assert invoke(command, "--help").exit_code == 0
 
 

@@ -59,7 +59,11 @@ def test_previous_release_runs_evaluate_generate_export_and_resume(previous, tmp
     1 device (trained on 2), it evaluates to its own final validation loss, generates and
     exports; resumed on 2 devices, it continues from step 4 and records its job."""
     run, one = previous / name, jax.devices()[:1]
-    assert newest_meta(run).job is None and "job" not in json.loads((run / "run.json").read_text())
+    saved = newest_meta(run)
+    assert saved.job is None and "job" not in json.loads((run / "run.json").read_text())
+    if saved.base is not None:  # recorded on the machine that made it: found beside the run
+        assert Path(saved.base["run_dir"]).is_absolute()
+        assert not Path(saved.base["run_dir"]).exists(), "the base must be found beside the run"
     evaluation = theseus.evaluate(run, devices=one, log=quiet)
     assert evaluation.job == JOBS[name] and evaluation.step == 4
     assert evaluation.val_loss == pytest.approx(read_metrics(run)[-1]["val_loss"], rel=1e-5)
@@ -129,6 +133,6 @@ def test_lora_run_takes_its_base_moves_with_it_and_checks_it(previous, tmp_path)
         meta = checkpoint_meta(trainer, step=4, data_position=0)
         checkpoints.save({"params": trainer.init_state(1).params}, meta)
         checkpoints.wait()
-    with pytest.raises(ValueError, match=r"are not those .* was trained on") as refusal:
+    with pytest.raises(ValueError, match=r"are not those this run .* was trained on") as refusal:
         load_run(moved, base=other, log=quiet)
     assert "--base DIR" in str(refusal.value) and "\n" not in str(refusal.value)

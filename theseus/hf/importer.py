@@ -232,6 +232,7 @@ def import_hf(
         save_yaml(config, out_dir / "config.yaml")
         record = {
             "job": spec.job,
+            **trainer.execution_facts(),  # the policy it was placed under, as a trained run's
             "num_params": trainer.num_params,
             IMPORTED_FROM: {
                 "model_type": spec.model_type,

@@ -113,8 +113,8 @@ def base_location(run_dir: Path, base: dict, given: Path | None = None) -> Path 
             return candidate
     raise ValueError(
         f"the base of the fine-tuning run {run_dir}, recorded as {base['run_dir']}, is not "
-        f"found ({' or '.join(str(c) for c in candidates)} hold no {CHECKPOINTS}/): it was moved "
-        "apart from the run or removed. Point to it with --base DIR (base=DIR in Python); its "
+        f"found ({' or '.join(os.path.normpath(c) for c in candidates)} hold no {CHECKPOINTS}/): "
+        "it was moved apart from the run or removed. Point to it with --base DIR (base=DIR in Python); its "
         "fingerprints check that it is the base this run was trained on."
     )
 
@@ -170,13 +170,14 @@ def frozen_params(
     else:
         restored = read_base_params(trainer, found, layout, step=base["step"], log=log)
         frozen = trainer.partition.split(restored.state)[1]
-        where = f"{found} (step {base['step']})"
+        where = f"{os.path.normpath(found)} (step {base['step']})"
     got = fingerprints(frozen)
     wrong = sorted(p for p, v in base["fingerprints"].items() if got.get(p) != v)
     wrong += sorted(p for p in got if p not in base["fingerprints"])
     if wrong:
         raise ValueError(
-            f"the frozen base parameters from {where} are not those {run_dir} was trained on: "
+            f"the frozen base parameters from {where} are not those this run ({run_dir}) was "
+            f"trained on: "
             f"{len(wrong)} differ ({', '.join(wrong[:5])}{' ...' if len(wrong) > 5 else ''}). "
             "It is another base, or the base run was overwritten or changed; point to the base "
             "the run was trained on (--base DIR, base=DIR in Python), or start a new "
