@@ -176,8 +176,7 @@ def frozen_params(
     wrong += sorted(p for p in got if p not in base["fingerprints"])
     if wrong:
         raise ValueError(
-            f"the frozen base parameters from {where} are not those this run ({run_dir}) was "
-            f"trained on: "
+            f"the frozen base parameters from {where} are not those this run was trained on: "
             f"{len(wrong)} differ ({', '.join(wrong[:5])}{' ...' if len(wrong) > 5 else ''}). "
             "It is another base, or the base run was overwritten or changed; point to the base "
             "the run was trained on (--base DIR, base=DIR in Python), or start a new "
