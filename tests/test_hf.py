@@ -236,15 +236,19 @@ def test_init_from_imported_model_under_tp2_fsdp(imported, tmp_path):
     assert sharded[-1] < sharded[0]
 
 
-def test_init_from_other_shapes_names_the_tensors(imported, tmp_path):
+def test_init_from_another_model_names_the_fields(imported, tmp_path):
+    """--init-from takes the base's model: an override that contradicts it is refused, naming
+    each field with both values, before anything is restored or written."""
+    base = imported("qwen3")
+    hidden = load_yaml(LlamaTrainerConfig, base / "config.yaml").model.hidden_size
     result = invoke(
-        "train", "--job", "llama/train/pretrain", "--init-from", imported("qwen3"),
-        "--out", tmp_path / "run", "--steps", "1", *FINE_TUNE[:2], "model.num_layers=2",
-        "model.hidden_size=48", "training.per_device_batch_size=2",
+        "train", "--job", "llama/train/pretrain", "--init-from", base,
+        "--out", tmp_path / "run", "--steps", "1", *FINE_TUNE[:2],
+        f"model.hidden_size={hidden + 16}", "training.per_device_batch_size=2",
     )  # fmt: skip
     assert result.exit_code == 2, result.output
-    assert "Traceback" not in result.output
-    assert "layers/q_proj/weight: checkpoint has (2, 64, 48)" in result.output, result.output
+    assert "Traceback" not in result.output and not (tmp_path / "run").exists()
+    assert f"model.hidden_size={hidden + 16} (the base's: {hidden})" in result.output
 
 
 def test_export_blocks_rebuild_each_tensor(imported):
