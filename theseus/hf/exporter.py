@@ -201,15 +201,8 @@ def export_hf(
     check_out_dir(out_dir)
     if jax.process_count() > 1:
         raise ValueError("export-hf runs in one process; start it without --coordinator")
-    loaded = load_run(
-        run_dir,
-        policy_changes=policy_changes,
-        devices=devices,
-        job=job,
-        base=base,
-        layout="storage",
-        log=log,
-    )
+    reading = {"policy_changes": policy_changes, "devices": devices, "job": job, "base": base}
+    loaded = load_run(run_dir, layout="storage", log=log, **reading)
     base_dir = loaded.base_dir
     spec = loaded.trainer.lora_spec
     if adapters and spec is None:
