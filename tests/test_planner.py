@@ -451,7 +451,7 @@ def test_cli_reads_a_config_yaml_a_chain_yaml_and_registered_jobs(tmp_path, monk
     assert data["policy"]["name"] == "FSDP tp=2" and data["trainer"] == "GPTTrainer"
 
     # Any registered job plans with its own trainer and plan. The registry is restored after the
-    # test: a second job of GPT's config would make GPT checkpoints' job ambiguous in later tests.
+    # test, so later tests see the built-in jobs alone (`theseus jobs`).
     monkeypatch.setattr(theseus.jobs, "_JOBS", dict(theseus.jobs._JOBS))
     register_job("test/planner-no-mlp-zero", NoMlpZeroTrainer, "GPT without MLP ZeRO rules")
     result = invoke("plan", "test/planner-no-mlp-zero", "--devices", "8", *SMALL)
