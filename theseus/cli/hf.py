@@ -13,6 +13,7 @@ from theseus.cli.options import (
     ProcessFlags,
     join_job,
     layout_options,
+    log_lines_to_stderr,
     process_options,
     use_cpu_devices,
     user_errors,
@@ -32,13 +33,14 @@ def import_hf(
     """Import a Llama, Mistral, Qwen2, Qwen3 or GPT-2 checkpoint as a run directory (streamed
     into the storage layout of the given policy; tokenizer files copied). In a multi-process job
     (`theseus launch`, --coordinator) each process reads only its own devices' slices."""
+    log_lines_to_stderr()
     join_job(process, out_dir)
     with user_errors():
         from theseus.hf.importer import import_hf as run_import
         from theseus.sharding.axis import ShardingPolicy
 
         policy = ShardingPolicy(**(sharding or {}))
-        run_import(hf_dir, out_dir, policy=policy, log=lambda text: typer.echo(text, err=True))
+        run_import(hf_dir, out_dir, policy=policy)
 
 
 def export_hf(
@@ -60,6 +62,7 @@ def export_hf(
     loadable by transformers' AutoModelForCausalLM.from_pretrained (LoRA adapters merged into
     the weights), or with --adapters a LoRA run's adapters as peft's adapter_config.json +
     adapter_model.safetensors."""
+    log_lines_to_stderr()
     use_cpu_devices(cpu_devices)
     with user_errors():
         from theseus.hf.exporter import export_hf as run_export
@@ -70,5 +73,4 @@ def export_hf(
             dtype=dtype,
             max_shard_size=max_shard_size,
             adapters=adapters,
-            log=lambda text: typer.echo(text, err=True),
         )

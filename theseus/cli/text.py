@@ -14,6 +14,7 @@ from theseus.cli.options import (
     Overwrite,
     import_modules,
     layout_options,
+    log_lines_to_stderr,
     use_cpu_devices,
     user_errors,
 )
@@ -115,6 +116,7 @@ def generate(
     sharding: dict | None = None,
 ) -> None:
     """Complete prompts with a run's newest good checkpoint (KV cache; any layout)."""
+    log_lines_to_stderr()
     use_cpu_devices(cpu_devices)
     import json
 
@@ -139,7 +141,6 @@ def generate(
             tokenizer=tokenizer,
             policy_changes=sharding,
             job=job,
-            log=lambda text: typer.echo(text, err=True),
         )
     if json_output:
         typer.echo(json.dumps(result.to_json(), indent=2))

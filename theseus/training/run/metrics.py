@@ -55,7 +55,6 @@ class MetricsWriter:
         speed: Speedometer,
         *,
         first_step: int,
-        log: Callable[[str], None],
         events: TensorBoardWriter | None = None,
         check_row: Callable[[dict], None] = lambda row: None,
     ):
@@ -67,7 +66,7 @@ class MetricsWriter:
         self._clock = StepClock()
         self.history = MetricsHistory()
         config = trainer.config
-        self._reporter = Reporter(first_step - 1, config.training.steps, config.logging, log)
+        self._reporter = Reporter(first_step - 1, config.training.steps, config.logging)
         self._file: IO[str] | None = None
         self._pending: PendingStep | None = None
 
