@@ -17,10 +17,7 @@ from theseus.checkpoint.meta import CHECKPOINTS
 from theseus.data import MixtureSampler
 from theseus.distributed.join import describe_processes, is_main_process, main_process_logger
 from theseus.training.flops import count_flops
-from theseus.training.run.checkpointing import (
-    checkpoint_meta,
-    saved_state,
-)
+from theseus.training.run.checkpointing import checkpoint_meta, saved_state
 from theseus.training.run.data import Validation, load_data, train_batch, validation_array
 from theseus.training.run.metrics import MetricsWriter
 from theseus.training.run.mode import NEW_RUN, RunMode
