@@ -11,6 +11,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -104,10 +105,33 @@ RunDir = Annotated[Path | None, typer.Option(help="run directory \\[default: run
 ChainFile = Annotated[Path, typer.Argument(help="chain YAML (from `theseus configure`)")]
 
 
+#: Threads of XLA:CPU's thread pools per simulated device (:func:`size_cpu_thread_pools`).
+CPU_THREADS_PER_DEVICE = 4
+
+
+def size_cpu_thread_pools(num_devices: int) -> None:
+    """Give XLA:CPU's thread pools room for every collective that ``num_devices`` simulated
+    devices can have waiting at once: ``PJRT_NPROC``, which the CPU backend reads when it starts,
+    becomes ``CPU_THREADS_PER_DEVICE`` threads a device (the machine's cores if more). A value
+    the user set is kept.
+
+    By default the pools have max(cores, devices) threads. An in-process collective blocks the
+    pool thread it runs on until its whole group arrives, and XLA:CPU orders a device's
+    collectives only by when they start: a loop holding collectives that goes on on a pool thread
+    lets the collective after it start meanwhile, so one device can wait in two at once. With 8
+    devices on 2 cores such waits took all 8 threads, the work a device still had queued never
+    ran, and XLA's terminate timeout aborted the process (bench/collective_deadlock.py).
+    """
+    threads = max(os.cpu_count() or 1, CPU_THREADS_PER_DEVICE * num_devices)
+    os.environ.setdefault("PJRT_NPROC", str(threads))
+
+
 def use_cpu_devices(count: int | None) -> None:
-    """Simulate ``count`` CPU devices; must run before JAX's first operation."""
+    """Simulate ``count`` CPU devices, with thread pools that their collectives cannot exhaust;
+    must run before JAX's first operation."""
     if count is None:
         return
+    size_cpu_thread_pools(count)
     import jax
 
     jax.config.update("jax_platforms", "cpu")
