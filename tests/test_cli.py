@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from support import TINY_GPT, invoke, subprocess_env, write_mixture
+from typer.testing import CliRunner
 
 from theseus.plot import read_metrics
 
@@ -72,6 +73,22 @@ def test_help_explains_flags():
         assert default in words
     for command in ("run", "configure", "jobs", "plot"):
         assert invoke(command, "--help").exit_code == 0
+
+
+def test_command_list_shows_each_description_on_whole_lines():
+    """Typer lists a command with its docstring's first paragraph, line breaks kept: each one is
+    a single line, so the list wraps at the terminal's width, never mid-sentence."""
+    from typer.main import get_command
+
+    from theseus.cli.app import app
+
+    commands = get_command(app).commands
+    output = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "200"}).output
+    rows = {line.split()[1]: line for line in output.splitlines() if line.startswith("│ ")}
+    for name, command in commands.items():
+        first = command.help.strip().split("\n\n")[0]
+        assert "\n" not in first, f"{name}: first paragraph spans lines: {first!r}"
+        assert first in rows[name], (name, output)  # the whole description on its own row
 
 
 def test_jobs_lists_registered_jobs():
