@@ -156,7 +156,7 @@ def environment_report(
     for device in devices:
         groups.setdefault((device.device_kind, device.platform), []).append(device)
     versions = {"jax": jax.__version__, **system.packages}
-    peak = [device_peak(devices[0], dtype) for dtype in ("bfloat16", "float32")]
+    peaks = {dtype: device_peak(devices[0], dtype) for dtype in ("bfloat16", "float32")}
     return EnvironmentReport(
         versions=versions,
         tested_jax=TESTED_JAX,
@@ -169,11 +169,8 @@ def environment_report(
         attention=attention_kernel(devices[0]),
         peak=PeakFlops(
             devices[0].device_kind,
-            {
-                p_dtype: p.flops_per_s
-                for p_dtype, p in zip(("bfloat16", "float32"), peak, strict=True)
-            },
-            peak[0].source,
+            {dtype: peak.flops_per_s for dtype, peak in peaks.items()},
+            peaks["bfloat16"].source,
         ),
         xla_flags=system.flags,
         warnings=tuple(warnings(system, backend, versions, simulated_cpu_devices)),

@@ -338,9 +338,10 @@ def _steps(
     n + 1's batch while step n runs.
 
     Validation and saves run with the metrics' clock paused, after step n - 1 is recorded, and
-    the next batch is ready before the clock restarts, so each row times its own step. At a checkpoint step, step n's own metrics are read before its
-    save (which waits for step n anyway), so a state after a non-finite step is never saved. On a
-    preemption notice the step that all processes agreed on is saved, and the run stops.
+    the next batch is ready before the clock restarts, so each row times its own step. At a
+    checkpoint step, step n's own metrics are read before its save (which waits for step n
+    anyway), so a state after a non-finite step is never saved. On a preemption notice the step
+    that all processes agreed on is saved, and the run stops.
     """
     training = trainer.config.training
     state, position = start.state, start.data_position
