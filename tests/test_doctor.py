@@ -31,10 +31,13 @@ def test_cpu_report_with_simulated_devices():
 
 
 def test_visible_gpus_without_a_plugin_warn():
+    """A system with an NVIDIA device file and no CUDA plugin, as process 2 of a 4-task SLURM
+    job (what JAX's detection would find there)."""
     system = SystemFacts(
         packages={"jaxlib": "0.10.2"}, visible_gpus=("/dev/nvidia0",), visible_tpus=(), flags={}
     )
-    report = environment_report(system, Membership(None, 1, 0), simulated_cpu_devices=None)
+    report = environment_report(system, Membership("slurm", 4, 2), simulated_cpu_devices=None)
+    assert "processes: 2 of 4 (slurm detected by JAX)" in report.describe()
     (warning,) = report.warnings
     assert "NVIDIA GPUs (/dev/nvidia0) but JAX runs on the CPU: no CUDA plugin" in warning
     assert "'.[cuda12]'" in warning and not report.healthy

@@ -165,7 +165,8 @@ def environment_report(
             DeviceGroup(kind, platform, len(group), _memory_bytes(group[0]))
             for (kind, platform), group in groups.items()
         ),
-        processes=Processes(jax.process_count(), jax.process_index(), found_by(membership)),
+        # The job this process would join (doctor itself starts no distributed runtime).
+        processes=Processes(membership.num_processes, membership.process_id, found_by(membership)),
         attention=attention_kernel(devices[0]),
         peak=PeakFlops(
             devices[0].device_kind,
