@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import typer
 
-from theseus.cli import hf, launch, plan, text, training
+from theseus.cli import doctor, hf, launch, plan, text, training
 from theseus.cli.options import show_log_lines
 
 app = typer.Typer(
@@ -34,3 +34,4 @@ app.command()(text.tokenize)
 app.command()(text.generate)
 app.command(name="import-hf")(hf.import_hf)
 app.command(name="export-hf")(hf.export_hf)
+app.command()(doctor.doctor)

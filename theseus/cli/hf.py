@@ -30,9 +30,12 @@ def import_hf(
     sharding: dict | None = None,
     process: ProcessFlags | None = None,
 ) -> None:
-    """Import a Llama, Mistral, Qwen2, Qwen3 or GPT-2 checkpoint as a run directory (streamed
-    into the storage layout of the given policy; tokenizer files copied). In a multi-process job
-    (`theseus launch`, --coordinator) each process reads only its own devices' slices."""
+    """Import a Llama, Mistral, Qwen2, Qwen3 or GPT-2 checkpoint as a run directory.
+
+    The weights are streamed into the storage layout of the given policy and the tokenizer files
+    copied. In a multi-process job (`theseus launch`, --coordinator) each process reads only its
+    own devices' slices.
+    """
     log_lines_to_stderr()
     join_job(process, out_dir)
     with user_errors():
@@ -58,10 +61,12 @@ def export_hf(
     ] = False,
     cpu_devices: CPUDevices = None,
 ) -> None:
-    """Export a run's newest good checkpoint as config.json + safetensors + tokenizer files,
-    loadable by transformers' AutoModelForCausalLM.from_pretrained (LoRA adapters merged into
-    the weights), or with --adapters a LoRA run's adapters as peft's adapter_config.json +
-    adapter_model.safetensors."""
+    """Export a run's newest good checkpoint as a Hugging Face model folder.
+
+    The folder holds config.json, safetensors and the tokenizer files, loadable by transformers'
+    AutoModelForCausalLM.from_pretrained (LoRA adapters merged into the weights); with --adapters,
+    a LoRA run's adapters alone as peft's adapter_config.json + adapter_model.safetensors.
+    """
     log_lines_to_stderr()
     use_cpu_devices(cpu_devices)
     with user_errors():

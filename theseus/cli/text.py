@@ -60,8 +60,11 @@ def tokenize(
     ] = DEFAULT_SHARD_TOKENS,
     overwrite: Overwrite = False,
 ) -> None:
-    """Tokenize a corpus into token shards with byte-level BPE, streaming it with bounded memory;
-    run it again to finish an interrupted one. Train on it with data.path=OUT_DIR."""
+    """Tokenize a corpus into token shards with byte-level BPE.
+
+    Train on them with data.path=OUT_DIR. The corpus is streamed with bounded memory; run the
+    command again to finish an interrupted one.
+    """
     with user_errors():
         from theseus.data.bpe import tokenize as tokenize_corpus
 

@@ -27,6 +27,7 @@ from theseus.training.run.start import StartingPoint, starting_point
 from theseus.training.run.stops import NonFiniteGuard, Preempted
 from theseus.training.run.tensorboard import TensorBoardWriter
 from theseus.training.run.throughput import speedometer
+from theseus.training.run.wandb_writer import open_wandb, require_wandb
 from theseus.training.state import TrainState
 from theseus.training.summary import one_line_plan
 from theseus.training.trainer import BaseTrainer
@@ -75,6 +76,7 @@ def train(
     out_dir = Path(out_dir)
     config = trainer.config
     batch_plan = trainer.batch_plan
+    require_wandb(config.logging.wandb)  # before anything is written
     corpus = load_data(trainer)
     validation = validation_array(trainer, corpus)
     prepare_run_dir(out_dir, mode)
@@ -119,20 +121,21 @@ def train(
             config.training.max_skipped_steps,
             lambda: _next_move(checkpointer),
         )
+        wandb = open_wandb(config, out_dir, resume=mode.resume)
+        trackers = [t for t in (tensorboard, wandb) if t is not None]
         metrics = MetricsWriter(
             out_dir / "metrics.jsonl",
             trainer,
             speed,
             first_step=start.first_step,
-            events=tensorboard,
+            trackers=trackers,
             check_row=guard.check,
         )
         began = time.perf_counter()
-        with (
-            contextlib.nullcontext() if tensorboard is None else tensorboard,
-            metrics,
-            PreemptionWatch(checkpointer.reached_preemption) as preemption,
-        ):
+        with contextlib.ExitStack() as closing, metrics:  # trackers close after the last row
+            for tracker in trackers:
+                closing.enter_context(tracker)
+            preemption = closing.enter_context(PreemptionWatch(checkpointer.reached_preemption))
             _steps(
                 trainer,
                 step_fn=compiled.executable,
@@ -169,27 +172,34 @@ def _steps(
     metrics: MetricsWriter,
     preemption: PreemptionWatch,
 ) -> None:
-    """The hot loop: dispatch step n, then record step n - 1 (already computed).
+    """The hot loop: dispatch step n, record step n - 1 (already computed), then make step
+    n + 1's batch while step n runs.
 
-    At a checkpoint step, step n's own metrics are read before its save (which waits for step n
+    Validation and saves run with the metrics' clock paused, after step n - 1 is recorded, and
+    the next batch is ready before the clock restarts, so each row times its own step. At a
+    checkpoint step, step n's own metrics are read before its save (which waits for step n
     anyway), so a state after a non-finite step is never saved. On a preemption notice the step
     that all processes agreed on is saved, and the run stops.
     """
     training = trainer.config.training
     state, position = start.state, start.data_position
+    batch = train_batch(trainer, sampler, position)
     for step in range(start.first_step, training.steps + 1):
-        state, step_metrics = step_fn(state, train_batch(trainer, sampler, position))
+        state, step_metrics = step_fn(state, batch)
+        metrics.push(step, step_metrics)
         position += trainer.batch_plan.global_batch_size
         last = step == training.steps
-        val_loss = val_by_source = None
+        if not last:
+            batch = train_batch(trainer, sampler, position)  # the next step's, while this runs
         if step % training.validation_interval == 0 or last:
-            val_loss, val_by_source = validation.losses(trainer, state.params)
+            with metrics.paused():
+                metrics.add_validation(*validation.losses(trainer, state.params))
         preempted = preemption.reached(step)
-        metrics.push(step, step_metrics, val_loss, val_by_source)
         if preempted or step % trainer.config.checkpointing.interval == 0 or last:
-            metrics.flush()
-            meta = checkpoint_meta(trainer, step=step, data_position=position, base=start.base)
-            checkpointer.save(saved_state(trainer, state, start.base), meta)
+            with metrics.paused():
+                metrics.flush()
+                meta = checkpoint_meta(trainer, step=step, data_position=position, base=start.base)
+                checkpointer.save(saved_state(trainer, state, start.base), meta)
         if preempted and not last:
             checkpointer.wait()
             raise Preempted(
