@@ -2,11 +2,14 @@
 tests and benches, tiny corpora, the CLI, the environment of subprocesses, and the equivalence
 harness (policies, batches, "run N steps", "assert the same numbers")."""
 
+import contextlib
 import dataclasses
 import functools
 import json
+import logging
 import os
 import struct
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -321,3 +324,27 @@ def assert_same_numbers(
     assert (got.val_loss is None) == (want.val_loss is None)
     if want.val_loss is not None:
         np.testing.assert_allclose(got.val_loss, want.val_loss, rtol=loss_rtol)
+
+
+class _Lines(logging.Handler):
+    def __init__(self, on_line: Callable[[str], None]):
+        super().__init__(logging.INFO)
+        self.on_line = on_line
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.on_line(record.getMessage())
+
+
+@contextlib.contextmanager
+def log_lines(on_line: Callable[[str], None]) -> Iterator[None]:
+    """Call ``on_line(text)`` for each line (info and above) theseus logs inside the block: the
+    lines ``theseus train`` prints."""
+    logger, handler = logging.getLogger("theseus"), _Lines(on_line)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)

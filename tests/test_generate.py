@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support import TINY_GPT, invoke, write_corpus
+from support import TINY_GPT, invoke, log_lines, write_corpus
 
 import theseus
 from theseus.data import load_corpus
@@ -72,7 +72,7 @@ def test_tokenize_bad_input(token_folder, tmp_path):
 def run_dir(tmp_path_factory):
     """A tiny byte GPT trained under tp=2 with FSDP on 8 devices."""
     out = tmp_path_factory.mktemp("gen") / "run"
-    with theseus.quick("gpt/train/pretrain", out, log=lambda _: None) as q:
+    with theseus.quick("gpt/train/pretrain", out) as q:
         q.shard(tp=2, fsdp=True)
         q.override(*TINY_GPT, "model.block_size=48", "training.steps=4")
         q()
@@ -112,7 +112,6 @@ def complete(generator, sampling):
         sampling=sampling,
         seed=7,
         num_samples=2,
-        log=lambda _: None,
     ).ids
 
 
@@ -124,9 +123,7 @@ def test_same_completions_under_every_layout(run_dir):
         ("tp=2 on 8", {"tp": 2, "fsdp": False}, None),
         ("tp=4 fsdp on 8", {"tp": 4, "fsdp": True}, None),
     ]:
-        loaded = load_generator(
-            run_dir, policy_changes=changes, devices=devices, log=lambda _: None
-        )
+        loaded = load_generator(run_dir, policy_changes=changes, devices=devices)
         generator = loaded.generator
         assert loaded.step == 4 and loaded.meta.data_position > 0
         assert generator.trainer.topology.num_devices == len(devices or jax.devices())
@@ -205,15 +202,16 @@ def test_a_tp2_fsdp_run_reads_on_one_device(run_dir, tmp_path):
     layout flag (the policy that fits is named in one line), generates and exports there."""
     one, notes = jax.devices()[:1], []
     ids = [list(b"Beautiful is"), list(b"Simple beats")]
-    eight = theseus.logits(run_dir, ids, log=lambda _: None)
-    alone = theseus.logits(run_dir, ids, devices=one, log=notes.append)
+    eight = theseus.logits(run_dir, ids)
+    with log_lines(notes.append):
+        alone = theseus.logits(run_dir, ids, devices=one)
     np.testing.assert_allclose(alone, eight, atol=1e-5, rtol=0)
     assert [n for n in notes if "does not fit 1 device(s)" in n] == [notes[0]], notes
     assert "reading it under tp=1 zero=True fsdp=True" in notes[0]
-    generated = theseus.generate(run_dir, ["Be"], max_new_tokens=2, devices=one, log=lambda _: None)
+    generated = theseus.generate(run_dir, ["Be"], max_new_tokens=2, devices=one)
     assert generated.mesh_shape == {"batch": 1, "shard": 1}
     assert len(generated.completions[0].token_ids) == 2
-    theseus.export_hf(run_dir, tmp_path / "hf", devices=one, log=lambda _: None)
+    theseus.export_hf(run_dir, tmp_path / "hf", devices=one)
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"] == 256
 
 
@@ -221,7 +219,7 @@ def test_generate_by_ids_on_a_vocabulary_beyond_bytes(tmp_path):
     """A tokenizer-less model of 384 ids generates from any ids below 384 (CLI and Python): the
     text shows ids that are bytes, the ids are given; an id at 384 is refused naming it."""
     run = tmp_path / "v384"
-    with theseus.quick("gpt/train/pretrain", run, log=lambda _: None) as q:
+    with theseus.quick("gpt/train/pretrain", run) as q:
         q.override(*TINY_GPT, "model.vocab_size=384", "training.steps=1")
         q()
     result = invoke(

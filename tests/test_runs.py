@@ -34,10 +34,6 @@ JOBS = {
 }
 
 
-def quiet(_: str) -> None:
-    pass
-
-
 @pytest.fixture
 def previous(tmp_path) -> Path:
     """The previous release's runs, copied together to a new folder (tests write into them)."""
@@ -64,19 +60,19 @@ def test_previous_release_runs_evaluate_generate_export_and_resume(previous, tmp
     if saved.base is not None:  # recorded on the machine that made it: found beside the run
         assert Path(saved.base["run_dir"]).is_absolute()
         assert not Path(saved.base["run_dir"]).exists(), "the base must be found beside the run"
-    evaluation = theseus.evaluate(run, devices=one, log=quiet)
+    evaluation = theseus.evaluate(run, devices=one)
     assert evaluation.job == JOBS[name] and evaluation.step == 4
     assert evaluation.val_loss == pytest.approx(read_metrics(run)[-1]["val_loss"], rel=1e-5)
-    generated = theseus.generate(run, ["Si"], max_new_tokens=2, devices=one, log=quiet)
+    generated = theseus.generate(run, ["Si"], max_new_tokens=2, devices=one)
     assert len(generated.completions[0].token_ids) == 2
-    theseus.export_hf(run, tmp_path / "hf", devices=one, log=quiet)
+    theseus.export_hf(run, tmp_path / "hf", devices=one)
     assert (tmp_path / "hf" / "config.json").is_file()
 
     trainer_class = get_job(JOBS[name]).trainer_class
     config = apply_overrides(run_config(trainer_class.config_class, run), ["training.steps=6"])
     policy = ShardingPolicy(**json.loads((run / "run.json").read_text())["policy"])
     trainer = trainer_class(config, policy, Topology.new(policy, jax.devices()[:2]))
-    summary = train(trainer, run, mode=RunMode(resume=True), log=quiet)
+    summary = train(trainer, run, mode=RunMode(resume=True))
     assert summary.first_step == 5 and newest_meta(run).job == JOBS[name]
     assert json.loads((run / "run.json").read_text())["job"] == JOBS[name]
 
@@ -113,7 +109,7 @@ def test_lora_run_takes_its_base_moves_with_it_and_checks_it(previous, tmp_path)
     moved = tmp_path / "b" / "lora"
     result = invoke("export-hf", moved, tmp_path / "hf")
     assert result.exit_code == 0, result.output
-    before = theseus.generate(moved, ["Si"], max_new_tokens=2, temperature=0, log=quiet)
+    before = theseus.generate(moved, ["Si"], max_new_tokens=2, temperature=0)
 
     elsewhere = tmp_path / "c" / "base"
     shutil.move(tmp_path / "b" / "llama", elsewhere)
@@ -128,11 +124,11 @@ def test_lora_run_takes_its_base_moves_with_it_and_checks_it(previous, tmp_path)
     assert completion["token_ids"] == before.completions[0].token_ids
 
     other = tmp_path / "other"  # a base of the same shapes, other values: seed 1's initialisation
-    trainer = load_run(elsewhere, log=quiet).trainer
+    trainer = load_run(elsewhere).trainer
     with Checkpointer(other / CHECKPOINTS) as checkpoints:
         meta = checkpoint_meta(trainer, step=4, data_position=0)
         checkpoints.save({"params": trainer.init_state(1).params}, meta)
         checkpoints.wait()
     with pytest.raises(ValueError, match="are not those this run was trained on") as refusal:
-        load_run(moved, base=other, log=quiet)
+        load_run(moved, base=other)
     assert "--base DIR" in str(refusal.value) and "\n" not in str(refusal.value)

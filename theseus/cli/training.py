@@ -28,6 +28,7 @@ from theseus.cli.options import (
     job_options,
     join_job,
     layout_options,
+    log_lines_to_stderr,
     sharding_options,
     use_cpu_devices,
     user_errors,
@@ -52,8 +53,10 @@ def train(
     imports: Imports = None,
     flags: JobFlags | None = None,
 ) -> None:
-    """Train a job (the default GPT on built-in data unless data.path is given), or evaluate
-    the run in --out (--job llama/evaluate)."""
+    """Train a job, or evaluate the run in --out (--job llama/evaluate).
+
+    The default job trains a GPT on built-in data unless data.path is given.
+    """
     join_job(flags.process, out)
     shorthands = {
         "training.steps": steps,
@@ -105,9 +108,13 @@ def evaluate(
     imports: Imports = None,
     sharding: dict[str, Any] | None = None,
 ) -> None:
-    """Validation loss of a run's newest good checkpoint on the run's own data and config
-    (overrides on top, the model excepted), written to RUN_DIR/eval.json; under the run's layout
-    where it fits the devices at hand, else one that does (named), or --tp/--zero/--fsdp."""
+    """Score a run's newest good checkpoint on the run's own data and config.
+
+    The validation loss (overrides on top of the run's config, the model excepted) is written to
+    RUN_DIR/eval.json. The run is read under its own layout where it fits the devices at hand,
+    else under one that does (named), or under --tp/--zero/--fsdp.
+    """
+    log_lines_to_stderr()
     use_cpu_devices(cpu_devices)
     with user_errors():
         import_modules(imports)
@@ -119,7 +126,6 @@ def evaluate(
             policy_changes=sharding,
             job=job,
             base=base,
-            log=lambda text: typer.echo(text, err=True),
         )
     typer.echo(result.describe())
 

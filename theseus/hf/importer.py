@@ -13,6 +13,7 @@ the job and model config in its metadata), ``config.yaml``, ``run.json`` and the
 from __future__ import annotations
 
 import json
+import logging
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,6 +37,8 @@ from theseus.sharding.layout import is_sharding, path_str
 from theseus.sharding.topology import Topology
 from theseus.training.run.identity import TOKENIZER_FILES, copy_tokenizer_files
 from theseus.training.trainer import BaseTrainer
+
+logger = logging.getLogger(__name__)
 
 IMPORTED_FROM = "imported_from"  # run.json: the Hugging Face model an import came from
 
@@ -197,7 +200,6 @@ def import_hf(
     *,
     policy: ShardingPolicy | None = None,
     devices: Sequence[jax.Device] | None = None,
-    log: Callable[[str], None] = print,
 ) -> ImportResult:
     """Import the Hugging Face checkpoint ``hf_dir`` (``config.json`` and safetensors) as the
     run directory ``out_dir``, placing the parameters in ``policy``'s storage layout (default:
@@ -223,7 +225,7 @@ def import_hf(
         job=spec.job,
     )
     out_dir.mkdir(parents=True, exist_ok=True)
-    with Checkpointer(out_dir / CHECKPOINTS, log=log) as checkpointer:
+    with Checkpointer(out_dir / CHECKPOINTS) as checkpointer:
         checkpointer.save({"params": params}, meta)
         checkpointer.wait()
     copied = [name for name in TOKENIZER_FILES if (hf_dir / name).is_file()]
@@ -245,5 +247,5 @@ def import_hf(
     result = ImportResult(
         str(out_dir), spec.job, spec.model_type, trainer.num_params, dtype, copied
     )
-    log(result.describe())
+    logger.info(result.describe())
     return result

@@ -15,6 +15,7 @@ import jax
 
 from theseus.hf.config import GPT_JOB
 from theseus.hf.mapping import HFTensor, Part
+from theseus.sharding.layout import leaf_at
 from theseus.training.finetune import Partition, is_adapter, merged_params
 from theseus.training.trainer import BaseTrainer
 
@@ -37,7 +38,7 @@ def adapter_tensors(job: str, tensors: list[HFTensor], params: dict) -> list[HFT
         if leaf != "weight" or not _has(params, f"{module_path}/lora_a"):
             continue
         stem = PEFT_PREFIX + tensor.name.removesuffix(".weight")
-        rank = _leaf(params, f"{module_path}/lora_a").shape[-2]
+        rank = leaf_at(params, f"{module_path}/lora_a").shape[-2]
         d_out, d_in = tensor.shape
         for name, path, shape in (
             ("lora_A", f"{module_path}/lora_a", (rank, d_in)),
@@ -92,10 +93,3 @@ def _has(params: dict, path: str) -> bool:
             return False
         node = node[key]
     return True
-
-
-def _leaf(params: dict, path: str) -> Any:
-    node: Any = params
-    for key in path.split("/"):
-        node = node[key]
-    return node

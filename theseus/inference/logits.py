@@ -10,7 +10,7 @@ a device.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -57,7 +57,6 @@ def load_run(
     job: str | None = None,
     base: str | Path | None = None,
     layout: Literal["compute", "storage"] = "compute",
-    log: Callable[[str], None] = print,
 ) -> LoadedRun:
     """The newest good parameters of ``run_dir`` in the ``layout`` of the run's policy merged
     with ``policy_changes`` (a policy that fits ``devices`` when the run's does not and no
@@ -84,12 +83,12 @@ def load_run(
             return apply_overrides(config, batch)
 
         saved = validate(ShardingPolicy, meta.policy)
-        trainer = reading_trainer(trainer_class, config_for, saved, policy_changes, devices, log)
+        trainer = reading_trainer(trainer_class, config_for, saved, policy_changes, devices)
         trainers[meta.step] = (trainer, name)
         return params_target(trainer, getattr(trainer.layouts, layout), meta)
 
-    with Checkpointer(run_dir / CHECKPOINTS, read_only=True, log=log) as checkpointer:
-        restored = checkpointer.restore(None, target_for, params_only=True)
+    with Checkpointer(run_dir / CHECKPOINTS, read_only=True) as checkpointer:
+        restored = checkpointer.restore_params(None, target_for)
     trainer, name = trainers[restored.step]
     # A fine-tuning checkpoint holds the trained parameters; its base holds the frozen ones.
     target = getattr(trainer.layouts, layout)
@@ -97,7 +96,7 @@ def load_run(
     found = (
         None if restored.meta.base is None else base_location(run_dir, restored.meta.base, base_dir)
     )
-    restored = with_base(trainer, restored, target, run_dir=run_dir, base_dir=base_dir, log=log)
+    restored = with_base(trainer, restored, target, run_dir=run_dir, base_dir=base_dir)
     return LoadedRun(trainer, restored.state, restored.meta, name, found)
 
 
@@ -139,21 +138,13 @@ def logits(
     devices: Sequence[jax.Device] | None = None,
     job: str | None = None,
     base: str | Path | None = None,
-    log: Callable[[str], None] = print,
 ) -> np.ndarray:
     """Float32 logits ``(rows, seq, vocab)`` of ``token_ids`` (rows, seq) under the newest good
     checkpoint of ``run_dir`` (a training run or an imported model), computed under the run's
     policy merged with ``policy_changes`` (e.g. ``{"tp": 2, "fsdp": True}``), or one that fits
     ``devices`` (see :func:`load_run`, which also says what ``job`` and ``base`` are)."""
-    loaded = load_run(
-        run_dir,
-        policy_changes=policy_changes,
-        devices=devices,
-        job=job,
-        base=base,
-        layout="storage",
-        log=log,
-    )
+    reading = {"policy_changes": policy_changes, "devices": devices, "job": job, "base": base}
+    loaded = load_run(run_dir, layout="storage", **reading)
     trainer = loaded.trainer
     vocab = trainer.config.model.vocab_size
     ids = check_token_ids(token_ids, vocab)

@@ -10,6 +10,7 @@ depend on the layout, so reading under another one gives the run's own function.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +22,11 @@ from theseus.config import apply_overrides
 from theseus.jobs import get_job, job_of_run
 from theseus.sharding.axis import ShardingPolicy
 from theseus.sharding.topology import Topology
+from theseus.training.run.evaluation import evaluate as evaluate_checkpoint
 from theseus.training.run.evaluation import run_config
 from theseus.training.trainer import BaseTrainer, TrainerConfig
+
+logger = logging.getLogger(__name__)
 
 #: The policy fields a user changes with --tp, --zero/--no-zero and --fsdp/--no-fsdp.
 LAYOUT_FIELDS = ("tp", "zero", "fsdp")
@@ -47,7 +51,6 @@ def reading_trainer(
     saved: ShardingPolicy,
     changes: dict[str, Any] | None,
     devices: Sequence[jax.Device] | None,
-    log: Callable[[str], None] = print,
 ) -> BaseTrainer:
     """A trainer of ``trainer_class`` (config ``config_for(topology)``) under the run's policy
     ``saved`` merged with ``changes``; without layout ``changes``, the first policy of
@@ -71,7 +74,7 @@ def reading_trainer(
             except ValueError:
                 continue
             count = len(devices) if devices is not None else jax.device_count()
-            log(
+            logger.info(
                 f"note: the run's layout ({wanted.describe()}) does not fit {count} device(s) "
                 f"({reason}); reading it under {policy.describe()} (--tp, --zero/--no-zero, "
                 "--fsdp/--no-fsdp choose another)"
@@ -106,15 +109,12 @@ def evaluate(
     devices: Sequence[jax.Device] | None = None,
     job: str | None = None,
     base: str | Path | None = None,
-    log: Callable[[str], None] = print,
 ) -> Evaluation:
     """Validation loss of the newest good checkpoint of ``run_dir`` (a training run or an
     imported model) on the run's own data and config (``config.yaml``; ``overrides`` on top,
     the model section excepted), under the run's policy (see :func:`reading_trainer`);
     written to ``run_dir/eval.json``. ``job`` names the run's job when it records none;
     ``base`` the base run of a fine-tuning run that moved apart from it."""
-    from theseus.training.run.loop import evaluate as evaluate_checkpoint
-
     run_dir = Path(run_dir)
     name = job or job_of_run(run_dir)
     trainer_class = get_job(name).trainer_class
@@ -123,10 +123,8 @@ def evaluate(
         raise ValueError(f"{run_dir} holds no config.yaml: it is not a run directory")
     config = apply_overrides(saved, list(overrides))
     policy = ShardingPolicy(**_saved_policy(run_dir))
-    trainer = reading_trainer(trainer_class, lambda _: config, policy, policy_changes, devices, log)
-    result = evaluate_checkpoint(
-        trainer, run_dir, source_dir=run_dir, base_dir=base and Path(base), log=log
-    )
+    trainer = reading_trainer(trainer_class, lambda _: config, policy, policy_changes, devices)
+    result = evaluate_checkpoint(trainer, run_dir, source_dir=run_dir, base_dir=base and Path(base))
     return Evaluation(
         str(run_dir),
         name,

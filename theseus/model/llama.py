@@ -278,6 +278,12 @@ def mlp(layer: dict, x: jax.Array, *, eps: float, dtype: jnp.dtype) -> jax.Array
     return x + project(gated, layer["down_proj"]).astype(jnp.float32)  # (batch, seq, n_embd)
 
 
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal attention of q (batch, seq, heads, hd) over k, v (batch, seq, kv_heads, hd): JAX's
+    kernel, whose implementation JAX chooses (``theseus doctor`` shows which one it gets)."""
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+
 def block(
     layer: dict,
     x: jax.Array,
@@ -292,7 +298,7 @@ def block(
     sublayers compute in ``dtype`` and add their outputs to the stream in float32."""
     h = rms_norm(x, layer["input_layernorm"]["weight"], eps, dtype)  # (batch, seq, n_embd)
     q, k, v = qkv(layer, h, cos, sin, head_dim=head_dim, eps=eps)
-    attended = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # (batch, seq, heads, hd)
+    attended = causal_attention(q, k, v)  # (batch, seq, heads, hd)
     batch, seq = x.shape[:2]
     out = project(attended.reshape(batch, seq, -1), layer["o_proj"])  # (batch, seq, n_embd)
     return mlp(layer, x + out.astype(jnp.float32), eps=eps, dtype=dtype)

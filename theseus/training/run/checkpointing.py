@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,8 @@ from theseus.checkpoint.meta import CHECKPOINTS, CheckpointMeta
 from theseus.sharding.layout import abstract_with
 from theseus.training.finetune import Partition, is_adapter
 from theseus.training.run.identity import job_of_trainer
-from theseus.training.trainer import BaseTrainer, TrainState
+from theseus.training.state import TrainState
+from theseus.training.trainer import BaseTrainer
 
 
 def restore_target(trainer: BaseTrainer, meta: CheckpointMeta | None = None) -> TrainState:
@@ -125,7 +125,6 @@ def read_base_params(
     layout: Any,
     *,
     step: int | None = None,
-    log: Callable[[str], None] = print,
 ) -> Restored:
     """Every parameter of ``trainer`` but its LoRA adapters from run ``run_dir`` (newest good
     step, or ``step``), float32 as runs store them, in ``layout``; the frozen ones are then
@@ -135,8 +134,8 @@ def read_base_params(
     abstract = keep.split(trainer.abstract_state.params)[1]
     float32 = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32), abstract)
     target = abstract_with(float32, keep.split(layout)[1])
-    with Checkpointer(Path(run_dir) / CHECKPOINTS, read_only=True, log=log) as other:
-        restored = other.restore(step, target, params_only=True)
+    with Checkpointer(Path(run_dir) / CHECKPOINTS, read_only=True) as other:
+        restored = other.restore_params(step, target)
     trained, frozen = trainer.partition.split(restored.state)
     dtype = trainer.frozen_dtype
     frozen_layout = trainer.partition.split(layout)[1]
@@ -150,13 +149,7 @@ def read_base_params(
 
 
 def frozen_params(
-    trainer: BaseTrainer,
-    base: dict,
-    layout: Any,
-    *,
-    run_dir: Path,
-    base_dir: Path | None = None,
-    log: Callable[[str], None] = print,
+    trainer: BaseTrainer, base: dict, layout: Any, *, run_dir: Path, base_dir: Path | None = None
 ) -> Any:
     """The frozen parameters the ``base`` of a checkpoint of ``run_dir`` points to (found by
     :func:`base_location`, ``base_dir`` naming the base run), in ``layout``, after checking
@@ -168,7 +161,7 @@ def frozen_params(
         frozen = jax.device_put(frozen, trainer.partition.split(layout)[1])
         where = f"the initialisation of seed {base['seed']}"
     else:
-        restored = read_base_params(trainer, found, layout, step=base["step"], log=log)
+        restored = read_base_params(trainer, found, layout, step=base["step"])
         frozen = trainer.partition.split(restored.state)[1]
         where = f"{os.path.normpath(found)} (step {base['step']})"
     got = fingerprints(frozen)
@@ -191,15 +184,12 @@ def restore_params(
     layout: Any,
     *,
     base_dir: Path | None = None,
-    log: Callable[[str], None] = print,
 ) -> Restored:
     """Every parameter of the newest good checkpoint in ``layout``: a checkpoint holding the
     trained ones alone is joined with its checked base (``base_dir``: see :func:`with_base`)."""
-    restored = checkpointer.restore(
-        None, lambda meta: params_target(trainer, layout, meta), params_only=True
-    )
+    restored = checkpointer.restore_params(None, lambda meta: params_target(trainer, layout, meta))
     run_dir = checkpointer.directory.parent
-    return with_base(trainer, restored, layout, run_dir=run_dir, base_dir=base_dir, log=log)
+    return with_base(trainer, restored, layout, run_dir=run_dir, base_dir=base_dir)
 
 
 def with_base(
@@ -209,13 +199,10 @@ def with_base(
     *,
     run_dir: Path,
     base_dir: Path | None = None,
-    log: Callable[[str], None] = print,
 ) -> Restored:
     """``restored`` parameters of a checkpoint of ``run_dir`` joined with the frozen ones of
     its base, if it has one (found where :func:`base_location` says, ``base_dir`` naming it)."""
     if restored.meta.base is None:
         return restored
-    frozen = frozen_params(
-        trainer, restored.meta.base, layout, run_dir=run_dir, base_dir=base_dir, log=log
-    )
+    frozen = frozen_params(trainer, restored.meta.base, layout, run_dir=run_dir, base_dir=base_dir)
     return dataclasses.replace(restored, state=trainer.partition.join(restored.state, frozen))

@@ -1,12 +1,21 @@
-"""What an evaluate job (and a run started with ``--init-from``) takes from the run it reads: the run's own config (``config.yaml``, written
-by every training run and by ``theseus import-hf``) as the base under the user's overrides, and a
+"""Evaluation of a run's newest good checkpoint, and what an evaluate job (and a run started with
+``--init-from``) takes from the run it reads: the run's own config (``config.yaml``, written by
+every training run and by ``theseus import-hf``) as the base under the user's overrides, and a
 model section that must stay the run's, refused field by field before anything is restored."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from theseus.checkpoint.checkpointer import Checkpointer
+from theseus.checkpoint.meta import CHECKPOINTS
 from theseus.config import ConfigError, ConfigT, read_yaml, validate
+from theseus.distributed.join import is_main_process
+from theseus.training.run.checkpointing import restore_params
+from theseus.training.run.data import load_data, validation_array
+from theseus.training.trainer import BaseTrainer
 
 RUN_CONFIG = "config.yaml"
 
@@ -65,3 +74,56 @@ def check_base_model(config: ConfigT, base_dir: str | Path) -> None:
             f"started with --init-from takes the model section from the base's {RUN_CONFIG}; "
             "drop these overrides"
         )
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """Validation loss of a checkpoint."""
+
+    out_dir: str
+    source: str
+    step: int
+    val_loss: float
+    val_loss_by_source: dict[str, float] | None = None
+
+    def describe(self) -> str:
+        return (
+            f"evaluated {self.source} at step {self.step}: validation loss {self.val_loss:.4f}; "
+            f"written to {self.out_dir}/eval.json"
+        )
+
+
+def evaluate(
+    trainer: BaseTrainer,
+    out_dir: str | Path,
+    *,
+    source_dir: str | Path | None = None,
+    base_dir: Path | None = None,
+) -> EvalResult:
+    """Validation loss of the newest good checkpoint in ``source_dir`` (default: ``out_dir``),
+    restored into this trainer's layouts (a fine-tuning run's base found as
+    ``checkpointing.base_location`` says, ``base_dir`` naming it); written to
+    ``out_dir/eval.json``. The caller reports the result (``EvalResult.describe``) once."""
+    out_dir = Path(out_dir)
+    source = Path(source_dir) if source_dir is not None else out_dir
+    if not (source / CHECKPOINTS).is_dir():
+        raise ValueError(
+            f"nothing to evaluate: {source} holds no {CHECKPOINTS}/ folder; train first or give "
+            "the run directory of a training job"
+        )
+    check_same_model(trainer.config, source)
+    corpus = load_data(trainer)
+    validation = validation_array(trainer, corpus)
+    # Read-only: a training job may still be saving there.
+    with Checkpointer(source / CHECKPOINTS, read_only=True) as checkpointer:
+        storage = trainer.layouts.storage
+        restored = restore_params(trainer, checkpointer, storage, base_dir=base_dir)
+    val_loss, by_source = validation.losses(trainer, restored.state)
+    by_source = None if by_source is None else {k: float(v) for k, v in by_source.items()}
+    result = EvalResult(str(out_dir), str(source), restored.step, float(val_loss), by_source)
+    if is_main_process():
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "eval.json").write_text(
+            json.dumps({**asdict(result), "policy": trainer.policy.model_dump()}, indent=2) + "\n"
+        )
+    return result
