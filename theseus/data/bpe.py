@@ -117,10 +117,13 @@ def check_vocab_size(vocab_size: int) -> None:
 
 
 def load_tokenizer(path: str | os.PathLike):
-    """A ``tokenizers.Tokenizer`` from a ``tokenizer.json`` (a clear error when unreadable)."""
+    """A ``tokenizers.Tokenizer`` from a ``tokenizer.json``, or a model's tokenizer folder holding
+    one (a clear error when unreadable)."""
     from tokenizers import Tokenizer
 
     path = Path(path)
+    if path.is_dir():
+        path = path / TOKENIZER_FILE
     if not path.is_file():
         raise ValueError(f"tokenizer {str(path)!r} does not exist; pass a tokenizer.json")
     try:
@@ -229,10 +232,16 @@ def tokenize(
             bpe = load_tokenizer(out / TOKENIZER_FILE)  # trained before the interruption
         else:
             bpe = reused
-            shutil.copyfile(tokenizer, out / TOKENIZER_FILE)
+            given = Path(tokenizer)
+            shutil.copyfile(
+                given / TOKENIZER_FILE if given.is_dir() else given, out / TOKENIZER_FILE
+            )
         eos_token, eos_id = end_of_text(bpe, eos_token, f"tokenizer {out / TOKENIZER_FILE}")
         dtype = token_dtype(bpe.get_vocab_size())
-        writers = {name: ShardWriter(out, name, shard_tokens, dtype, done[name]) for name in SPLITS}
+        writers = {
+            name: ShardWriter(out, name, shard_tokens, {"bin": dtype}, done[name])
+            for name in SPLITS
+        }
 
         def on_shard(name: str, position: tuple[int, int]) -> None:
             resume[name], done[name] = position, writers[name].shards

@@ -17,6 +17,7 @@ from theseus.data.shards import (
     SPLITS,
     TOKENIZED_RECORD,
     is_incomplete,
+    is_partial,
     own_files,
     read_json,
 )
@@ -119,8 +120,9 @@ def prepare_output(out: Path, settings: dict, *, overwrite: bool) -> OutputState
         reason = "a tokenized corpus made with other settings or from another corpus"
     elif progress.is_file() and read_json(progress, "progress record").get("settings") == settings:
         splits = read_json(progress, "progress record")["splits"]
-        for path in out.glob(".*.bin.partial"):
-            path.unlink()
+        for path in out.iterdir():
+            if is_partial(path.name):
+                path.unlink()
         return OutputState(fresh=False, splits=splits)
     elif progress.is_file():
         reason = "an interrupted tokenization with other settings or of another corpus"
