@@ -21,7 +21,13 @@ import theseus.data.chat_tokenize as chat_tokenize
 from theseus.data import load_corpus
 from theseus.data.chat import ChatEncoder
 from theseus.data.chat_records import parse_record
-from theseus.data.shards import PROGRESS_FILE, open_masks, open_split, read_manifest
+from theseus.data.shards import (
+    PROGRESS_FILE,
+    example_lengths,
+    open_masks,
+    open_split,
+    read_manifest,
+)
 from theseus.data.split import DocumentSplit
 
 LLAMA3 = (
@@ -305,6 +311,8 @@ def test_shards_and_masks_stream_resume_and_training_refuses_them(folders, tmp_p
         np.testing.assert_array_equal(tokens, np.concatenate([e.ids for e in chosen]))
         np.testing.assert_array_equal(masks, np.concatenate([e.mask for e in chosen]))
         assert manifest.split(name)["trained_tokens"] == int(masks.sum())
+        lengths = example_lengths(tmp_path / "whole", manifest, name)
+        assert lengths.tolist() == [e.ids.size for e in chosen]
     # Interrupted after some shards: the rerun resumes to the same files.
     out = tmp_path / "out"
     original = chat_tokenize.read_records
@@ -341,7 +349,7 @@ def test_bad_chat_input_exits_2_and_writes_nothing(folders, tmp_path):
         "no-role.jsonl": ('{"messages": [{"content": "hi"}]}', "lacks 'role'"),
         "rejected.jsonl": (
             '{"messages": [{"role": "robot", "content": "x"}, {"role": "assistant", "content": "y"}]}',
-            "role robot is not one of this template",
+            "rejected.jsonl, line 2: the chat template raised an error: role robot is not one",
         ),
         "untrained.jsonl": (
             '{"messages": [{"role": "user", "content": "hi"}]}',

@@ -25,7 +25,6 @@ from theseus.data.shards import (
     FORMAT,
     PROGRESS_FILE,
     SPLITS,
-    TOKENIZED_RECORD,
     TOKENIZER_FILE,
     ShardWriter,
     write_json_atomic,
@@ -247,24 +246,19 @@ def tokenize(
             resume[name], done[name] = position, writers[name].shards
             write_progress()
 
-        try:
-            with _byte_progress(progress, total_bytes) as advance:
-                encode_stream(
-                    batches(pieces(), split_of, resume),
-                    bpe,
-                    eos_id=eos_id,
-                    writers=writers,
-                    on_shard=on_shard,
-                    advance=advance,
-                )
-        except BaseException:
-            for writer in writers.values():
-                writer.abandon()
-            raise
-        for writer in writers.values():
-            writer.close_shard()
-        summaries = {name: writers[name].summary() for name in SPLITS}
-        tokenize_io.check_both_splits(summaries, corpus)
+        with (
+            tokenize_io.abandon_on_error(writers),
+            _byte_progress(progress, total_bytes) as advance,
+        ):
+            encode_stream(
+                batches(pieces(), split_of, resume),
+                bpe,
+                eos_id=eos_id,
+                writers=writers,
+                on_shard=on_shard,
+                advance=advance,
+            )
+        summaries = tokenize_io.close_splits(writers, corpus)
     record = {
         "format": FORMAT,
         "vocab_size": bpe.get_vocab_size(),
@@ -277,9 +271,7 @@ def tokenize(
         "settings": settings,
         "splits": summaries,
     }
-    write_json_atomic(out / TOKENIZED_RECORD, record)
-    (out / PROGRESS_FILE).unlink(missing_ok=True)
-    result = tokenize_io.result_fields(out, record, resumed=not state.fresh)
+    result = tokenize_io.finish(out, record, fresh=state.fresh)
     return TokenizedCorpus(**result, seconds=time.perf_counter() - start)
 
 

@@ -91,9 +91,12 @@ class ChatEncoder:
                 "template (neither chat_template.jinja nor a chat_template in "
                 "tokenizer_config.json); pass the template with --chat-template FILE"
             )
-        rendered = self.template.render_trained(
-            record.messages, tools=record.tools, first=record.first
-        )
+        try:
+            rendered = self.template.render_trained(
+                record.messages, tools=record.tools, first=record.first
+            )
+        except ValueError as error:
+            raise ValueError(f"{record.where}: {error}") from None
         return Example(record.document, rendered.text, rendered.spans, False, record.where)
 
     def encode(self, examples: list[Example]) -> list[Encoded]:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from theseus.data.readers import InputFile, errors_name, list_inputs, open_binary, walk_sorted
+from theseus.data.readers import InputFile, errors_name, jsonl_records, list_inputs, walk_sorted
 
 
 @dataclass(frozen=True)
@@ -154,15 +154,5 @@ def _raw_records(item: InputFile) -> Iterator[tuple[object, str]]:
             for row, record in enumerate(rows):
                 yield record, f"{item.path}, row group {group}, row {row}"
         return
-    with open_binary(item) as stream:
-        for number, line in enumerate(stream, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError as error:
-                raise ValueError(
-                    f"{item.path}, line {number}, is not valid JSON ({error}); fix or remove "
-                    "that line"
-                ) from None
-            yield record, f"{item.path}, line {number}"
+    for record, number in jsonl_records(item):
+        yield record, f"{item.path}, line {number}"

@@ -128,7 +128,7 @@ class ChatTemplate:
             with compiled.environment.track_generation(blocks, spans):
                 for block in compiled.generate(**variables):
                     blocks.append(block)
-        except jinja2.TemplateError as error:
+        except (jinja2.TemplateError, TypeError) as error:  # TypeError: e.g. text + a list
             raise ValueError(
                 f"the chat template raised an error: {error}; fix the conversation or pass "
                 "another template with --chat-template FILE"

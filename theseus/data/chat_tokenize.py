@@ -28,6 +28,7 @@ from theseus.data.chat_records import chat_files, first_record, is_chat_record, 
 from theseus.data.readers import fingerprint, list_inputs, walk_sorted
 from theseus.data.shards import (
     CHAT_TEMPLATE_FILE,
+    DOCS_DTYPE,
     FORMAT,
     MASK_DTYPE,
     PROGRESS_FILE,
@@ -134,11 +135,11 @@ def tokenize_chat(
         out.mkdir(parents=True, exist_ok=True)
         write_progress()
         _copy_tokenizer(encoder, out)
-        dtypes = {"bin": dtype, "mask": MASK_DTYPE}
+        dtypes = {"bin": dtype, "mask": MASK_DTYPE, "docs": DOCS_DTYPE}
         writers = {
             name: ShardWriter(out, name, shard_tokens, dtypes, done[name]) for name in SPLITS
         }
-        try:
+        with tokenize_io.abandon_on_error(writers):
             batches = _rendered_batches(encoder, files, split, resume)
             for batch, encoded in read_ahead(_encoded(encoder, read_ahead(batches)), depth=1):
                 for name, writer in writers.items():
@@ -151,14 +152,7 @@ def tokenize_chat(
 
                     if chosen:
                         _write(writer, chosen, on_close)
-        except BaseException:
-            for writer in writers.values():
-                writer.abandon()
-            raise
-        for writer in writers.values():
-            writer.close_shard()
-        summaries = {name: writers[name].summary() for name in SPLITS}
-        tokenize_io.check_both_splits(summaries, corpus)
+        summaries = tokenize_io.close_splits(writers, corpus)
     record = {
         "format": FORMAT,
         "vocab_size": encoder.tokenizer.get_vocab_size(),
@@ -176,9 +170,7 @@ def tokenize_chat(
         "settings": settings,
         "splits": summaries,
     }
-    write_json_atomic(out / TOKENIZED_RECORD, record)
-    (out / PROGRESS_FILE).unlink(missing_ok=True)
-    fields = tokenize_io.result_fields(out, record, resumed=not state.fresh)
+    fields = tokenize_io.finish(out, record, fresh=state.fresh)
     return _result(TokenizedCorpus(**fields, seconds=time.perf_counter() - start), record)
 
 
@@ -214,7 +206,8 @@ def _write(writer: ShardWriter, chosen: list[tuple[Example, Encoded]], on_close)
     mask = np.concatenate([t.mask for _, t in chosen])  # (tokens,)
     counts = [t.ids.size for _, t in chosen]
     sizes = [len(e.text.encode()) for e, _ in chosen]
-    writer.write_pieces({"bin": ids, "mask": mask}, counts, sizes, [True] * len(chosen), on_close)
+    arrays = {"bin": ids, "mask": mask, "docs": np.asarray(counts)}
+    writer.write_pieces(arrays, counts, sizes, [True] * len(chosen), on_close)
 
 
 def _copy_tokenizer(encoder: ChatEncoder, out: Path) -> None:

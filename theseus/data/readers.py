@@ -209,18 +209,23 @@ def _text_pieces(stream: io.BufferedIOBase, limit: int | None) -> Iterator[str]:
 
 
 def _jsonl_texts(item: InputFile, text_field: str) -> Iterator[str]:
+    for record, number in jsonl_records(item):
+        yield _field(record, text_field, f"{item.path}, line {number}")
+
+
+def jsonl_records(item: InputFile) -> Iterator[tuple[object, int]]:
+    """Each record of a JSON Lines file and its line number (blank lines skipped)."""
     with open_binary(item) as stream:
         for number, line in enumerate(stream, start=1):
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                yield json.loads(line), number
             except ValueError as error:
                 raise ValueError(
                     f"{item.path}, line {number}, is not valid JSON ({error}); fix or remove "
                     "that line"
                 ) from None
-            yield _field(record, text_field, f"{item.path}, line {number}")
 
 
 def _parquet_texts(item: InputFile, text_field: str) -> Iterator[str]:

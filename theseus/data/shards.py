@@ -1,8 +1,10 @@
 """The sharded token format of ``theseus tokenize``: ``train-NNNNN.bin`` and
 ``validation-NNNNN.bin`` shards of raw tokens, and the ``tokens.json`` manifest, written last.
 
-A tokenized chat corpus also holds a loss mask beside each token shard (``train-NNNNN.mask``,
-one ``uint8`` per token: 1 where the token trains), named in the shard's manifest entry.
+A tokenized chat corpus also holds, beside each token shard, its loss mask
+(``train-NNNNN.mask``, one ``uint8`` per token: 1 where the token trains) and its conversations'
+lengths (``train-NNNNN.docs``, one ``uint32`` token count per conversation, in order: where
+examples begin), both named in the shard's manifest entry.
 
 A shard is written as a hidden ``.NAME.partial`` file and renamed when complete; the progress
 record ``.tokenize-progress.json`` lists the complete shards and where in the corpus each split
@@ -38,8 +40,9 @@ OWN_NAMES = (
 )
 FORMAT = "theseus-token-shards-1"
 SHARD_PATTERN = re.compile(r"(train|validation)-\d{5}\.bin")
-MASK_PATTERN = re.compile(r"(train|validation)-\d{5}\.mask")
+MASK_PATTERN = re.compile(r"(train|validation)-\d{5}\.(mask|docs)")
 MASK_DTYPE = "uint8"
+DOCS_DTYPE = "uint32"
 
 
 def shard_name(split: str, index: int, suffix: str = "bin") -> str:
@@ -48,7 +51,9 @@ def shard_name(split: str, index: int, suffix: str = "bin") -> str:
 
 def is_partial(name: str) -> bool:
     """A shard or mask that a run began and did not finish (``.NAME.partial``)."""
-    return name.startswith(".") and name.endswith((".bin.partial", ".mask.partial"))
+    return name.startswith(".") and name.endswith(
+        (".bin.partial", ".mask.partial", ".docs.partial")
+    )
 
 
 def own_files(folder: Path) -> list[str]:
@@ -179,6 +184,18 @@ def open_masks(folder: Path, manifest: Manifest, split: str) -> np.ndarray | Sha
     return _open_shards(folder, manifest, split, "mask", np.dtype(MASK_DTYPE))
 
 
+def example_lengths(folder: Path, manifest: Manifest, split: str) -> np.ndarray:
+    """A chat corpus's conversation lengths in tokens, in order over a split's shards (their
+    running sum is where each example begins in :func:`open_split`'s tokens)."""
+    if not manifest.data.get("loss_mask"):
+        raise ValueError(f"{folder} holds no conversation lengths; tokenize a chat corpus")
+    parts = [
+        np.fromfile(folder / shard["docs"], dtype=DOCS_DTYPE)
+        for shard in manifest.split(split)["shards"]
+    ]
+    return np.concatenate(parts).astype(np.int64)  # (conversations,)
+
+
 def _open_shards(folder: Path, manifest: Manifest, split: str, key: str, dtype: np.dtype):
     shards = []
     for shard in manifest.split(split)["shards"]:
@@ -205,10 +222,11 @@ class ShardWriter:
     """Appends one split's tokens (and, for a chat corpus, their loss mask) to its current shard
     (hidden partial files) and closes the shard, by renaming its files, once it holds
     ``shard_tokens`` or more at a piece boundary. ``dtypes`` maps each file's suffix to its
-    dtype: ``{"bin": token dtype}``, plus ``"mask": MASK_DTYPE`` for a masked corpus."""
+    dtype: ``{"bin": token dtype}``, plus ``"mask": MASK_DTYPE`` and ``"docs": DOCS_DTYPE``
+    for a chat corpus (whose documents are one piece each)."""
 
     def __init__(self, folder: Path, split: str, shard_tokens: int, dtypes: dict, done: list):
-        assert next(iter(dtypes)) == "bin" and set(dtypes) <= {"bin", "mask"}
+        assert next(iter(dtypes)) == "bin" and set(dtypes) <= {"bin", "mask", "docs"}
         self.folder = folder
         self.split = split
         self.shard_tokens = shard_tokens
@@ -229,27 +247,31 @@ class ShardWriter:
         on_close: Callable[[int], None],
     ) -> None:
         """Append consecutive pieces (``arrays`` holds, per suffix, their tokens or mask values
-        concatenated; piece ``i`` has ``counts[i]`` tokens, ``sizes[i]`` bytes of text and ends
-        its document when ``lasts[i]``); a shard closes after the first piece that brings it to
+        concatenated, or for ``"docs"`` one value per piece; piece ``i`` has ``counts[i]``
+        tokens, ``sizes[i]`` bytes of text and ends its document when ``lasts[i]``); a shard closes after the first piece that brings it to
         ``shard_tokens`` or more, and ``on_close(i)`` is called then, while ``shards`` ends with
         that shard."""
+        assert "docs" not in self.dtypes or all(lasts), "documents of one piece each"
         start = 0  # first token of this shard's part of the arrays
         offset = 0
+        first = 0  # first piece of this shard's part
         for index, (count, size, last) in enumerate(zip(counts, sizes, lasts, strict=True)):
             offset += count
             self._tokens += count
             self._bytes += size
             self._documents += int(last)
             if self._tokens >= self.shard_tokens:
-                self._append(arrays, start, offset)
+                self._append(arrays, (start, offset), (first, index + 1))
                 self.close_shard()
                 on_close(index)
-                start = offset
+                start, first = offset, index + 1
         if start < offset:
-            self._append(arrays, start, offset)
+            self._append(arrays, (start, offset), (first, len(counts)))
 
-    def _append(self, arrays: dict[str, np.ndarray], start: int, stop: int) -> None:
+    def _append(self, arrays: dict[str, np.ndarray], tokens: tuple, pieces: tuple) -> None:
+        """Append tokens ``[start, stop)`` (and pieces ``[first, last)`` for ``"docs"``)."""
         for suffix, dtype in self.dtypes.items():
+            start, stop = pieces if suffix == "docs" else tokens
             if suffix not in self._files:
                 self._files[suffix] = open(self._partial(suffix), "wb")  # noqa: SIM115 - closed in close_shard
             values = np.ascontiguousarray(arrays[suffix][start:stop], dtype=dtype)
@@ -258,8 +280,8 @@ class ShardWriter:
                 self._trained += int(np.count_nonzero(values))
 
     def close_shard(self) -> None:
-        """Finish the current shard (if it holds anything): flush, sync, rename (the mask
-        before the tokens, so a shard whose tokens exist has its mask)."""
+        """Finish the current shard (if it holds anything): flush, sync, rename (the
+        tokens last, so a shard whose tokens exist has its mask and lengths)."""
         if not self._files:
             return
         entry = {}
@@ -286,7 +308,7 @@ class ShardWriter:
 
     def summary(self) -> dict:
         """The split's entry of the manifest."""
-        kept = ("name", "tokens", "mask", "trained_tokens")
+        kept = ("name", "tokens", "mask", "docs", "trained_tokens")
         totals = ("tokens", "documents", "bytes", "trained_tokens")
         return {
             "shards": [{key: s[key] for key in kept if key in s} for s in self.shards],
