@@ -374,6 +374,13 @@ def test_bad_chat_input_exits_2_and_writes_nothing(folders, tmp_path):
             assert result.exit_code == 2 and fragment in result.output, (name, result.output)
             assert "Traceback" not in result.output and len(result.output.split("\n\n")) == 1
             assert not out.exists() if out.name == "out" else not any(out.iterdir())
+    table = pa.Table.from_pylist([{"messages": CONVERSATIONS[1]["messages"]}, {"messages": None}])
+    pq.write_table(table, tmp_path / "holes.parquet")
+    result = invoke(
+        "tokenize", tmp_path / "holes.parquet", tmp_path / "out", "--tokenizer", folders["qwen25"]
+    )
+    assert result.exit_code == 2 and "holes.parquet, row group 0, row 1" in result.output
+    assert not (tmp_path / "out").exists()
     template = tmp_path / "raises.jinja"
     template.write_text("{{ raise_exception('this template refuses everything') }}")
     corpus = tmp_path / "plain.jsonl"

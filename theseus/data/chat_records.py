@@ -149,8 +149,15 @@ def _raw_records(item: InputFile) -> Iterator[tuple[object, str]]:
         import pyarrow.parquet as pq
 
         parquet = pq.ParquetFile(item.path)
+        names = parquet.schema_arrow.names
+        columns = [c for c in ("messages", "prompt", "completion", "tools") if c in names]
+        if not columns:
+            raise ValueError(
+                f"{item.path} has no column 'messages' (nor 'prompt' and 'completion'; its "
+                f"columns: {', '.join(names)}); give it the conversations"
+            )
         for group in range(parquet.num_row_groups):
-            rows = parquet.read_row_group(group).to_pylist()
+            rows = parquet.read_row_group(group, columns=columns).to_pylist()
             for row, record in enumerate(rows):
                 yield record, f"{item.path}, row group {group}, row {row}"
         return
