@@ -84,7 +84,11 @@ def pytest_unconfigure(config):
 # Test modules that share fixtures or programs run in one group, on one worker; every other module
 # is a group of its own. Groups listed in FIRST start first (the longest ones: the two workers then
 # finish together); the Hugging Face group loads torch.
-SHARED_GROUPS = {"test_hf": "huggingface", "test_lora_hf": "huggingface"}
+SHARED_GROUPS = {
+    "test_hf": "huggingface",
+    "test_lora_hf": "huggingface",
+    "test_chat_data": "huggingface",
+}
 FIRST = ("test_multiprocess", "test_readme", "huggingface", "test_llama", "test_trainer")
 
 

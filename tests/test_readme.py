@@ -42,6 +42,11 @@ STAND_INS: dict[str, tuple[str | None, str]] = {
         None,
         "the suite itself: CI's .ci/run runs this command (test_ci_runs_the_readme_commands)",
     ),
+    ".venv/bin/pip install -c constraints.txt -e '.[cuda12]'   # NVIDIA GPUs, CUDA 12 driver; "
+    "'.[cuda13]' for CUDA 13, '.[tpu]' on a TPU VM": (
+        "theseus doctor --json",
+        "no accelerator here, and the GPU wheels are gigabytes: doctor on this machine's CPU",
+    ),
     "# SLURM: 2 nodes × 8 GPUs, one task per node seeing its 8 GPUs": (
         None,
         "needs a SLURM or MPI cluster: tests/test_multiprocess.py joins two plain `theseus train` "

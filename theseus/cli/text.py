@@ -38,7 +38,15 @@ def tokenize(
         int | None, typer.Option(help="train a byte-level BPE tokenizer of this many tokens")
     ] = None,
     tokenizer: Annotated[
-        Path | None, typer.Option(help="reuse this tokenizer.json instead of training one")
+        Path | None,
+        typer.Option(
+            help="reuse this tokenizer.json instead of training one; for chat records, the "
+            "model's tokenizer folder (tokenizer.json, tokenizer_config.json)"
+        ),
+    ] = None,
+    chat_template: Annotated[
+        Path | None,
+        typer.Option(help="a Jinja chat template replacing the tokenizer folder's"),
     ] = None,
     eos_token: Annotated[
         str | None,
@@ -65,10 +73,38 @@ def tokenize(
     """Tokenize a corpus into token shards with byte-level BPE.
 
     Train on them with data.path=OUT_DIR. The corpus is streamed with bounded memory; run the
-    command again to finish an interrupted one.
+    command again to finish an interrupted one. Chat records (messages, or prompt and completion)
+    are rendered with the model's chat template and get a loss mask beside their shards.
     """
     with user_errors():
         from theseus.data.bpe import tokenize as tokenize_corpus
+        from theseus.data.chat_tokenize import is_chat_corpus, tokenize_chat
+
+        if is_chat_corpus(corpus):
+            if vocab_size is not None or tokenizer is None:
+                raise ValueError(
+                    f"corpus {corpus!r} holds chat records, which are tokenized with the model's "
+                    "own tokenizer and chat template; pass --tokenizer with its tokenizer folder "
+                    "(tokenizer.json, tokenizer_config.json) and no --vocab-size"
+                )
+            chat = tokenize_chat(
+                corpus,
+                out_dir,
+                tokenizer=tokenizer,
+                chat_template=chat_template,
+                eos_token=eos_token,
+                validation_fraction=validation_fraction,
+                seed=seed,
+                shard_tokens=shard_tokens,
+                overwrite=overwrite,
+            )
+            typer.echo(chat.describe())
+            return
+        if chat_template is not None:
+            raise ValueError(
+                f"--chat-template applies to chat records (messages, or prompt and completion), "
+                f"but corpus {corpus!r} holds none; drop it or pass a chat corpus"
+            )
 
         result = tokenize_corpus(
             corpus,

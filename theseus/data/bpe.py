@@ -25,7 +25,6 @@ from theseus.data.shards import (
     FORMAT,
     PROGRESS_FILE,
     SPLITS,
-    TOKENIZED_RECORD,
     TOKENIZER_FILE,
     ShardWriter,
     write_json_atomic,
@@ -117,10 +116,13 @@ def check_vocab_size(vocab_size: int) -> None:
 
 
 def load_tokenizer(path: str | os.PathLike):
-    """A ``tokenizers.Tokenizer`` from a ``tokenizer.json`` (a clear error when unreadable)."""
+    """A ``tokenizers.Tokenizer`` from a ``tokenizer.json``, or a model's tokenizer folder holding
+    one (a clear error when unreadable)."""
     from tokenizers import Tokenizer
 
     path = Path(path)
+    if path.is_dir():
+        path = path / TOKENIZER_FILE
     if not path.is_file():
         raise ValueError(f"tokenizer {str(path)!r} does not exist; pass a tokenizer.json")
     try:
@@ -229,33 +231,34 @@ def tokenize(
             bpe = load_tokenizer(out / TOKENIZER_FILE)  # trained before the interruption
         else:
             bpe = reused
-            shutil.copyfile(tokenizer, out / TOKENIZER_FILE)
+            given = Path(tokenizer)
+            shutil.copyfile(
+                given / TOKENIZER_FILE if given.is_dir() else given, out / TOKENIZER_FILE
+            )
         eos_token, eos_id = end_of_text(bpe, eos_token, f"tokenizer {out / TOKENIZER_FILE}")
         dtype = token_dtype(bpe.get_vocab_size())
-        writers = {name: ShardWriter(out, name, shard_tokens, dtype, done[name]) for name in SPLITS}
+        writers = {
+            name: ShardWriter(out, name, shard_tokens, {"bin": dtype}, done[name])
+            for name in SPLITS
+        }
 
         def on_shard(name: str, position: tuple[int, int]) -> None:
             resume[name], done[name] = position, writers[name].shards
             write_progress()
 
-        try:
-            with _byte_progress(progress, total_bytes) as advance:
-                encode_stream(
-                    batches(pieces(), split_of, resume),
-                    bpe,
-                    eos_id=eos_id,
-                    writers=writers,
-                    on_shard=on_shard,
-                    advance=advance,
-                )
-        except BaseException:
-            for writer in writers.values():
-                writer.abandon()
-            raise
-        for writer in writers.values():
-            writer.close_shard()
-        summaries = {name: writers[name].summary() for name in SPLITS}
-        tokenize_io.check_both_splits(summaries, corpus)
+        with (
+            tokenize_io.abandon_on_error(writers),
+            _byte_progress(progress, total_bytes) as advance,
+        ):
+            encode_stream(
+                batches(pieces(), split_of, resume),
+                bpe,
+                eos_id=eos_id,
+                writers=writers,
+                on_shard=on_shard,
+                advance=advance,
+            )
+        summaries = tokenize_io.close_splits(writers, corpus)
     record = {
         "format": FORMAT,
         "vocab_size": bpe.get_vocab_size(),
@@ -268,9 +271,7 @@ def tokenize(
         "settings": settings,
         "splits": summaries,
     }
-    write_json_atomic(out / TOKENIZED_RECORD, record)
-    (out / PROGRESS_FILE).unlink(missing_ok=True)
-    result = tokenize_io.result_fields(out, record, resumed=not state.fresh)
+    result = tokenize_io.finish(out, record, fresh=state.fresh)
     return TokenizedCorpus(**result, seconds=time.perf_counter() - start)
 
 

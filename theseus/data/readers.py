@@ -88,7 +88,7 @@ def read_pieces(
     file's first ``cut`` bytes are document 0 and the rest document 1."""
     document = 0
     for item in inputs:
-        with _errors_name(item):
+        with errors_name(item):
             if item.kind == "jsonl":
                 texts = _jsonl_texts(item, text_field)
             elif item.kind == "parquet":
@@ -107,7 +107,7 @@ def check_inputs(inputs: list[InputFile], text_field: str) -> None:
     """Open every file and read its first document: an unreadable file or a missing field is an
     error before anything is written."""
     for item in inputs:
-        with _errors_name(item):
+        with errors_name(item):
             first = next(iter(read_pieces([item], text_field)), None)
         if first is None:
             raise ValueError(
@@ -125,7 +125,7 @@ def estimated_text_bytes(inputs: list[InputFile]) -> int:
         if item.kind == "parquet":
             import pyarrow.parquet as pq
 
-            with _errors_name(item):
+            with errors_name(item):
                 metadata = pq.ParquetFile(item.path).metadata
             size = sum(
                 metadata.row_group(i).total_byte_size for i in range(metadata.num_row_groups)
@@ -141,7 +141,7 @@ def text_size(item: InputFile) -> int:
     if item.compression is None:
         return item.path.stat().st_size
     total = 0
-    with _errors_name(item), _open_binary(item) as stream:
+    with errors_name(item), open_binary(item) as stream:
         while block := stream.read(PIECE_BYTES):
             total += len(block)
     return total
@@ -149,7 +149,7 @@ def text_size(item: InputFile) -> int:
 
 def read_bytes(item: InputFile) -> bytes:
     """A text file's whole (decompressed) bytes: the byte loader reads them at once."""
-    with _errors_name(item), _open_binary(item) as stream:
+    with errors_name(item), open_binary(item) as stream:
         return stream.read()
 
 
@@ -182,7 +182,7 @@ def _numbered(texts: Iterator[str], document: int) -> Iterator[Piece]:
 
 def _text_documents(item: InputFile, cut: int | None) -> Iterator[Iterator[str]]:
     """A text file as one document of pieces, or two documents split at byte ``cut``."""
-    with _open_binary(item) as stream:
+    with open_binary(item) as stream:
         if cut is None:
             yield _text_pieces(stream, None)
         else:
@@ -209,18 +209,23 @@ def _text_pieces(stream: io.BufferedIOBase, limit: int | None) -> Iterator[str]:
 
 
 def _jsonl_texts(item: InputFile, text_field: str) -> Iterator[str]:
-    with _open_binary(item) as stream:
+    for record, number in jsonl_records(item):
+        yield _field(record, text_field, f"{item.path}, line {number}")
+
+
+def jsonl_records(item: InputFile) -> Iterator[tuple[object, int]]:
+    """Each record of a JSON Lines file and its line number (blank lines skipped)."""
+    with open_binary(item) as stream:
         for number, line in enumerate(stream, start=1):
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                yield json.loads(line), number
             except ValueError as error:
                 raise ValueError(
                     f"{item.path}, line {number}, is not valid JSON ({error}); fix or remove "
                     "that line"
                 ) from None
-            yield _field(record, text_field, f"{item.path}, line {number}")
 
 
 def _parquet_texts(item: InputFile, text_field: str) -> Iterator[str]:
@@ -261,7 +266,7 @@ def _field(record: object, text_field: str, where: str) -> str:
     return text
 
 
-def _open_binary(item: InputFile) -> io.BufferedIOBase:
+def open_binary(item: InputFile) -> io.BufferedIOBase:
     """The file's decompressed bytes as a stream."""
     if item.compression == "gz":
         return gzip.open(item.path, "rb")
@@ -275,7 +280,7 @@ def _open_binary(item: InputFile) -> io.BufferedIOBase:
 
 
 @contextlib.contextmanager
-def _errors_name(item: InputFile) -> Iterator[None]:
+def errors_name(item: InputFile) -> Iterator[None]:
     """Turn a decompression or format error while reading ``item`` into a ValueError that
     names the file (errors that already name it pass through)."""
     try:

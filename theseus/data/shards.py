@@ -1,6 +1,11 @@
 """The sharded token format of ``theseus tokenize``: ``train-NNNNN.bin`` and
 ``validation-NNNNN.bin`` shards of raw tokens, and the ``tokens.json`` manifest, written last.
 
+A tokenized chat corpus also holds, beside each token shard, its loss mask
+(``train-NNNNN.mask``, one ``uint8`` per token: 1 where the token trains) and its conversations'
+lengths (``train-NNNNN.docs``, one ``uint32`` token count per conversation, in order: where
+examples begin), both named in the shard's manifest entry.
+
 A shard is written as a hidden ``.NAME.partial`` file and renamed when complete; the progress
 record ``.tokenize-progress.json`` lists the complete shards and where in the corpus each split
 goes on, so an interrupted run resumes from them. A folder trains only once its manifest
@@ -21,14 +26,34 @@ import numpy as np
 
 TOKENIZED_RECORD = "tokens.json"  # the manifest
 TOKENIZER_FILE = "tokenizer.json"
+# A chat corpus keeps its tokenizer's configuration and chat template beside tokenizer.json.
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 PROGRESS_FILE = ".tokenize-progress.json"
 SPLITS = ("train", "validation")
+OWN_NAMES = (
+    TOKENIZED_RECORD,
+    TOKENIZER_FILE,
+    TOKENIZER_CONFIG_FILE,
+    CHAT_TEMPLATE_FILE,
+    PROGRESS_FILE,
+)
 FORMAT = "theseus-token-shards-1"
 SHARD_PATTERN = re.compile(r"(train|validation)-\d{5}\.bin")
+MASK_PATTERN = re.compile(r"(train|validation)-\d{5}\.(mask|docs)")
+MASK_DTYPE = "uint8"
+DOCS_DTYPE = "uint32"
 
 
-def shard_name(split: str, index: int) -> str:
-    return f"{split}-{index:05d}.bin"
+def shard_name(split: str, index: int, suffix: str = "bin") -> str:
+    return f"{split}-{index:05d}.{suffix}"
+
+
+def is_partial(name: str) -> bool:
+    """A shard or mask that a run began and did not finish (``.NAME.partial``)."""
+    return name.startswith(".") and name.endswith(
+        (".bin.partial", ".mask.partial", ".docs.partial")
+    )
 
 
 def own_files(folder: Path) -> list[str]:
@@ -37,9 +62,10 @@ def own_files(folder: Path) -> list[str]:
     return sorted(
         p.name
         for p in folder.iterdir()
-        if p.name in (TOKENIZED_RECORD, TOKENIZER_FILE, PROGRESS_FILE)
+        if p.name in OWN_NAMES
         or SHARD_PATTERN.fullmatch(p.name)
-        or (p.name.startswith(".") and p.name.endswith(".bin.partial"))
+        or MASK_PATTERN.fullmatch(p.name)
+        or is_partial(p.name)
     )
 
 
@@ -147,15 +173,38 @@ def read_manifest(folder: Path) -> Manifest:
 def open_split(folder: Path, manifest: Manifest, split: str) -> np.ndarray | ShardedTokens:
     """A split's shards memory-mapped as one token sequence (a shard's size is checked against
     the manifest; nothing else is read)."""
-    dtype = np.dtype(manifest.token_dtype)
+    return _open_shards(folder, manifest, split, "name", np.dtype(manifest.token_dtype))
+
+
+def open_masks(folder: Path, manifest: Manifest, split: str) -> np.ndarray | ShardedTokens:
+    """A masked corpus's loss mask of a split (1 where a token trains), memory-mapped as one
+    sequence aligned with :func:`open_split`'s tokens."""
+    if not manifest.data.get("loss_mask"):
+        raise ValueError(f"{folder} holds no loss mask; tokenize a chat corpus to make one")
+    return _open_shards(folder, manifest, split, "mask", np.dtype(MASK_DTYPE))
+
+
+def example_lengths(folder: Path, manifest: Manifest, split: str) -> np.ndarray:
+    """A chat corpus's conversation lengths in tokens, in order over a split's shards (their
+    running sum is where each example begins in :func:`open_split`'s tokens)."""
+    if not manifest.data.get("loss_mask"):
+        raise ValueError(f"{folder} holds no conversation lengths; tokenize a chat corpus")
+    parts = [
+        np.fromfile(folder / shard["docs"], dtype=DOCS_DTYPE)
+        for shard in manifest.split(split)["shards"]
+    ]
+    return np.concatenate(parts).astype(np.int64)  # (conversations,)
+
+
+def _open_shards(folder: Path, manifest: Manifest, split: str, key: str, dtype: np.dtype):
     shards = []
     for shard in manifest.split(split)["shards"]:
-        path = folder / shard["name"]
+        path = folder / shard[key]
         expected = int(shard["tokens"]) * dtype.itemsize
         actual = path.stat().st_size if path.is_file() else None
         if actual != expected:
             raise ValueError(
-                f"shard {path} should hold {shard['tokens']} {dtype} tokens ({expected} bytes) "
+                f"shard {path} should hold {shard['tokens']} {dtype} values ({expected} bytes) "
                 f"but {'is missing' if actual is None else f'has {actual} bytes'}; tokenize "
                 "the corpus again"
             )
@@ -170,83 +219,102 @@ def open_split(folder: Path, manifest: Manifest, split: str) -> np.ndarray | Sha
 
 
 class ShardWriter:
-    """Appends one split's tokens to its current shard (a hidden partial file) and closes the
-    shard, by renaming it, once it holds ``shard_tokens`` or more at a piece boundary."""
+    """Appends one split's tokens (and, for a chat corpus, their loss mask) to its current shard
+    (hidden partial files) and closes the shard, by renaming its files, once it holds
+    ``shard_tokens`` or more at a piece boundary. ``dtypes`` maps each file's suffix to its
+    dtype: ``{"bin": token dtype}``, plus ``"mask": MASK_DTYPE`` and ``"docs": DOCS_DTYPE``
+    for a chat corpus (whose documents are one piece each)."""
 
-    def __init__(self, folder: Path, split: str, shard_tokens: int, dtype: str, done: list):
+    def __init__(self, folder: Path, split: str, shard_tokens: int, dtypes: dict, done: list):
+        assert next(iter(dtypes)) == "bin" and set(dtypes) <= {"bin", "mask", "docs"}
         self.folder = folder
         self.split = split
         self.shard_tokens = shard_tokens
-        self.dtype = np.dtype(dtype)
-        self.shards = list(done)  # complete shards: {"name", "tokens", "documents", "bytes"}
-        self._file = None
-        self._tokens = self._documents = self._bytes = 0
+        self.dtypes = {suffix: np.dtype(dtype) for suffix, dtype in dtypes.items()}
+        self.shards = list(done)  # complete shards: {"name", "tokens", "documents", "bytes"...}
+        self._files: dict = {}
+        self._tokens = self._documents = self._bytes = self._trained = 0
 
-    def _partial(self) -> Path:
-        return self.folder / f".{shard_name(self.split, len(self.shards))}.partial"
+    def _partial(self, suffix: str) -> Path:
+        return self.folder / f".{shard_name(self.split, len(self.shards), suffix)}.partial"
 
     def write_pieces(
         self,
-        tokens: np.ndarray,
+        arrays: dict[str, np.ndarray],
         counts: list[int],
         sizes: list[int],
         lasts: list[bool],
         on_close: Callable[[int], None],
     ) -> None:
-        """Append consecutive pieces (``tokens`` is their concatenation; piece ``i`` has
-        ``counts[i]`` tokens, ``sizes[i]`` bytes of text and ends its document when ``lasts[i]``);
-        a shard closes after the first piece that brings it to ``shard_tokens`` or more, and
-        ``on_close(i)`` is called then, while ``shards`` ends with that shard."""
-        start = 0  # first token of this shard's part of ``tokens``
+        """Append consecutive pieces (``arrays`` holds, per suffix, their tokens or mask values
+        concatenated, or for ``"docs"`` one value per piece; piece ``i`` has ``counts[i]``
+        tokens, ``sizes[i]`` bytes of text and ends its document when ``lasts[i]``); a shard closes after the first piece that brings it to
+        ``shard_tokens`` or more, and ``on_close(i)`` is called then, while ``shards`` ends with
+        that shard."""
+        assert "docs" not in self.dtypes or all(lasts), "documents of one piece each"
+        start = 0  # first token of this shard's part of the arrays
         offset = 0
+        first = 0  # first piece of this shard's part
         for index, (count, size, last) in enumerate(zip(counts, sizes, lasts, strict=True)):
             offset += count
             self._tokens += count
             self._bytes += size
             self._documents += int(last)
             if self._tokens >= self.shard_tokens:
-                self._append(tokens[start:offset])
+                self._append(arrays, (start, offset), (first, index + 1))
                 self.close_shard()
                 on_close(index)
-                start = offset
+                start, first = offset, index + 1
         if start < offset:
-            self._append(tokens[start:offset])
+            self._append(arrays, (start, offset), (first, len(counts)))
 
-    def _append(self, tokens: np.ndarray) -> None:
-        if self._file is None:
-            self._file = open(self._partial(), "wb")  # noqa: SIM115 - closed in close_shard
-        self._file.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
+    def _append(self, arrays: dict[str, np.ndarray], tokens: tuple, pieces: tuple) -> None:
+        """Append tokens ``[start, stop)`` (and pieces ``[first, last)`` for ``"docs"``)."""
+        for suffix, dtype in self.dtypes.items():
+            start, stop = pieces if suffix == "docs" else tokens
+            if suffix not in self._files:
+                self._files[suffix] = open(self._partial(suffix), "wb")  # noqa: SIM115 - closed in close_shard
+            values = np.ascontiguousarray(arrays[suffix][start:stop], dtype=dtype)
+            self._files[suffix].write(values.tobytes())
+            if suffix == "mask":
+                self._trained += int(np.count_nonzero(values))
 
     def close_shard(self) -> None:
-        """Finish the current shard (if it holds anything): flush, sync, rename."""
-        if self._file is None:
+        """Finish the current shard (if it holds anything): flush, sync, rename (the
+        tokens last, so a shard whose tokens exist has its mask and lengths)."""
+        if not self._files:
             return
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-        self._file = None
-        name = shard_name(self.split, len(self.shards))
-        os.replace(self._partial(), self.folder / name)
-        self.shards.append(
-            {
-                "name": name,
-                "tokens": self._tokens,
-                "documents": self._documents,
-                "bytes": self._bytes,
-            }
-        )
-        self._tokens = self._documents = self._bytes = 0
+        entry = {}
+        for suffix in reversed(self.dtypes):
+            stream = self._files.pop(suffix)
+            stream.flush()
+            os.fsync(stream.fileno())
+            stream.close()
+            name = shard_name(self.split, len(self.shards), suffix)
+            os.replace(self._partial(suffix), self.folder / name)
+            entry["name" if suffix == "bin" else suffix] = name
+        entry.update(tokens=self._tokens, documents=self._documents, bytes=self._bytes)
+        if "mask" in self.dtypes:
+            entry["trained_tokens"] = self._trained
+        self.shards.append(entry)
+        self._tokens = self._documents = self._bytes = self._trained = 0
 
     def abandon(self) -> None:
         """Close the partial shard without keeping it."""
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-            self._partial().unlink(missing_ok=True)
+        for suffix, stream in self._files.items():
+            stream.close()
+            self._partial(suffix).unlink(missing_ok=True)
+        self._files = {}
 
     def summary(self) -> dict:
         """The split's entry of the manifest."""
+        kept = ("name", "tokens", "mask", "docs", "trained_tokens")
+        totals = ("tokens", "documents", "bytes", "trained_tokens")
         return {
-            "shards": [{"name": s["name"], "tokens": s["tokens"]} for s in self.shards],
-            **{key: sum(s[key] for s in self.shards) for key in ("tokens", "documents", "bytes")},
+            "shards": [{key: s[key] for key in kept if key in s} for s in self.shards],
+            **{
+                key: sum(s[key] for s in self.shards)
+                for key in totals
+                if key != "trained_tokens" or "mask" in self.dtypes
+            },
         }

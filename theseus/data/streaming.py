@@ -83,7 +83,7 @@ def encode_stream(
             texts = [routed.piece.text for routed in batch]
             yield batch, tokenizer.encode_batch_fast(texts, add_special_tokens=False)
 
-    for batch, encodings in _read_ahead(encoded(_read_ahead(batches_in)), depth=1):
+    for batch, encodings in read_ahead(encoded(read_ahead(batches_in)), depth=1):
         for split, writer in writers.items():
             pieces = [
                 (r.piece, e) for r, e in zip(batch, encodings, strict=True) if r.split == split
@@ -110,14 +110,14 @@ def _write_pieces(
         counts.append(len(piece_ids) + piece.last)
         sizes.append(len(piece.text) if piece.text.isascii() else len(piece.text.encode()))
         lasts.append(piece.last)
-    tokens = np.asarray(ids, dtype=writer.dtype)  # (tokens of these pieces,)
+    tokens = np.asarray(ids, dtype=writer.dtypes["bin"])  # (tokens of these pieces,)
     writer.write_pieces(
-        tokens, counts, sizes, lasts, lambda i: on_shard(next_position(pieces[i][0]))
+        {"bin": tokens}, counts, sizes, lasts, lambda i: on_shard(next_position(pieces[i][0]))
     )
     return sum(sizes)
 
 
-def _read_ahead(items: Iterator[T], *, depth: int = QUEUE_BATCHES) -> Iterator[T]:
+def read_ahead(items: Iterator[T], *, depth: int = QUEUE_BATCHES) -> Iterator[T]:
     """``items``, produced by a daemon thread at most ``depth`` ahead; an error there is
     raised here, and leaving early stops the thread."""
     channel: queue.Queue = queue.Queue(maxsize=depth)

@@ -17,8 +17,10 @@ from theseus.data.shards import (
     SPLITS,
     TOKENIZED_RECORD,
     is_incomplete,
+    is_partial,
     own_files,
     read_json,
+    write_json_atomic,
 )
 from theseus.data.split import DocumentSplit, split_by_file, tail_split_size
 from theseus.data.tokens import builtin_files
@@ -119,8 +121,9 @@ def prepare_output(out: Path, settings: dict, *, overwrite: bool) -> OutputState
         reason = "a tokenized corpus made with other settings or from another corpus"
     elif progress.is_file() and read_json(progress, "progress record").get("settings") == settings:
         splits = read_json(progress, "progress record")["splits"]
-        for path in out.glob(".*.bin.partial"):
-            path.unlink()
+        for path in out.iterdir():
+            if is_partial(path.name):
+                path.unlink()
         return OutputState(fresh=False, splits=splits)
     elif progress.is_file():
         reason = "an interrupted tokenization with other settings or of another corpus"
@@ -147,6 +150,35 @@ def cleanup_on_error(out: Path, *, fresh: bool) -> Iterator[None]:
             else:
                 shutil.rmtree(out)
         raise
+
+
+@contextlib.contextmanager
+def abandon_on_error(writers: dict) -> Iterator[None]:
+    """Whatever stops the writing (a bad input, an interruption), the partial shards go; the
+    complete ones stay for a resumed run."""
+    try:
+        yield
+    except BaseException:
+        for writer in writers.values():
+            writer.abandon()
+        raise
+
+
+def close_splits(writers: dict, corpus: str | Path) -> dict:
+    """Close each split's last shard; the splits' manifest entries (both must hold documents)."""
+    for writer in writers.values():
+        writer.close_shard()
+    summaries = {name: writers[name].summary() for name in SPLITS}
+    check_both_splits(summaries, corpus)
+    return summaries
+
+
+def finish(out: Path, record: dict, *, fresh: bool) -> dict:
+    """Write the manifest (the folder trains from now on), drop the progress record; the result
+    fields."""
+    write_json_atomic(out / TOKENIZED_RECORD, record)
+    (out / PROGRESS_FILE).unlink(missing_ok=True)
+    return result_fields(out, record, resumed=not fresh)
 
 
 def check_both_splits(summaries: dict, corpus: str | Path) -> None:

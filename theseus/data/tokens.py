@@ -187,6 +187,15 @@ def _tokenized_corpus(root: Path, vocab_size: int | None) -> Corpus:
             "drop vocab_size"
         )
     manifest = read_manifest(root)
+    if manifest.data.get("loss_mask"):
+        raise ValueError(
+            f"{str(root)!r} is a tokenized chat corpus: its tokens carry a loss mask (only the "
+            "assistant's tokens train) and its conversations must not attend to one another. "
+            "Training on it needs packing with segment ids and the masked loss, which this "
+            "theseus does not have yet, and training on its tokens as a plain stream would "
+            "silently train on every user, system and tool token; train on a corpus tokenized "
+            "from text instead"
+        )
     dtype, record_vocab = manifest.token_dtype, manifest.vocab_size
     train, validation = (open_split(root, manifest, name) for name in SPLITS)
     tokenizer = root / TOKENIZER_FILE

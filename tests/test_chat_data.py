@@ -1,0 +1,398 @@
+"""Chat data: conversations rendered and encoded as transformers' ``apply_chat_template`` does,
+loss masks equal to its ``assistant_masks`` ({% generation %}) or to prefix rendering, shards and
+masks streamed and resumed, bad input refused, and masked corpora refused by training.
+
+Tiny byte-level BPE tokenizers are made here with the chat templates of Llama 3, Qwen2.5
+(ChatML, a default system prompt, tools) and a ChatML template with {% generation %} blocks.
+"""
+
+import gzip
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hf_reference import libraries
+from support import TINY_GPT, invoke
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+import theseus.data.chat_tokenize as chat_tokenize
+from theseus.data import load_corpus
+from theseus.data.chat import ChatEncoder
+from theseus.data.chat_records import parse_record
+from theseus.data.shards import (
+    PROGRESS_FILE,
+    example_lengths,
+    open_masks,
+    open_split,
+    read_manifest,
+)
+from theseus.data.split import DocumentSplit
+
+LLAMA3 = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+    "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | "
+    "trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}"
+    "{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+QWEN25 = r"""{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
+    {%- endif %}
+    {{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\n<tool_call>\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {{- message.content }}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}
+"""
+GENERATION = (
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
+    "{{ raise_exception('role ' + message['role'] + ' is not one of this template') }}{% endif %}"
+    "{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' }}"
+    "{% generation %}{{ message['content'] }}{{ '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+SPECIAL = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|endoftext|>",
+]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather of a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Zürich"}}}
+CONVERSATIONS = [
+    {
+        "messages": [
+            {"role": "system", "content": "You answer briefly."},
+            {"role": "user", "content": "  What is a naïve café? 😀 "},
+            {"role": "assistant", "content": "A café without guile.\n"},
+            {"role": "user", "content": "And a delta?"},
+            {"role": "assistant", "content": "The fourth letter, after gamma."},
+        ]
+    },
+    {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+    {
+        "messages": [
+            {"role": "user", "content": "Weather in Zürich and Bern?"},
+            {"role": "assistant", "content": None, "tool_calls": [CALL, CALL]},
+            {"role": "tool", "content": '{"temp": 21}'},
+            {"role": "tool", "content": '{"temp": 19}'},
+            {"role": "assistant", "content": "21 and 19 degrees."},
+        ],
+        "tools": TOOLS,
+    },
+]
+
+
+def _tokenizer(bos_post_processor: bool) -> Tokenizer:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=SPECIAL,
+    )
+    text = json.dumps(CONVERSATIONS, ensure_ascii=False) + QWEN25 + LLAMA3
+    tokenizer.train_from_iterator([text] * 4, trainer)
+    if bos_post_processor:  # Llama 3's tokenizer adds <|begin_of_text|> to every text it encodes
+        bos = ("<|begin_of_text|>", tokenizer.token_to_id("<|begin_of_text|>"))
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single="<|begin_of_text|> $A", special_tokens=[bos]
+        )
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """Tokenizer folders: llama3 (template in tokenizer_config.json), qwen25 (template in
+    chat_template.jinja, as transformers 5 saves it) and generation."""
+    root = tmp_path_factory.mktemp("chat-tokenizers")
+    made = {}
+    for name, template, config in (
+        ("llama3", LLAMA3, {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}),
+        ("qwen25", QWEN25, {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}),
+        (
+            "generation",
+            GENERATION,
+            {"eos_token": {"__type": "AddedToken", "content": "<|im_end|>", "special": True}},
+        ),
+    ):
+        folder = root / name
+        folder.mkdir()
+        _tokenizer(name == "llama3").save(str(folder / "tokenizer.json"))
+        config = {**config, "tokenizer_class": "PreTrainedTokenizerFast"}
+        if name == "qwen25":
+            (folder / "chat_template.jinja").write_text(template)
+        else:
+            config["chat_template"] = template
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+        made[name] = folder
+    return made
+
+
+def _prefix_mask(hf, messages, tools, ids) -> np.ndarray:
+    """transformers' ids of the conversation up to each assistant turn (with the generation
+    prompt) and through it: the tokens between train, but trailing whitespace tokens."""
+    mask = np.zeros(len(ids), np.uint8)
+
+    def encoded(part, prompt):
+        out = hf.apply_chat_template(part, tools=tools, add_generation_prompt=prompt)
+        assert ids[: len(out["input_ids"])] == out["input_ids"]
+        return len(out["input_ids"])
+
+    for index, message in enumerate(messages):
+        if message["role"] == "assistant":
+            start, end = encoded(messages[:index], True), encoded(messages[: index + 1], False)
+            while end > start and not hf.decode(ids[end - 1 : end]).strip():
+                end -= 1
+            mask[start:end] = 1
+    return mask
+
+
+def test_ids_and_masks_equal_transformers(folders):
+    transformers = libraries().transformers
+    for name, folder in folders.items():
+        hf = transformers.PreTrainedTokenizerFast.from_pretrained(folder)
+        encoder = ChatEncoder.from_folder(folder)
+        for number, raw in enumerate(CONVERSATIONS):
+            messages, tools = raw["messages"], raw.get("tools")
+            if name == "llama3" and tools:
+                continue  # Llama 3's template has no tool calls
+            mine = encoder.encode_record(parse_record(raw, 0, "test"))
+            theirs = hf.apply_chat_template(
+                messages, tools=tools, return_assistant_tokens_mask=name == "generation"
+            )
+            assert mine.ids.tolist() == theirs["input_ids"], (name, number)
+            if name == "generation":
+                wanted = np.asarray(theirs["assistant_masks"], np.uint8)
+            else:
+                wanted = _prefix_mask(hf, messages, tools, theirs["input_ids"])
+            np.testing.assert_array_equal(mine.mask, wanted, err_msg=f"{name} {number}")
+            assert wanted.sum() > 0
+    llama = ChatEncoder.from_folder(folders["llama3"])
+    ids = llama.encode_record(parse_record(CONVERSATIONS[0], 0, "test")).ids
+    assert (ids == llama.tokenizer.token_to_id("<|begin_of_text|>")).sum() == 1  # no second BOS
+
+
+def test_prompt_completion_trains_the_completion_only(folders):
+    hf = libraries().transformers.PreTrainedTokenizerFast.from_pretrained(folders["llama3"])
+    encoder = ChatEncoder.from_folder(folders["llama3"])
+    record = {"prompt": "Translate: café →", "completion": " coffee shop"}
+    mine = encoder.encode_record(parse_record(record, 0, "test"))
+    prompt_ids = hf(record["prompt"])["input_ids"]  # begins with <|begin_of_text|>
+    assert mine.ids.tolist() == hf(record["prompt"] + record["completion"])["input_ids"] + [
+        encoder.eos_id
+    ]
+    assert mine.mask[: len(prompt_ids) - 1].sum() == 0 and mine.mask[-1] == 1
+    assert hf.decode(mine.ids[mine.mask == 1]) == " coffee shop<|eot_id|>"
+    conversational = {
+        "prompt": CONVERSATIONS[0]["messages"][:4],
+        "completion": CONVERSATIONS[0]["messages"][4:],
+    }
+    both = ChatEncoder.from_folder(folders["qwen25"]).encode_record(
+        parse_record(conversational, 0, "test")
+    )
+    whole = ChatEncoder.from_folder(folders["qwen25"]).encode_record(
+        parse_record(CONVERSATIONS[0], 0, "test")
+    )
+    np.testing.assert_array_equal(both.ids, whole.ids)
+    last = np.flatnonzero(whole.mask)
+    assert both.mask.sum() < whole.mask.sum() and both.mask[last[-1]] == 1
+    assert hf.decode(both.ids[both.mask == 1]) == "The fourth letter, after gamma.<|im_end|>"
+
+
+def _records(count: int) -> list[dict]:
+    records = []
+    for index in range(count):
+        raw = json.loads(json.dumps(CONVERSATIONS[index % len(CONVERSATIONS)]))
+        raw["messages"][-1]["content"] += f" ({index})" * (1 + index % 5)
+        records.append(raw)
+    return records
+
+
+def _write_corpus(folder, records) -> None:
+    folder.mkdir()
+    half = len(records) // 2
+    lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records[:half])
+    (folder / "a.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
+    # Parquet holds the messages as a list of structs (the records without tool calls)
+    table = pa.Table.from_pylist(
+        [{"messages": r["messages"]} for r in records[half:] if "tools" not in r]
+    )
+    pq.write_table(table, folder / "b.parquet", row_group_size=7)
+
+
+def test_shards_and_masks_stream_resume_and_training_refuses_them(folders, tmp_path, monkeypatch):
+    monkeypatch.setattr(chat_tokenize, "BATCH_BYTES", 2000)  # several batches, as in a large corpus
+    records = _records(90)
+    corpus = tmp_path / "chats"
+    _write_corpus(corpus, records)
+    half = len(records) // 2
+    read = records[:half] + [r for r in records[half:] if "tools" not in r]
+    tokenizer = folders["qwen25"]
+    whole = chat_tokenize.tokenize_chat(
+        corpus, tmp_path / "whole", tokenizer=tokenizer, shard_tokens=900
+    )
+    encoder = ChatEncoder.from_folder(tokenizer)
+    split = DocumentSplit(0.1, 0)
+    manifest = read_manifest(tmp_path / "whole")
+    assert manifest.data["loss_mask"] and whole.corpus.num_shards > 4
+    for name in ("train", "validation"):
+        chosen = [
+            encoder.encode_record(parse_record(raw, document, "test"))
+            for document, raw in enumerate(read)
+            if split.is_validation(document) == (name == "validation")
+        ]
+        tokens = np.asarray(open_split(tmp_path / "whole", manifest, name))
+        masks = np.asarray(open_masks(tmp_path / "whole", manifest, name))
+        np.testing.assert_array_equal(tokens, np.concatenate([e.ids for e in chosen]))
+        np.testing.assert_array_equal(masks, np.concatenate([e.mask for e in chosen]))
+        assert manifest.split(name)["trained_tokens"] == int(masks.sum())
+        lengths = example_lengths(tmp_path / "whole", manifest, name)
+        assert lengths.tolist() == [e.ids.size for e in chosen]
+    # Interrupted after some shards: the rerun resumes to the same files.
+    out = tmp_path / "out"
+    original = chat_tokenize.read_records
+
+    def interrupted(files):
+        for number, record in enumerate(original(files)):
+            if number == 60:
+                raise KeyboardInterrupt
+            yield record
+
+    monkeypatch.setattr(chat_tokenize, "read_records", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        chat_tokenize.tokenize_chat(corpus, out, tokenizer=tokenizer, shard_tokens=900)
+    monkeypatch.setattr(chat_tokenize, "read_records", original)
+    assert (out / PROGRESS_FILE).is_file() and list(out.glob("train-*.mask"))
+    again = chat_tokenize.tokenize_chat(corpus, out, tokenizer=tokenizer, shard_tokens=900)
+    assert again.corpus.resumed
+    for path in sorted((tmp_path / "whole").glob("*-*.*")):
+        assert (out / path.name).read_bytes() == path.read_bytes(), path.name
+    assert json.loads((out / "tokens.json").read_text())["splits"] == manifest.data["splits"]
+    # Training does not read masks yet: a masked corpus is refused, nothing written.
+    with pytest.raises(ValueError, match="packing"):
+        load_corpus(out)
+    result = invoke("train", f"data.path={out}", *TINY_GPT, "--out", tmp_path / "run")
+    assert result.exit_code == 2 and "masked loss" in result.output, result.output
+    assert not (tmp_path / "run").exists()
+
+
+def test_bad_chat_input_exits_2_and_writes_nothing(folders, tmp_path):
+    good = json.dumps(CONVERSATIONS[1])
+    cases = {
+        "no-messages.jsonl": ('{"text": "plain"}', "no 'messages' field"),
+        "no-content.jsonl": ('{"messages": [{"role": "user"}]}', "lacks 'content'"),
+        "no-role.jsonl": ('{"messages": [{"content": "hi"}]}', "lacks 'role'"),
+        "rejected.jsonl": (
+            '{"messages": [{"role": "robot", "content": "x"}, {"role": "assistant", "content": "y"}]}',
+            "rejected.jsonl, line 2: the chat template raised an error: role robot is not one",
+        ),
+        "untrained.jsonl": (
+            '{"messages": [{"role": "user", "content": "hi"}]}',
+            "no token to train",
+        ),
+    }
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "tokenizer.json").write_bytes((folders["generation"] / "tokenizer.json").read_bytes())
+    (bare / "tokenizer_config.json").write_text('{"eos_token": "<|im_end|>"}')
+    runs = [
+        ((name, good + "\n" + line), folders["generation"], text)
+        for name, (line, text) in cases.items()
+    ]
+    runs.append((("plain.jsonl", good), bare, "has no chat template"))
+    for (name, content), tokenizer, fragment in runs:
+        corpus = tmp_path / name
+        corpus.write_text(content + "\n")
+        for out in (tmp_path / "out", tmp_path / "empty"):
+            out.mkdir(exist_ok=True) if out.name == "empty" else None
+            result = invoke("tokenize", corpus, out, "--tokenizer", tokenizer, "--shard-tokens", 10)
+            assert result.exit_code == 2 and fragment in result.output, (name, result.output)
+            assert "Traceback" not in result.output and len(result.output.split("\n\n")) == 1
+            assert not out.exists() if out.name == "out" else not any(out.iterdir())
+    table = pa.Table.from_pylist([{"messages": CONVERSATIONS[1]["messages"]}, {"messages": None}])
+    pq.write_table(table, tmp_path / "holes.parquet")
+    result = invoke(
+        "tokenize", tmp_path / "holes.parquet", tmp_path / "out", "--tokenizer", folders["qwen25"]
+    )
+    assert result.exit_code == 2 and "holes.parquet, row group 0, row 1" in result.output
+    assert not (tmp_path / "out").exists()
+    template = tmp_path / "raises.jinja"
+    template.write_text("{{ raise_exception('this template refuses everything') }}")
+    corpus = tmp_path / "plain.jsonl"
+    result = invoke(
+        "tokenize",
+        corpus,
+        tmp_path / "out",
+        "--tokenizer",
+        folders["generation"],
+        "--chat-template",
+        template,
+    )
+    assert result.exit_code == 2 and "this template refuses everything" in result.output
+    result = invoke("tokenize", corpus, tmp_path / "out", "--vocab-size", 300)
+    assert result.exit_code == 2 and "tokenizer folder" in result.output

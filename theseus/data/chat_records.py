@@ -1,0 +1,165 @@
+"""Chat and completion records: JSON Lines (plain, gzip or zstd) and Parquet rows holding
+``messages`` (a list of ``{role, content}``, as OpenAI and Hugging Face write them, with optional
+``tools``), or ``prompt`` and ``completion`` (two texts, or two lists of messages).
+
+Records are numbered in reading order (files sorted by relative path) like documents; a bad
+record is a ``ValueError`` naming its file and line or row.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from theseus.data.readers import InputFile, errors_name, jsonl_records, list_inputs, walk_sorted
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """Messages to render with the chat template; those before ``first`` (a prompt's) never
+    train."""
+
+    document: int
+    messages: list[dict]
+    tools: list | None
+    first: int
+    where: str
+
+
+@dataclass(frozen=True)
+class TextCompletion:
+    """A plain prompt and its completion: the completion (and an end-of-text token) trains."""
+
+    document: int
+    prompt: str
+    completion: str
+    where: str
+
+
+Record = Conversation | TextCompletion
+
+
+def is_chat_record(record: object) -> bool:
+    return isinstance(record, dict) and (
+        "messages" in record or ("prompt" in record and "completion" in record)
+    )
+
+
+def chat_files(corpus: str | Path) -> list[InputFile]:
+    """The JSON Lines and Parquet files of a chat corpus (a file or a folder)."""
+    root = Path(corpus)
+    if not root.exists():
+        raise ValueError(
+            f"corpus {str(root)!r} does not exist; pass a chat JSON Lines or Parquet file or a folder of them"
+        )
+    files = (
+        list_inputs(root.parent, [root.name])
+        if root.is_file()
+        else list_inputs(root, walk_sorted(root))
+    )
+    if not files:
+        raise ValueError(f"corpus {str(root)!r} holds no non-empty files; add records to it")
+    for item in files:
+        if item.kind == "text":
+            raise ValueError(
+                f"{item.path} is a text file in a chat corpus; chat records come in JSON Lines "
+                "(.jsonl, .jsonl.gz, .jsonl.zst) or Parquet files: convert or remove it"
+            )
+    return files
+
+
+def first_record(files: list[InputFile]) -> object | None:
+    """The first raw record of the first file (None when it holds none)."""
+    for item in files:
+        with errors_name(item):
+            for raw, _ in _raw_records(item):
+                return raw
+    return None
+
+
+def read_records(files: list[InputFile]) -> Iterator[Record]:
+    """Every record of ``files`` in order, checked."""
+    document = 0
+    for item in files:
+        with errors_name(item):
+            for raw, where in _raw_records(item):
+                yield parse_record(raw, document, where)
+                document += 1
+
+
+def parse_record(raw: object, document: int, where: str) -> Record:
+    if not is_chat_record(raw):
+        keys = ", ".join(map(repr, raw)) if isinstance(raw, dict) else type(raw).__name__
+        raise ValueError(
+            f"{where}: the record has no 'messages' field (nor 'prompt' and 'completion'; it "
+            f"has {keys or 'nothing'}); give each record a list of {{role, content}} messages "
+            "or a prompt and a completion"
+        )
+    tools = raw.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise ValueError(f"{where}: 'tools' holds {type(tools).__name__}, not a list; fix it")
+    if "messages" in raw:
+        return Conversation(
+            document, _messages(raw["messages"], where, "messages"), tools, 0, where
+        )
+    prompt, completion = raw["prompt"], raw["completion"]
+    if isinstance(prompt, str) and isinstance(completion, str):
+        return TextCompletion(document, prompt, completion, where)
+    if isinstance(prompt, list) and isinstance(completion, list):
+        messages = _messages(prompt, where, "prompt") + _messages(completion, where, "completion")
+        return Conversation(document, messages, tools, len(prompt), where)
+    raise ValueError(
+        f"{where}: 'prompt' and 'completion' hold {type(prompt).__name__} and "
+        f"{type(completion).__name__}; give two texts or two lists of messages"
+    )
+
+
+def _messages(messages: object, where: str, field: str) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(
+            f"{where}: {field!r} holds {type(messages).__name__ if messages else 'nothing'}, not "
+            "a non-empty list of messages; fix the record"
+        )
+    for number, message in enumerate(messages):
+        lacking = (
+            [key for key in ("role", "content") if key not in message]
+            if isinstance(message, dict)
+            else ["role", "content"]
+        )
+        if lacking:
+            raise ValueError(
+                f"{where}: message {number} of {field!r} lacks {' and '.join(map(repr, lacking))} "
+                f"(it is {json.dumps(message)[:120]}); every message needs a role and a content "
+                "(null only beside tool_calls)"
+            )
+        if not isinstance(message["role"], str):
+            raise ValueError(f"{where}: message {number} has role {message['role']!r}, not text")
+        if message["content"] is None and not message.get("tool_calls"):
+            raise ValueError(
+                f"{where}: message {number} of {field!r} has a null content and no tool_calls; "
+                "give it a content"
+            )
+    return messages
+
+
+def _raw_records(item: InputFile) -> Iterator[tuple[object, str]]:
+    if item.kind == "parquet":
+        import pyarrow.parquet as pq
+
+        parquet = pq.ParquetFile(item.path)
+        names = parquet.schema_arrow.names
+        columns = [c for c in ("messages", "prompt", "completion", "tools") if c in names]
+        if not columns:
+            raise ValueError(
+                f"{item.path} has no column 'messages' (nor 'prompt' and 'completion'; its "
+                f"columns: {', '.join(names)}); give it the conversations"
+            )
+        for group in range(parquet.num_row_groups):
+            rows = parquet.read_row_group(group, columns=columns).to_pylist()
+            for row, record in enumerate(rows):
+                yield record, f"{item.path}, row group {group}, row {row}"
+        return
+    for record, number in jsonl_records(item):
+        yield record, f"{item.path}, line {number}"

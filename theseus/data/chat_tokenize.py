@@ -1,0 +1,227 @@
+"""``theseus tokenize`` of a chat corpus: conversations rendered with the model's chat template,
+encoded with its tokenizer, written as token shards with a loss mask beside each (the format of
+:mod:`theseus.data.shards`, ``"loss_mask": true`` in the manifest).
+
+Records stream with bounded memory: a thread reads and renders records (JSON parsing and Jinja
+hold the GIL) in batches of about ``BATCH_BYTES`` of text, a thread encodes each batch (the
+``tokenizers`` library releases the GIL), and the calling thread writes. Each record is one
+document, split by document as text corpora are; an interrupted run resumes from its progress
+record and writes the same shards as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+import theseus.data.tokenize_io as tokenize_io
+from theseus.data.bpe import DEFAULT_SHARD_TOKENS, TokenizedCorpus, token_dtype
+from theseus.data.chat import ChatEncoder, Encoded, Example
+from theseus.data.chat_records import chat_files, first_record, is_chat_record, read_records
+from theseus.data.readers import fingerprint, list_inputs, walk_sorted
+from theseus.data.shards import (
+    CHAT_TEMPLATE_FILE,
+    DOCS_DTYPE,
+    FORMAT,
+    MASK_DTYPE,
+    PROGRESS_FILE,
+    SPLITS,
+    TOKENIZED_RECORD,
+    TOKENIZER_CONFIG_FILE,
+    TOKENIZER_FILE,
+    ShardWriter,
+    write_json_atomic,
+)
+from theseus.data.split import DocumentSplit
+from theseus.data.streaming import BATCH_BYTES, read_ahead
+
+
+@dataclass(frozen=True)
+class ChatTokenized:
+    """What tokenizing a chat corpus wrote: the corpus figures and the trained tokens."""
+
+    corpus: TokenizedCorpus
+    train_trained_tokens: int
+    validation_trained_tokens: int
+
+    def describe(self) -> str:
+        c = self.corpus
+        again = " (resumed)" if c.resumed else ""
+        return (
+            f"wrote {c.out_dir}{again}: {c.train_documents:,} + {c.validation_documents:,} "
+            f"conversations rendered with the chat template, {c.train_tokens:,} train + "
+            f"{c.validation_tokens:,} validation {c.token_dtype} tokens in {c.num_shards} "
+            f"shard(s), of which {self.train_trained_tokens:,} + "
+            f"{self.validation_trained_tokens:,} train (the loss mask beside each shard), in "
+            f"{c.seconds:.1f} s"
+        )
+
+
+def is_chat_corpus(corpus: str | os.PathLike) -> bool:
+    """Whether ``corpus`` is a chat corpus: the first record of its first JSON Lines or Parquet
+    file holds ``messages``, or ``prompt`` and ``completion``."""
+    path = Path(corpus)
+    if str(corpus) == tokenize_io.BUILTIN or not path.exists() or path.suffix == ".bin":
+        return False
+    if path.is_file():
+        inputs = list_inputs(path.parent, [path.name])
+    else:
+        inputs = list_inputs(path, walk_sorted(path))
+    try:
+        return is_chat_record(first_record([f for f in inputs if f.kind != "text"]))
+    except ValueError:
+        return False  # the text corpus reader reports the bad file
+
+
+def tokenize_chat(
+    corpus: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    tokenizer: str | os.PathLike,
+    chat_template: str | os.PathLike | None = None,
+    eos_token: str | None = None,
+    validation_fraction: float = 0.1,
+    seed: int = 0,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    overwrite: bool = False,
+) -> ChatTokenized:
+    """Tokenize the chat records of ``corpus`` with the tokenizer folder ``tokenizer`` (its chat
+    template, or the Jinja file ``chat_template``) into token and mask shards in ``out_dir``;
+    running it again on an interrupted folder goes on from its complete shards."""
+    start = time.perf_counter()
+    if isinstance(shard_tokens, bool) or not isinstance(shard_tokens, int) or shard_tokens < 1:
+        raise ValueError(f"shard_tokens must be a positive int, got {shard_tokens!r}")
+    files = chat_files(corpus)
+    encoder = ChatEncoder.from_folder(tokenizer, chat_template, eos_token)
+    for item in files:  # a bad first record, or a missing template, before anything is written
+        for record in read_records([item]):
+            encoder.render(record)
+            break
+    template = encoder.template
+    settings = {
+        "format": FORMAT,
+        "source": fingerprint(files),
+        "tokenizer": _sha256(encoder.tokenizer.to_str()),
+        "chat_template": None if template is None else template.sha256,
+        "eos_token": encoder.eos_token,
+        "loss_mask": True,
+        "validation_fraction": validation_fraction,
+        "seed": seed,
+        "shard_tokens": shard_tokens,
+    }
+    out = Path(out_dir)
+    state = tokenize_io.prepare_output(out, settings, overwrite=overwrite)
+    if state.finished is not None:
+        record = tokenize_io.read_json(out / TOKENIZED_RECORD, "manifest")
+        fields = {**state.finished, "seconds": time.perf_counter() - start}
+        return _result(TokenizedCorpus(**fields), record)
+    split = DocumentSplit(validation_fraction, seed)
+    resume = {name: tuple(state.splits[name]["next"]) for name in SPLITS}
+    done = {name: list(state.splits[name]["shards"]) for name in SPLITS}
+
+    def write_progress() -> None:
+        splits = {name: {"shards": done[name], "next": resume[name]} for name in SPLITS}
+        write_json_atomic(out / PROGRESS_FILE, {"settings": settings, "splits": splits})
+
+    dtype = token_dtype(encoder.tokenizer.get_vocab_size())
+    with tokenize_io.cleanup_on_error(out, fresh=state.fresh):
+        out.mkdir(parents=True, exist_ok=True)
+        write_progress()
+        _copy_tokenizer(encoder, out)
+        dtypes = {"bin": dtype, "mask": MASK_DTYPE, "docs": DOCS_DTYPE}
+        writers = {
+            name: ShardWriter(out, name, shard_tokens, dtypes, done[name]) for name in SPLITS
+        }
+        with tokenize_io.abandon_on_error(writers):
+            batches = _rendered_batches(encoder, files, split, resume)
+            for batch, encoded in read_ahead(_encoded(encoder, read_ahead(batches)), depth=1):
+                for name, writer in writers.items():
+                    chosen = [(e, t) for (s, e), t in zip(batch, encoded, strict=True) if s == name]
+
+                    def on_close(index: int, name=name, chosen=chosen) -> None:
+                        resume[name] = (chosen[index][0].document + 1, 0)
+                        done[name] = writers[name].shards
+                        write_progress()
+
+                    if chosen:
+                        _write(writer, chosen, on_close)
+        summaries = tokenize_io.close_splits(writers, corpus)
+    record = {
+        "format": FORMAT,
+        "vocab_size": encoder.tokenizer.get_vocab_size(),
+        "token_dtype": dtype,
+        "eos_token": encoder.eos_token,
+        "eos_id": encoder.eos_id,
+        "tokenizer_sha256": settings["tokenizer"],
+        "trained_tokenizer": False,
+        "loss_mask": True,
+        "chat_template_sha256": settings["chat_template"],
+        "source": {
+            "description": f"chat records {str(corpus)!r}, {len(files)} file(s)",
+            "fingerprint": settings["source"],
+        },
+        "settings": settings,
+        "splits": summaries,
+    }
+    fields = tokenize_io.finish(out, record, fresh=state.fresh)
+    return _result(TokenizedCorpus(**fields, seconds=time.perf_counter() - start), record)
+
+
+def _rendered_batches(
+    encoder: ChatEncoder, files, split: DocumentSplit, resume: dict
+) -> Iterator[list[tuple[str, Example]]]:
+    """Records rendered and routed to their split, in batches of about ``BATCH_BYTES`` of text;
+    records before their split's resume position are read but not rendered."""
+    batch: list[tuple[str, Example]] = []
+    size = 0
+    for record in read_records(files):
+        name = "validation" if split.is_validation(record.document) else "train"
+        if (record.document, 0) < resume[name]:
+            continue
+        example = encoder.render(record)
+        batch.append((name, example))
+        size += len(example.text)
+        if size >= BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _encoded(encoder: ChatEncoder, batches) -> Iterator[tuple[list, list[Encoded]]]:
+    for batch in batches:
+        yield batch, encoder.encode([example for _, example in batch])
+
+
+def _write(writer: ShardWriter, chosen: list[tuple[Example, Encoded]], on_close) -> None:
+    """Append one split's encoded examples (one document each)."""
+    ids = np.concatenate([t.ids for _, t in chosen]).astype(writer.dtypes["bin"])  # (tokens,)
+    mask = np.concatenate([t.mask for _, t in chosen])  # (tokens,)
+    counts = [t.ids.size for _, t in chosen]
+    sizes = [len(e.text.encode()) for e, _ in chosen]
+    arrays = {"bin": ids, "mask": mask, "docs": np.asarray(counts)}
+    writer.write_pieces(arrays, counts, sizes, [True] * len(chosen), on_close)
+
+
+def _copy_tokenizer(encoder: ChatEncoder, out: Path) -> None:
+    """tokenizer.json, tokenizer_config.json and the template used, beside the shards."""
+    shutil.copyfile(encoder.folder / TOKENIZER_FILE, out / TOKENIZER_FILE)
+    shutil.copyfile(encoder.folder / TOKENIZER_CONFIG_FILE, out / TOKENIZER_CONFIG_FILE)
+    if encoder.template is not None:
+        (out / CHAT_TEMPLATE_FILE).write_text(encoder.template.source)
+
+
+def _result(corpus: TokenizedCorpus, record: dict) -> ChatTokenized:
+    train, validation = (record["splits"][name]["trained_tokens"] for name in SPLITS)
+    return ChatTokenized(corpus, train, validation)
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
