@@ -1,10 +1,10 @@
 """A run's model with its newest good parameters, and its float32 logits under any policy.
 
-:func:`load_run` reads the run's job from its checkpoint, builds its trainer for the
-run's policy merged with the caller's changes (or a policy that fits the devices at hand), and restores only the parameters into the layout
-asked for. :func:`logits` scores token ids: the parameters stay in their storage layout and each
-layer is gathered inside the layer scan as in training, so under FSDP the model is never whole on
-a device.
+:func:`load_run` reads the run's job from its checkpoint, builds its trainer for the run's
+policy merged with the caller's changes (or a policy that fits the devices at hand), and restores
+only the parameters into the layout asked for. :func:`logits` scores token ids: the parameters
+stay in their storage layout and each layer is gathered inside the layer scan as in training, so
+under FSDP the model is never whole on a device.
 """
 
 from __future__ import annotations

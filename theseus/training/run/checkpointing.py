@@ -114,8 +114,8 @@ def base_location(run_dir: Path, base: dict, given: Path | None = None) -> Path 
     raise ValueError(
         f"the base of the fine-tuning run {run_dir}, recorded as {base['run_dir']}, is not "
         f"found ({' or '.join(os.path.normpath(c) for c in candidates)} hold no {CHECKPOINTS}/): "
-        "it was moved apart from the run or removed. Point to it with --base DIR (base=DIR in Python); its "
-        "fingerprints check that it is the base this run was trained on."
+        "it was moved apart from the run or removed. Point to it with --base DIR (base=DIR in "
+        "Python); its fingerprints check that it is the base this run was trained on."
     )
 
 
