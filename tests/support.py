@@ -17,13 +17,18 @@ from typer.testing import CliRunner, Result
 from theseus.cli.app import app
 from theseus.config import apply_overrides
 from theseus.data import Sampler, load_corpus, validation_batches
-from theseus.model import GPTConfig
-from theseus.model.llama import LlamaConfig
+from theseus.jobs import families
 from theseus.sharding.axis import ShardingPolicy
 from theseus.sharding.topology import Topology, under_mesh
-from theseus.training.gpt import GPTTrainer
-from theseus.training.llama import LlamaTrainer
 from theseus.training.trainer import BaseTrainer, TrainerConfig
+
+# The model families from the registry (tests, like the package, never import a family module).
+FAMILIES = families()
+GPT_FAMILY, LLAMA_FAMILY = FAMILIES["gpt"].family, FAMILIES["llama"].family
+GPT, GPTConfig, GPT_PLAN = GPT_FAMILY.model_class, GPT_FAMILY.config_class, GPT_FAMILY.plan
+Llama, LlamaConfig = LLAMA_FAMILY.model_class, LLAMA_FAMILY.config_class
+GPTTrainer, LlamaTrainer = FAMILIES["gpt"].trainer_class, FAMILIES["llama"].trainer_class
+GPTTrainerConfig, LlamaTrainerConfig = GPTTrainer.config_class, LlamaTrainer.config_class
 
 # n_embd and n_mlp divide by 8 (tp=8 and FSDP over 8 devices); other dims differ from them.
 # Dropout is on: per-example keys must make its masks the same under every layout.
@@ -166,7 +171,9 @@ EQUIVALENCE_LLAMA = LlamaConfig(
     qk_norm=True,
 )
 
-TRAINERS: dict[type, type[BaseTrainer]] = {GPTConfig: GPTTrainer, LlamaConfig: LlamaTrainer}
+TRAINERS: dict[type, type[BaseTrainer]] = {
+    f.family.config_class: f.trainer_class for f in FAMILIES.values()
+}
 
 
 def equivalence_config(

@@ -6,7 +6,12 @@ import json
 import pytest
 from support import (
     EQUIVALENCE_LLAMA,
+    LLAMA_FAMILY,
     POLICIES,
+    GPTTrainer,
+    GPTTrainerConfig,
+    LlamaTrainer,
+    LlamaTrainerConfig,
     assert_same_numbers,
     equivalence_config,
     invoke,
@@ -18,10 +23,8 @@ from support import (
 )
 
 from theseus.config import apply_overrides
-from theseus.model.llama import num_params
 from theseus.sharding.axis import ShardingPolicy
 from theseus.training.flops import xla_flops_per_token
-from theseus.training.llama import LlamaTrainer, LlamaTrainerConfig
 
 MODEL = EQUIVALENCE_LLAMA
 
@@ -51,10 +54,10 @@ def test_plan_names_and_counts():
     assert names["layers/k_proj/bias"] == ("n_layer", "n_kv")
     assert names["layers/down_proj/weight"] == ("n_layer", "n_embd", "n_mlp")
     assert names["layers/q_norm/weight"] == ("n_layer", None)
-    assert trainer.num_params == num_params(MODEL)
+    assert trainer.num_params == LLAMA_FAMILY.num_params(MODEL)
     assert "layers/q_proj/weight" in trainer.per_layer_paths  # gathered one layer at a time
-    untied = num_params(MODEL.model_copy(update={"tie_word_embeddings": True}))
-    assert num_params(MODEL) - untied == 256 * 40
+    untied = LLAMA_FAMILY.num_params(MODEL.model_copy(update={"tie_word_embeddings": True}))
+    assert LLAMA_FAMILY.num_params(MODEL) - untied == 256 * 40
 
 
 def test_analytic_flops_match_xla():
@@ -85,7 +88,6 @@ def test_plan_llama31_8b_on_64_devices():
 
 def test_sequences_longer_than_the_context_are_refused():
     """Both decoders refuse a training.seq_len beyond their context, naming the key to raise."""
-    from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
 
     for trainer_class, config_class, key in (
         (GPTTrainer, GPTTrainerConfig, "model.block_size"),

@@ -15,6 +15,8 @@ _LAZY = {
     "Chain": "theseus.execution",
     "register": "theseus.jobs",
     "register_job": "theseus.jobs",
+    "families": "theseus.jobs",
+    "register_family": "theseus.jobs",
     "BaseTrainer": "theseus.training.trainer",
     "TrainerConfig": "theseus.training.trainer",
     "scan_layers": "theseus.sharding.layer_scan",

@@ -129,7 +129,6 @@ def plan_source(source: str) -> PlanSource:
     from theseus.execution import Chain
     from theseus.jobs import get_job
     from theseus.sharding.axis import ShardingPolicy
-    from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
 
     if not (source.endswith((".yaml", ".yml")) or Path(source).is_file()):
         trainer_class = get_job(source).trainer_class
@@ -139,4 +138,5 @@ def plan_source(source: str) -> PlanSource:
         chain = Chain.from_dict(data, where=source)
         first = chain.steps[0]
         return PlanSource(get_job(first.job).trainer_class, first.config, chain.policy)
-    return PlanSource(GPTTrainer, validate(GPTTrainerConfig, data or {}), ShardingPolicy())
+    gpt = get_job(DEFAULT_JOB).trainer_class
+    return PlanSource(gpt, validate(gpt.config_class, data or {}), ShardingPolicy())
