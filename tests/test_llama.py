@@ -66,24 +66,69 @@ def test_analytic_flops_match_xla():
     assert abs(analytic / xla - 1) < 0.1, (analytic, xla)
 
 
-def test_plan_llama31_8b_on_64_devices():
-    """The planner sizes Llama 3.1 8B (abstractly) on 64 devices."""
+# Llama 3.1 8B's config.json as transformers 4.x writes it (the layout of the published files).
+LLAMA31_8B_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.0.dev0",
+    "use_cache": True,
+    "vocab_size": 128256,
+}
+
+
+def test_plan_llama31_8b_on_64_devices(tmp_path):
+    """The planner sizes Llama 3.1 8B (abstractly) on 64 devices, from model overrides and from
+    its config.json (`--hf`, the file or its folder) with no model override: the same plan."""
     llama8b = [
         "model.vocab_size=128256", "model.hidden_size=4096", "model.intermediate_size=14336",
         "model.num_layers=32", "model.num_heads=32", "model.num_kv_heads=8",
         "model.max_position_embeddings=131072", "model.rope_theta=500000.0",
-        "model.rope_type=llama3", "training.seq_len=8192", "training.batch_size=64",
-        "training.dtype=bfloat16", "training.per_device_batch_size=1",
+        "model.rope_type=llama3", "model.rms_norm_eps=1e-5", "model.head_dim=128",
     ]  # fmt: skip
-    result = invoke(
-        "plan", "llama/train/pretrain", "--devices", "64", "--tp", "8", "--fsdp", "--json",
-        *llama8b,
-    )  # fmt: skip
+    training = [
+        "training.seq_len=8192", "training.batch_size=64", "training.dtype=bfloat16",
+        "training.per_device_batch_size=1",
+    ]  # fmt: skip
+    flags = ("--devices", "64", "--tp", "8", "--fsdp", "--json")
+    result = invoke("plan", "llama/train/pretrain", *flags, *llama8b, *training)
     assert result.exit_code == 0, result.output
     plan = json.loads(result.output)
     assert plan["num_params"] == 8_030_261_248  # Llama 3.1 8B's published count
     assert plan["mesh"] == {"batch": 8, "shard": 8}
     assert all(not row["problems"] for row in plan["rows"])
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA31_8B_CONFIG))
+    for given in (tmp_path / "config.json", tmp_path):
+        from_hf = invoke("plan", "--hf", given, *flags, *training)
+        assert from_hf.exit_code == 0, from_hf.output
+        assert json.loads(from_hf.output) == plan
+    gpt = invoke("plan", "gpt/train/pretrain", "--hf", tmp_path, "--devices", "8")
+    assert gpt.exit_code == 2
+    assert "trains the gpt family, but the Hugging Face config is a llama model" in gpt.output
 
 
 def test_sequences_longer_than_the_context_are_refused():

@@ -33,12 +33,23 @@ from theseus.cli.options import (
 def train(
     overrides: Overrides = None,
     job: Annotated[
-        str,
+        str | None,
         typer.Option(
             help="registered job: a training job, or an evaluate job (gpt/evaluate, "
-            "llama/evaluate) that scores the run in --out with that run's config"
+            f"llama/evaluate) that scores the run in --out with that run's config [default: "
+            f"{DEFAULT_JOB}, or with --hf the model's family's training job]",
+            show_default=False,
         ),
-    ] = DEFAULT_JOB,
+    ] = None,
+    hf: Annotated[
+        Path | None,
+        typer.Option(
+            "--hf",
+            help="train a fresh model of a published model's shape: its Hugging Face "
+            "config.json (or the folder holding it) gives the model section (no weights "
+            "read); overrides apply on top",
+        ),
+    ] = None,
     steps: Steps = None,
     seed: Seed = None,
     peak_tflops: PeakTflops = None,
@@ -61,8 +72,14 @@ def train(
     with user_errors():
         import_modules(imports)
         from theseus.execution import quick
+        from theseus.hf.config import job_for, read_config, with_model
 
-        session = quick(job, out, mode=flags.run).override(*extra)
+        spec = None if hf is None else read_config(hf)
+        job = (job or DEFAULT_JOB) if spec is None else job_for(spec, job)
+        session = quick(job, out, mode=flags.run)
+        if spec is not None:
+            session.config = with_model(session.config, spec)
+        session.override(*extra)
         session.shard(**flags.sharding)
         summary = session()
     echo_on_main(summary.describe())

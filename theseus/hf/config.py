@@ -8,10 +8,13 @@ configs and model types no family declares are refused here.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from theseus.jobs import RegisteredFamily, families, family_of
+from theseus.config import ConfigT, validate
+from theseus.jobs import RegisteredFamily, families, family_of, get_job
 from theseus.training.trainer import BaseTrainer
 
 SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -59,6 +62,46 @@ def model_spec(hf: dict[str, Any], where: str) -> ModelSpec:
     except KeyError as error:
         raise ValueError(f"{where}: required key {error.args[0]!r} is missing") from None
     return ModelSpec(family.train_job, model, model_type, tokens, family)
+
+
+def read_config(path: str | Path) -> ModelSpec:
+    """The model of a Hugging Face ``config.json``: the file, or the folder that holds it (no
+    weights are read)."""
+    path = Path(path)
+    config_file = path / "config.json" if path.is_dir() else path
+    if not config_file.is_file():
+        raise ValueError(
+            f"{path} is neither a Hugging Face config.json nor a folder holding one; give the "
+            "file or the model's folder"
+        )
+    try:
+        hf = json.loads(config_file.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{config_file} is not valid JSON: {error}") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"{config_file} holds {type(hf).__name__}, not a config object")
+    return model_spec(hf, str(config_file))
+
+
+def job_for(spec: ModelSpec, job: str | None) -> str:
+    """The job that trains ``spec``'s model: ``job`` when it is one of the model's family's
+    (an error naming both families otherwise), else the family's training job."""
+    if job is None:
+        return spec.job
+    found = family_of(get_job(job).trainer_class)
+    if found is not spec.family:
+        theirs = "a model of its own" if found is None else f"the {found.name} family"
+        raise ValueError(
+            f"job {job!r} trains {theirs}, but the Hugging Face config is a {spec.model_type} "
+            f"model of the {spec.family.name} family; drop the job or give one of "
+            f"{', '.join(spec.family.jobs)}."
+        )
+    return job
+
+
+def with_model(config: ConfigT, spec: ModelSpec) -> ConfigT:
+    """``config`` with its ``model`` section replaced by ``spec``'s."""
+    return validate(type(config), config.model_dump() | {"model": spec.model})
 
 
 def trainer_family(trainer: BaseTrainer) -> RegisteredFamily:

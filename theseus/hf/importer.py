@@ -28,7 +28,7 @@ from theseus.checkpoint.checkpointer import Checkpointer
 from theseus.checkpoint.meta import CHECKPOINTS, CheckpointMeta
 from theseus.config import apply_overrides, save_yaml, validate
 from theseus.distributed.supervise import log_path
-from theseus.hf.config import ModelSpec, model_spec
+from theseus.hf.config import ModelSpec, read_config
 from theseus.hf.safetensors import TensorInfo, checkpoint_tensors
 from theseus.jobs import get_job
 from theseus.model.family import HFTensor, Part
@@ -68,14 +68,10 @@ class ImportResult:
 
 
 def read_spec(hf_dir: Path) -> ModelSpec:
-    config_file = hf_dir / "config.json"
-    if not config_file.is_file():
+    """The model of the Hugging Face model folder ``hf_dir`` (its ``config.json``)."""
+    if not (hf_dir / "config.json").is_file():
         raise ValueError(f"{hf_dir} holds no config.json: it is not a Hugging Face model folder")
-    try:
-        hf = json.loads(config_file.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{config_file} is not valid JSON: {error}") from None
-    return model_spec(hf, str(config_file))
+    return read_config(hf_dir)
 
 
 def import_trainer(
