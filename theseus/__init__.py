@@ -1,8 +1,8 @@
 """theseus: annotate a model once with logical axis names, train it under DP, TP, ZeRO or FSDP.
 
-``theseus.chain``, ``theseus.quick``, ``theseus.register``, ``theseus.BaseTrainer``,
-``theseus.tokenize``, ``theseus.generate``, ``theseus.logits``, ``theseus.import_hf`` and
-``theseus.export_hf`` load the training stack on first use, so
+``theseus.chain``, ``theseus.quick``, ``theseus.register``, ``theseus.families``,
+``theseus.BaseTrainer``, ``theseus.tokenize``, ``theseus.generate``, ``theseus.logits``,
+``theseus.import_hf`` and ``theseus.export_hf`` load the training stack on first use, so
 ``import theseus`` (and the command line) stay light.
 """
 

@@ -41,6 +41,17 @@ class LayerInputs:
 
 
 @dataclass(frozen=True)
+class Paths:
+    """Where a family keeps its parameters: the token table, the stacked layers, the final norm
+    and the output head (used when present, else the token table: a tied head)."""
+
+    embed: str
+    layers: str
+    final_norm: str
+    head: str
+
+
+@dataclass(frozen=True)
 class Skeleton:
     """A family's decoder as plain, hashable values (it becomes part of a model's graphdef).
 
@@ -54,7 +65,7 @@ class Skeleton:
     features: Callable[[jax.Array, Any], Any]
     layer: Callable[[dict, jax.Array, LayerInputs, Any], jax.Array]
     settings: Any
-    paths: tuple[str, str, str, str]  # token table, stacked layers, final norm, untied head
+    paths: Paths
     eps: float  # of the final norm
     compute_dtype: jnp.dtype
     context_len: int
@@ -147,7 +158,7 @@ def forward(
         layer_inputs = LayerInputs(attend, features, fold_in(keys, index + 1))
         return sk.layer(sk.weights(layer), x, layer_inputs, sk.settings)
 
-    layers = params[sk.paths[1]]  # arrays of shape (n_layer, ...)
+    layers = params[sk.paths.layers]  # arrays of shape (n_layer, ...)
     num_layers = jax.tree.leaves(layers)[0].shape[0]
     x = scan_layers(one_layer, x, (layers, jnp.arange(num_layers)), remat=sk.remat)
     return head(params, x, sk)
@@ -156,9 +167,9 @@ def forward(
 def head(params: dict, x: jax.Array, skeleton: Skeleton) -> jax.Array:
     """Logits (batch, seq, vocab) float32 of the stream ``x``: the final norm, then the untied
     head when the parameters have one, else the token table."""
-    embed, _, final_norm, untied = skeleton.paths
-    h = norm(x, params[final_norm], skeleton.eps, skeleton.compute_dtype)  # (batch, seq, n_embd)
-    table = params[untied] if untied in params else params[embed]  # (vocab, n_embd)
+    paths = skeleton.paths
+    h = norm(x, params[paths.final_norm], skeleton.eps, skeleton.compute_dtype)  # (.., n_embd)
+    table = params.get(paths.head, params[paths.embed])  # (vocab, n_embd)
     return dense(h, table, jnp.float32, transposed=True)
 
 
@@ -214,7 +225,7 @@ class CachedDecoder:
             x = sk.layer(sk.weights(layer), x, LayerInputs(attend, features, None), sk.settings)
             return x, tuple(written)
 
-        layers = (params[sk.paths[1]], cache["k"], cache["v"])
+        layers = (params[sk.paths.layers], cache["k"], cache["v"])
         x, (k, v) = jax.lax.scan(layer_step, x, layers)
         return head(params, x, sk), {"k": k, "v": v}  # (rows, n, vocab)
 

@@ -15,7 +15,7 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from theseus.config import Section
-from theseus.model.decoder import CachedDecoder, DecoderModel, LayerInputs, Skeleton
+from theseus.model.decoder import CachedDecoder, DecoderModel, LayerInputs, Paths, Skeleton
 from theseus.model.family import Context, Family, HFSpec, HFTensor, Matmuls, Part, whole
 from theseus.model.layers import apply_dropout, keep_masks
 from theseus.model.parts import Norm, Stack, StackedProjection, norm, param, project
@@ -130,7 +130,7 @@ def skeleton(c: GPTConfig, compute_dtype: DTypeLike, remat: bool | str = False, 
         features=no_features,
         layer=block,
         settings=Settings(c.n_head, c.dropout, dtype),
-        paths=("wte", "blocks", "ln_f", "lm_head"),
+        paths=Paths(embed="wte", layers="blocks", final_norm="ln_f", head="lm_head"),
         eps=EPS,
         compute_dtype=dtype,
         context_len=c.block_size,

@@ -19,7 +19,7 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from theseus.config import Section
-from theseus.model.decoder import CachedDecoder, DecoderModel, LayerInputs, Skeleton
+from theseus.model.decoder import CachedDecoder, DecoderModel, LayerInputs, Paths, Skeleton
 from theseus.model.family import Context, Family, HFSpec, HFTensor, Matmuls, whole
 from theseus.model.parts import Norm, Stack, StackedProjection, norm, param, project
 from theseus.model.rotary import apply_rotary, inverse_frequencies, rope_from_hf, rope_to_hf, rotary
@@ -174,7 +174,7 @@ def skeleton(c: LlamaConfig, compute_dtype: DTypeLike, remat: bool | str = False
     dtype = jnp.dtype(compute_dtype)
     inv_freq = tuple(float(f) for f in inverse_frequencies(c.dim_per_head, dict(c)))
     settings = Settings(c.dim_per_head, c.rms_norm_eps, inv_freq, dtype)
-    paths = ("embed_tokens", "layers", "norm", "lm_head")
+    paths = Paths(embed="embed_tokens", layers="layers", final_norm="norm", head="lm_head")
     what = "model.max_position_embeddings, or model.sliding_window if smaller"
     return Skeleton(
         embed=embed,
