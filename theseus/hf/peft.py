@@ -30,9 +30,9 @@ def adapter_tensors(
     targets = family.family.hf.peft_targets
     if not targets:
         raise ValueError(
-            f"--adapters: peft has no per-projection adapters for the {family.name} family's "
-            "Hugging Face model (GPT-2's q, k and v are one fused c_attn). Export the merged "
-            "weights (without --adapters)."
+            f"--adapters: the {family.name} family names no projection peft can adapt in its "
+            "Hugging Face model (HFSpec.peft_targets; GPT-2 fuses q, k and v into one c_attn). "
+            "Export the merged weights (without --adapters)."
         )
     found = []
     for tensor in tensors:
