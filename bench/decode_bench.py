@@ -12,6 +12,7 @@ compile) and jits its whole step (forward, argmax, write). The two must pick the
 from __future__ import annotations
 
 import argparse
+import logging
 import time
 
 import jax
@@ -49,7 +50,7 @@ def main() -> None:
 
     def cached():
         return generator.generate_ids(
-            prompts, max_new_tokens=args.new_tokens, sampling=Sampling(temperature=0), log=print
+            prompts, max_new_tokens=args.new_tokens, sampling=Sampling(temperature=0)
         )
 
     cached()  # compile
@@ -95,4 +96,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # generation's notes
     main()

@@ -89,11 +89,11 @@ if what == "read":
     num_params = trainer.num_params
 elif what == "import":
     result = theseus.hf.importer.import_hf(
-        source, target, policy=ShardingPolicy(fsdp=True), log=lambda _: None
+        source, target, policy=ShardingPolicy(fsdp=True)
     )
     num_params = result.num_params
 else:
-    theseus.hf.exporter.export_hf(source, target, log=lambda _: None)
+    theseus.hf.exporter.export_hf(source, target)
     num_params = json.load(open(os.path.join(source, "run.json")))["num_params"]
 seconds = time.perf_counter() - start
 print(json.dumps({"seconds": seconds, "peak": rss(), "baseline": baseline, "arrays": 4 * num_params}))

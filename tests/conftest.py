@@ -20,14 +20,18 @@ from pathlib import Path
 # (support.run_steps(..., compiler_options=support.DEFAULT_CODEGEN)).
 #
 # XLA:CPU aborts a process when a device thread waits at a collective's rendezvous longer than
-# the terminate timeout (40 s by default); it is raised to 10 minutes here. The whole-suite aborts
-# "with no XLA message" were such aborts, their message swallowed by pytest's capture of file
-# descriptor 2 (pyproject.toml now captures at sys level only). What they wait for is a deadlock,
-# not load: caught on 2026-12-01 in tests/test_llama.py (tp=2 + FSDP, one execution of the step),
-# devices 0, 2, 4, 6 sat in an all-reduce over `shard` (op 8) while devices 1, 3, 5, 7 sat in an
-# all-gather over `batch` (op 9, one of them already at op 55): the devices ran the program's
-# independent collectives in different orders, and an in-process collective blocks its device's
-# thread. Rare (once in seven whole-suite runs); open, see the closing note.
+# the terminate timeout (40 s by default); it is raised to 10 minutes here, for a loaded machine.
+# The whole-suite aborts "with no XLA message" were such aborts (their message swallowed by
+# pytest's capture of file descriptor 2; pyproject.toml now captures at sys level only), and what
+# they waited for was a starved thread pool, not load. Caught on 2026-12-01 in tests/test_llama.py
+# (tp=2 + FSDP, 4 microbatches): devices 0, 2, 4, 6 in the layer loop's all-reduce over `shard`
+# (op 8), devices 1, 3, 5 in its all-gather over `batch` (op 9), device 7 in op 55, an all-gather
+# that follows the layer loop in the microbatch loop's body. An in-process collective blocks the
+# pool thread it runs on, and XLA:CPU orders a device's collectives only by when they start, so
+# device 7 started op 55 while its layer loop still had work queued for the pool: the eight waits
+# took all eight threads (the pools have max(cores, devices) threads) and nothing ran again. The
+# pools now get 4 threads a device (size_cpu_thread_pools, as `--cpu-devices` does);
+# bench/collective_deadlock.py reproduces the abort with the default pools.
 
 
 def _classic_emitters_flag() -> str:
@@ -37,9 +41,11 @@ def _classic_emitters_flag() -> str:
     return " --xla_cpu_use_fusion_emitters=false" if (major, minor) < (0, 11) else ""
 
 
+DEVICES = 8  # simulated CPU devices
+
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "")
-    + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    + f" --xla_force_host_platform_device_count={DEVICES} --xla_backend_optimization_level=0"
     + _classic_emitters_flag()
     + " --xla_cpu_collective_call_terminate_timeout_seconds=600"
     + " --xla_cpu_collective_timeout_seconds=600"
@@ -56,11 +62,17 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # an entry that another one is still writing.
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 * 2**30))
 
+from theseus.cli.options import size_cpu_thread_pools  # noqa: E402 (the environment first)
+
+size_cpu_thread_pools(DEVICES)
+
 import jax  # noqa: E402
 
 pytest_plugins = ["compile_report"]
 
-assert jax.device_count() == 8, "tests need 8 simulated CPU devices; XLA_FLAGS was set too late"
+assert jax.device_count() == DEVICES, (
+    f"tests need {DEVICES} simulated CPU devices; XLA_FLAGS came too late"
+)
 
 
 def pytest_unconfigure(config):

@@ -2,11 +2,14 @@
 tests and benches, tiny corpora, the CLI, the environment of subprocesses, and the equivalence
 harness (policies, batches, "run N steps", "assert the same numbers")."""
 
+import contextlib
 import dataclasses
 import functools
 import json
+import logging
 import os
 import struct
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -328,3 +331,62 @@ def assert_same_numbers(
     assert (got.val_loss is None) == (want.val_loss is None)
     if want.val_loss is not None:
         np.testing.assert_allclose(got.val_loss, want.val_loss, rtol=loss_rtol)
+
+
+class _Lines(logging.Handler):
+    def __init__(self, on_line: Callable[[str], None]):
+        super().__init__(logging.INFO)
+        self.on_line = on_line
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.on_line(record.getMessage())
+
+
+@contextlib.contextmanager
+def log_lines(on_line: Callable[[str], None]) -> Iterator[None]:
+    """Call ``on_line(text)`` for each line (info and above) theseus logs inside the block: the
+    lines ``theseus train`` prints."""
+    logger, handler = logging.getLogger("theseus"), _Lines(on_line)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+# Llama 3.1 8B's config.json as transformers 4.x writes it (the layout of the published files).
+LLAMA31_8B_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.0.dev0",
+    "use_cache": True,
+    "vocab_size": 128256,
+}

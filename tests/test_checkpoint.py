@@ -18,6 +18,7 @@ from support import (
     EQUIVALENCE_MODEL,
     GPTTrainer,
     equivalence_config,
+    log_lines,
     shared_trainer,
     step_batch,
 )
@@ -33,7 +34,7 @@ from theseus.checkpoint.meta import CheckpointMeta
 from theseus.sharding.axis import ShardingPolicy
 from theseus.sharding.topology import Topology
 from theseus.training.run.checkpointing import checkpoint_meta, restore_target
-from theseus.training.trainer import TrainState
+from theseus.training.state import TrainState
 
 MODEL = EQUIVALENCE_MODEL
 GLOBAL_BATCH = EQUIVALENCE_BATCH
@@ -126,7 +127,7 @@ def test_restore_reshards_and_training_continues(saved, name):
     target = restore_target(trainer)
     with Checkpointer(saved["directory"]) as checkpointer:
         assert checkpointer.latest_step() == 2
-        restored = checkpointer.restore(None, target)
+        restored = checkpointer.restore_state(None, target)
         assert checkpointer.skipped == ()
     state, meta = restored.state, restored.meta
 
@@ -176,7 +177,7 @@ def test_keep_last_k_latest_step_and_metadata(tmp_path):
     with Checkpointer(directory, keep=2) as checkpointer:
         assert checkpointer.latest_step() is None
         with pytest.raises(CheckpointError, match="no checkpoints in"):
-            checkpointer.restore(None, tiny_state(0))
+            checkpointer.restore_state(None, tiny_state(0))
         for step in (10, 20, 30, 40):
             checkpointer.save(tiny_state(step), tiny_meta(step, data_position=step * 3))
         checkpointer.wait()
@@ -191,12 +192,12 @@ def test_keep_last_k_latest_step_and_metadata(tmp_path):
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one_device),
             jax.eval_shape(lambda: tiny_state(0)),
         )
-        restored = reopened.restore(30, target)
+        restored = reopened.restore_state(30, target)
         assert restored.meta == tiny_meta(30, data_position=90) and restored.step == 30
         for got, want in zip(host(restored.state), host(tiny_state(30)), strict=True):
             np.testing.assert_array_equal(got, want)
         with pytest.raises(CheckpointError, match=r"step 20\) does not exist"):
-            reopened.restore(20, tiny_state(0))
+            reopened.restore_state(20, tiny_state(0))
         # Steps behind the newest would mix two timelines: refused, naming the directory.
         with pytest.raises(CheckpointError, match="already holds step"):
             reopened.save(tiny_state(35), tiny_meta(35))
@@ -274,14 +275,14 @@ def test_damaged_latest_falls_back_to_previous(saved, tmp_path, damage):
     trainer = saved["trainer"]
     target = restore_target(trainer)
     messages = []
-    with Checkpointer(directory, log=messages.append) as checkpointer:
+    with log_lines(messages.append), Checkpointer(directory) as checkpointer:
         assert checkpointer.latest_step() == 2
         with pytest.raises(CheckpointError) as error:
-            checkpointer.restore(2, target)
+            checkpointer.restore_state(2, target)
         assert not isinstance(error.value, IncompatibleCheckpointError)
         assert f"{directory / '2'} (step 2) is damaged" in str(error.value)
 
-        restored = checkpointer.restore(None, target)
+        restored = checkpointer.restore_state(None, target)
         state = restored.state
         assert restored.step == 1 and int(state.step) == 1
         assert [s.step for s in checkpointer.skipped] == [2]
@@ -293,7 +294,7 @@ def test_damaged_latest_falls_back_to_previous(saved, tmp_path, damage):
         checkpointer.save(state, checkpoint_meta(trainer, step=2, data_position=2 * GLOBAL_BATCH))
         resaved = host(state)
         checkpointer.wait()
-        restored = checkpointer.restore(None, target)
+        restored = checkpointer.restore_state(None, target)
         state = restored.state
         assert checkpointer.skipped == () and restored.step == 2
     for got, want in zip(host(state), resaved, strict=True):
@@ -309,10 +310,10 @@ def test_every_step_damaged_is_an_error(saved, tmp_path):
     for step in (1, 2):
         _garble(data_files(directory, step)[0], num_bytes=8)
     with (
-        Checkpointer(directory, log=lambda _: None) as checkpointer,
+        Checkpointer(directory) as checkpointer,
         pytest.raises(CheckpointError, match="no good checkpoint") as error,
     ):
-        checkpointer.restore(None, restore_target(saved["trainer"]))
+        checkpointer.restore_state(None, restore_target(saved["trainer"]))
     assert "(step 1)" in str(error.value) and "(step 2)" in str(error.value)
 
 
@@ -326,13 +327,13 @@ def test_interrupted_save_is_ignored_and_cleaned_up(saved, tmp_path):
     # A reader (say, evaluating a running job) ignores it and leaves it alone.
     with Checkpointer(directory, read_only=True) as reader:
         assert reader.all_steps() == [1, 2]
-        assert reader.restore(None, target).step == 2
+        assert reader.restore_state(None, target).step == 2
         with pytest.raises(CheckpointError, match="read-only"):
             reader.save(tiny_state(3), tiny_meta(3))
     assert partial.exists()
     with Checkpointer(directory) as checkpointer:
         assert checkpointer.all_steps() == [1, 2]
-        assert checkpointer.restore(None, target).step == 2 and checkpointer.skipped == ()
+        assert checkpointer.restore_state(None, target).step == 2 and checkpointer.skipped == ()
     assert not partial.exists()
 
 
@@ -344,7 +345,7 @@ def test_incompatible_shapes_name_the_path(saved):
     with Checkpointer(saved["directory"]) as checkpointer:
         for step in (2, None):  # no fallback: every step of this run is the other model
             with pytest.raises(IncompatibleCheckpointError) as error:
-                checkpointer.restore(step, restore_target(wider))
+                checkpointer.restore_state(step, restore_target(wider))
             message = str(error.value)
             assert f"{saved['directory'] / '2'} (step 2)" in message
             assert (
@@ -357,7 +358,7 @@ def test_incompatible_shapes_name_the_path(saved):
         params = dict(target.params)
         params["extra"] = params.pop("wpe")
         with pytest.raises(IncompatibleCheckpointError) as error:
-            checkpointer.restore(2, target.replace(params=params))
+            checkpointer.restore_state(2, target.replace(params=params))
     assert "params/extra: in the target" in str(error.value)
     assert "params/wpe: in the checkpoint" in str(error.value)
 
@@ -376,7 +377,7 @@ def test_params_only_restore_reads_the_params_into_another_layout(saved):
         return target
 
     with Checkpointer(saved["directory"], read_only=True) as checkpointer:
-        restored = checkpointer.restore(None, target_for, params_only=True)
+        restored = checkpointer.restore_params(None, target_for)
         assert asked == [2] and checkpointer.skipped == ()
         assert restored.meta == checkpoint_meta(
             saved["trainer"], step=2, data_position=2 * GLOBAL_BATCH
@@ -389,7 +390,7 @@ def test_params_only_restore_reads_the_params_into_another_layout(saved):
         # Another model's parameters are named, and never fall back.
         wider = make_trainer(SAVED_POLICY, 2, model=MODEL.model_copy(update={"n_embd": 48}))
         with pytest.raises(IncompatibleCheckpointError) as error:
-            checkpointer.restore(None, restore_target(wider).params, params_only=True)
+            checkpointer.restore_params(None, restore_target(wider).params)
     assert "params/blocks/attn_k/bias: checkpoint has (3, 40) float32" in str(error.value)
 
 
@@ -426,14 +427,14 @@ def test_params_only_restore_checks_every_step_and_falls_back(saved, tmp_path, d
     damage_fn(directory)
     target = restore_target(saved["trainer"]).params
     with Checkpointer(saved["directory"], read_only=True) as intact:
-        step_1 = host(intact.restore(1, target, params_only=True).state)
+        step_1 = host(intact.restore_params(1, target).state)
     messages = []
-    with Checkpointer(directory, read_only=True, log=messages.append) as checkpointer:
+    with log_lines(messages.append), Checkpointer(directory, read_only=True) as checkpointer:
         with pytest.raises(CheckpointError) as error:
-            checkpointer.restore(2, target, params_only=True)
+            checkpointer.restore_params(2, target)
         assert f"{directory / '2'} (step 2) is damaged" in str(error.value)
         assert reason in str(error.value)
-        restored = checkpointer.restore(None, target, params_only=True)
+        restored = checkpointer.restore_params(None, target)
     assert restored.step == 1 and [s.step for s in checkpointer.skipped] == [2]
     assert any("restored step 1" in m and reason in m for m in messages), messages
     for got, want in zip(host(restored.state), step_1, strict=True):
@@ -487,8 +488,8 @@ def test_budgeted_save_and_restore_round_trip_bit_identical(tmp_path, monkeypatc
             other,
         )
         with Checkpointer(tmp_path / "checkpoints", read_only=True, host_budget_bytes=1) as reader:
-            restored = reader.restore(None, target).state
-            params = reader.restore(1, target["params"], params_only=True).state
+            restored = reader.restore_state(None, target).state
+            params = reader.restore_params(1, target["params"]).state
     finally:
         fingerprint_module._fingerprints_jit.clear_cache()
     for got, want in zip(host(restored), host(state), strict=True):

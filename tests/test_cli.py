@@ -5,15 +5,20 @@ import hashlib
 import json
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import yaml
 from support import TINY_GPT, invoke, subprocess_env, write_mixture
+from typer.testing import CliRunner
+from wandb_records import read_run, run_files
 
 from theseus.plot import read_metrics
+from theseus.training.run.wandb_writer import wandb_row
 
 TINY = [*TINY_GPT, "training.steps=4"]
 
@@ -72,6 +77,22 @@ def test_help_explains_flags():
         assert default in words
     for command in ("run", "configure", "jobs", "plot"):
         assert invoke(command, "--help").exit_code == 0
+
+
+def test_command_list_shows_each_description_on_whole_lines():
+    """Typer lists a command with its docstring's first paragraph, line breaks kept: each one is
+    a single line, so the list wraps at the terminal's width, never mid-sentence."""
+    from typer.main import get_command
+
+    from theseus.cli.app import app
+
+    commands = get_command(app).commands
+    output = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "200"}).output
+    rows = {line.split()[1]: line for line in output.splitlines() if line.startswith("│ ")}
+    for name, command in commands.items():
+        first = command.help.strip().split("\n\n")[0]
+        assert "\n" not in first, f"{name}: first paragraph spans lines: {first!r}"
+        assert first in rows[name], (name, output)  # the whole description on its own row
 
 
 def test_jobs_lists_registered_jobs():
@@ -142,6 +163,14 @@ def test_damaged_checkpoints(run_copy):
     assert snapshot(run_copy) == before
 
 
+def test_wandb_without_the_package_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # what `import wandb` finds when absent
+    out = tmp_path / "out"
+    result = invoke("train", "--out", out, *TINY, "logging.wandb.project=p")
+    assert_user_error(result, "logging.wandb.project='p'", "pip install 'theseus[wandb]'")
+    assert not out.exists()
+
+
 def test_resume_without_checkpoints(tmp_path):
     assert_user_error(invoke("train", "--out", tmp_path, *TINY, "--resume"), "nothing to resume")
 
@@ -207,10 +236,16 @@ def test_sigkill_and_sigterm_then_resume_match_the_uninterrupted_run(tmp_path):
     trained (preemption: the current step is finished and saved, exit status 4), then resumed
     on another layout (2 devices, ZeRO). Up to the SIGTERM the losses, validation losses and
     per-source validation losses equal an uninterrupted run's bit for bit; after the layout
-    change, within 1e-5."""
+    change, within 1e-5.
+
+    Every run logs to Weights & Biases, offline: the uninterrupted run's W&B run holds its
+    metrics.jsonl, config and run.json; the interrupted one's three segments are one W&B run
+    with no step logged twice. The uninterrupted run validates and saves on its last step, whose
+    row still times that step alone (within 30% of the median step before it)."""
     sources = write_mixture(tmp_path / "sources")
     steps = 24
-    args = [*TINY, f"data.sources={sources}", f"training.steps={steps}", "logging.log_interval=1"]
+    args = [*TINY, f"data.sources={sources}", f"training.steps={steps}", "logging.log_interval=1",
+            "logging.wandb.project=theseus-tests", "logging.wandb.mode=offline"]  # fmt: skip
     sharded = ["--cpu-devices", "4", "--tp", "2", "--fsdp", *args]
     env = {**subprocess_env(), "PYTHONUNBUFFERED": "1"}
     full, run_dir, output = tmp_path / "full", tmp_path / "interrupted", tmp_path / "output.txt"
@@ -229,6 +264,9 @@ def test_sigkill_and_sigterm_then_resume_match_the_uninterrupted_run(tmp_path):
 
     subprocess.run(cli("train", "--out", full, *sharded), env=env, check=True, timeout=600,
                    capture_output=True)  # fmt: skip
+    assert_wandb_holds_the_run(full)
+    times = [row["step_time_s"] for row in read_metrics(full)]
+    assert abs(times[-1] - statistics.median(times[:-1])) <= 0.3 * statistics.median(times[:-1])
 
     process = start(*sharded)
     try:
@@ -274,3 +312,27 @@ def test_sigkill_and_sigterm_then_resume_match_the_uninterrupted_run(tmp_path):
         assert ("val_loss" in row) == ("val_loss" in want)
         for name, loss in want.get("val_loss_by_source", {}).items():
             assert row["val_loss_by_source"][name] == pytest.approx(loss, rel=1e-5)
+    wandb_runs = [read_run(path) for path in run_files(run_dir)]
+    assert len(wandb_runs) == 3  # one W&B run (one id), in three segments
+    assert {run.run_id for run in wandb_runs} == {
+        json.loads((run_dir / "wandb-run.json").read_text())["id"]
+    }
+    logged = [step for run in wandb_runs for step in run.logged_steps]
+    assert sorted(logged) == list(range(1, steps + 1))  # each step once
+    for run in wandb_runs:
+        for step, logged_row in run.rows.items():
+            want = wandb_row(rows[step - 1])
+            assert {k: v for k, v in logged_row.items() if k not in timing} == {
+                k: v for k, v in want.items() if k not in timing
+            }, step
+
+
+def assert_wandb_holds_the_run(run_dir: Path) -> None:
+    """One W&B run under ``run_dir`` holding every metrics.jsonl row (equal values), the resolved
+    config and run.json."""
+    (path,) = run_files(run_dir)
+    run = read_run(path)
+    assert run.rows == {row["step"]: wandb_row(row) for row in read_metrics(run_dir)}
+    assert run.config["run"] == json.loads((run_dir / "run.json").read_text())
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert {key: run.config[key] for key in config} == config

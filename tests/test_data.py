@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from theseus.data import Corpus, Sampler, load_corpus, validation_batches, write_tokens
-from theseus.data.split import DocumentSplit
-from theseus.data.tokens import builtin_files, split_by_file
+from theseus.data.split import DocumentSplit, split_by_file
+from theseus.data.tokens import builtin_files
 
 
 def arange_tokens(n: int) -> np.ndarray:

@@ -14,7 +14,7 @@ from theseus.execution import Chain, chain, quick
 from theseus.jobs import all_jobs, get_job
 from theseus.plot import plot_losses, read_metrics
 from theseus.sharding.axis import ShardingPolicy
-from theseus.training.run.loop import evaluate
+from theseus.training.run.evaluation import evaluate
 from theseus.training.run.mode import RunMode
 
 TINY = (*TINY_GPT, "training.steps=6", "checkpointing.keep=5")
@@ -107,7 +107,7 @@ def test_chain_yaml_round_trip(tmp_path):
 
 def test_chain_runs_train_then_evaluate(tmp_path):
     built = chain("gpt/train/pretrain", *TINY).shard(tp=2, fsdp=True).then("gpt/evaluate")
-    train_result, eval_result = built.run(tmp_path / "chain", log=lambda _: None)
+    train_result, eval_result = built.run(tmp_path / "chain")
     train_dir = tmp_path / "chain" / "00-gpt-train-pretrain"
     eval_dir = tmp_path / "chain" / "01-gpt-evaluate"
     assert (tmp_path / "chain" / "chain.yaml").is_file()
@@ -124,8 +124,7 @@ def test_chain_runs_train_then_evaluate(tmp_path):
     assert built.steps[1].config.model.dropout == 0.1
     trainer = GPTTrainer(built.steps[1].config, ShardingPolicy(zero=False))
     first, second = (
-        evaluate(trainer, tmp_path / name, source_dir=train_dir, log=lambda _: None)
-        for name in ("first", "second")
+        evaluate(trainer, tmp_path / name, source_dir=train_dir) for name in ("first", "second")
     )
     assert first.val_loss == second.val_loss
     assert first.val_loss == pytest.approx(eval_result.val_loss, rel=1e-5)

@@ -21,7 +21,8 @@ def test_families_are_registered_with_their_jobs():
     for name, family in found.items():
         assert family.name == name
         assert family.jobs == (f"{name}/train/pretrain", f"{name}/evaluate")
-        assert family.module == f"theseus.model.families.{name}"
+        assert family.module in theseus.jobs.BUILTIN_FAMILIES
+        assert family.module.rpartition(".")[2] == name
         assert all(get_job(job).trainer_class is family.trainer_class for job in family.jobs)
     assert [found[n].trainer_class.__name__ for n in ("gpt", "llama")] == [
         "GPTTrainer",

@@ -71,7 +71,7 @@ def test_tokenize_bad_input(token_folder, tmp_path):
 def run_dir(tmp_path_factory):
     """A tiny byte GPT trained under tp=2 with FSDP on 8 devices."""
     out = tmp_path_factory.mktemp("gen") / "run"
-    with theseus.quick("gpt/train/pretrain", out, log=lambda _: None) as q:
+    with theseus.quick("gpt/train/pretrain", out) as q:
         q.shard(tp=2, fsdp=True)
         q.override(*TINY_GPT, "model.block_size=48", "training.steps=4")
         q()
@@ -111,7 +111,6 @@ def complete(generator, sampling):
         sampling=sampling,
         seed=7,
         num_samples=2,
-        log=lambda _: None,
     ).ids
 
 
@@ -123,9 +122,7 @@ def test_same_completions_under_every_layout(run_dir):
         ("tp=2 on 8", {"tp": 2, "fsdp": False}, None),
         ("tp=4 fsdp on 8", {"tp": 4, "fsdp": True}, None),
     ]:
-        loaded = load_generator(
-            run_dir, policy_changes=changes, devices=devices, log=lambda _: None
-        )
+        loaded = load_generator(run_dir, policy_changes=changes, devices=devices)
         generator = loaded.generator
         assert loaded.step == 4 and loaded.meta.data_position > 0
         assert generator.trainer.topology.num_devices == len(devices or jax.devices())

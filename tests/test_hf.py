@@ -49,7 +49,7 @@ def imported(references, tmp_path_factory):
     def get(kind: str) -> Path:
         if kind not in cache:
             out = tmp_path_factory.mktemp(kind) / "run"
-            import_hf(references(kind).directory, out, log=lambda _: None)
+            import_hf(references(kind).directory, out)
             cache[kind] = out
         return cache[kind]
 
@@ -63,10 +63,10 @@ def test_logits_match_transformers(kind, references, imported, caplog):
     run = imported(kind)
     caplog.set_level("WARNING")
     want = references(kind).logits
-    one = theseus.logits(run, IDS, devices=jax.devices()[:1], log=lambda _: None)
+    one = theseus.logits(run, IDS, devices=jax.devices()[:1])
     assert one.dtype == np.float32 and one.shape == (*IDS.shape, VOCAB)
     np.testing.assert_allclose(one, want, atol=1e-4, rtol=0)
-    sharded = theseus.logits(run, IDS, policy_changes={"tp": 2, "fsdp": True}, log=lambda _: None)
+    sharded = theseus.logits(run, IDS, policy_changes={"tp": 2, "fsdp": True})
     np.testing.assert_allclose(sharded, want, atol=1e-4, rtol=0)
     assert not [r for r in caplog.records if r.name == "absl"], caplog.text
 
@@ -80,7 +80,7 @@ def test_export_loads_back_bit_identical(kind, references, imported, tmp_path):
     reference = references(kind)
     out = tmp_path / "hf"
     max_shard = "20KB" if kind == "llama31-4.x" else "5GB"  # several shards and an index
-    export_hf(imported(kind), out, max_shard_size=max_shard, log=lambda _: None)
+    export_hf(imported(kind), out, max_shard_size=max_shard)
     assert (out / "tokenizer.json").is_file()
     if kind == "llama31-4.x":
         assert (out / "model.safetensors.index.json").is_file()
@@ -110,7 +110,6 @@ def test_greedy_generation_matches_transformers(kind, references, imported):
         max_new_tokens=6,
         temperature=0.0,
         policy_changes={"tp": 2},
-        log=lambda _: None,
     )
     for prompt, completion in zip(prompts, result.completions, strict=True):
         assert completion.prompt_ids == prompt
@@ -221,7 +220,7 @@ def test_init_from_imported_model_under_tp2_fsdp(imported, tmp_path):
             [*FINE_TUNE, f"training.per_device_batch_size={per_device}"],
         )
         trainer = LlamaTrainer(config, policy, Topology.new(policy, devices))
-        train(trainer, tmp_path / name, mode=RunMode(init_from=run), log=lambda _: None)
+        train(trainer, tmp_path / name, mode=RunMode(init_from=run))
         return [row["loss"] for row in read_metrics(tmp_path / name)]
 
     one = fine_tune(ShardingPolicy(), 16, jax.devices()[:1], "one")
@@ -229,7 +228,7 @@ def test_init_from_imported_model_under_tp2_fsdp(imported, tmp_path):
     np.testing.assert_allclose(sharded[0], one[0], rtol=1e-5)
     # The imported model's own loss on the first batch (one device: no accumulation).
     batch = Sampler(load_corpus(None).train, 16, seed=0).global_batch(0, 1, 16)[0]  # (16, 17)
-    scores = theseus.logits(run, batch[:, :-1], devices=jax.devices()[:1], log=lambda _: None)
+    scores = theseus.logits(run, batch[:, :-1], devices=jax.devices()[:1])
     np.testing.assert_allclose(one[0], float(next_token_loss(scores, batch[:, 1:])), rtol=1e-5)
     assert sharded[-1] < sharded[0]
 
@@ -247,7 +246,7 @@ def test_init_from_other_shapes_names_the_tensors(imported, tmp_path):
 
 def test_export_blocks_rebuild_each_tensor(imported):
     """Export gathers a tensor in blocks of rows; small blocks give the same bytes."""
-    loaded = load_run(imported("gpt2"), layout="storage", log=lambda _: None)
+    loaded = load_run(imported("gpt2"), layout="storage")
     model = loaded.trainer.config.model.model_dump(mode="json")
     for tensor in GPT_FAMILY.hf.tensors(model)[:8]:  # c_attn among them
         whole = np.concatenate(list(tensor_blocks(loaded.params, tensor, np.float32)))
@@ -261,7 +260,7 @@ def test_export_bad_input_is_one_paragraph(imported, tmp_path):
     run = imported("qwen2")
     cases = [
         (["--dtype", "float16"], "export writes float32 or bfloat16"),
-        (["--max-shard-size", "lots"], "give bytes, e.g. 5GB"),
+        (["--max-shard-size", "lots"], "'lots' is not a byte count; write e.g. 80GiB"),
     ]
     for flags, expected in cases:
         result = invoke("export-hf", run, tmp_path / "out", *flags)

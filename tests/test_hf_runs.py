@@ -114,9 +114,7 @@ def test_import_in_two_processes_gives_the_one_process_parameters(runs, tmp_path
         "logs",
         "run.json",
     ]
-    one, two = (
-        load_run(run, layout="storage", log=lambda _: None) for run in (runs / "imported", out)
-    )
+    one, two = (load_run(run, layout="storage") for run in (runs / "imported", out))
     assert (one.meta.num_processes, two.meta.num_processes) == (1, 2)
     assert one.meta.config == two.meta.config
     names = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(one.params)[0]]

@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support import TINY_GPT, GPTTrainer, GPTTrainerConfig, invoke
+from support import TINY_GPT, GPTTrainer, GPTTrainerConfig, invoke, log_lines
 
-from theseus.checkpoint.checkpointer import Checkpointer
+from theseus.checkpoint.checkpointer import Checkpointer, CheckpointWriteError
 from theseus.checkpoint.meta import CheckpointMeta
 from theseus.config import apply_overrides
 from theseus.data import Sampler, load_corpus
@@ -25,8 +25,8 @@ from theseus.training.run.checkpointing import restore_target
 from theseus.training.run.loop import train
 from theseus.training.run.preemption import PreemptionWatch
 from theseus.training.run.resume import check_resume, resume_changes
-from theseus.training.run.stops import CheckpointSaveError, NonFiniteError
-from theseus.training.trainer import TrainState
+from theseus.training.run.stops import NonFiniteError
+from theseus.training.state import TrainState
 
 DIVERGING = (
     "optimization.learning_rate=1e4",
@@ -123,7 +123,7 @@ def test_skip_keeps_the_state_marks_the_step_and_stops_after_a_streak(tmp_path):
         ShardingPolicy(tp=2, fsdp=True),
     )
     with pytest.raises(NonFiniteError, match="step 5: loss is nan") as stop:
-        train(trainer, tmp_path, log=lambda _: None)
+        train(trainer, tmp_path)
     assert "training.max_skipped_steps=2 steps in a row" in str(stop.value)
     rows = strict_rows(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
@@ -131,7 +131,9 @@ def test_skip_keeps_the_state_marks_the_step_and_stops_after_a_streak(tmp_path):
     assert rows[1]["loss"] is None and np.isfinite(rows[1]["grad_norm"])
     with Checkpointer(tmp_path / "checkpoints", read_only=True) as checkpointer:
         assert checkpointer.all_steps() == [1, 2, 3, 4]  # nothing saved at the stopping step
-        states = {s: checkpointer.restore(s, restore_target(trainer)).state for s in (1, 2, 3, 4)}
+        states = {
+            s: checkpointer.restore_state(s, restore_target(trainer)).state for s in (1, 2, 3, 4)
+        }
     for before, after in ((1, 2), (3, 4)):
         same = (states[before].params, states[before].opt_state)
         now = (states[after].params, states[after].opt_state)
@@ -157,7 +159,7 @@ def test_the_nonfinite_guard_keeps_no_second_copy_of_the_state(monkeypatch):
     def always(update, params, opt_state, metrics):
         return (*update(params, opt_state), {**metrics, "skipped": jnp.zeros((), bool)})
 
-    monkeypatch.setattr("theseus.training.trainer.update_if_finite", always)
+    monkeypatch.setattr("theseus.training.step.update_if_finite", always)
     unguarded = GPTTrainer(state_heavy, ShardingPolicy(zero=False)).compile()
     assert guarded.temporaries <= unguarded.temporaries * 1.01
     assert guarded.peak <= unguarded.peak * 1.01
@@ -251,8 +253,8 @@ def test_failed_save_stops_the_run_and_keeps_committed_checkpoints(tmp_path):
             undo.append(restore_writes)
 
     try:
-        with pytest.raises(CheckpointSaveError) as failed:
-            train(trainer, tmp_path, log=log)
+        with pytest.raises(CheckpointWriteError) as failed, log_lines(log):
+            train(trainer, tmp_path)
     finally:
         for restore_writes in undo:
             restore_writes()
@@ -262,7 +264,7 @@ def test_failed_save_stops_the_run_and_keeps_committed_checkpoints(tmp_path):
     assert failed.value.exit_code == 5
     with Checkpointer(tmp_path / "checkpoints") as checkpointer:
         assert checkpointer.all_steps() == [2]
-        restored = checkpointer.restore(None, restore_target(trainer))
+        restored = checkpointer.restore_state(None, restore_target(trainer))
     assert restored.step == 2 and checkpointer.skipped == ()
     assert isinstance(restored.state, TrainState)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2"]

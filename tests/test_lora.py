@@ -112,7 +112,7 @@ def test_lora_run_records_checkpoints_and_resumes(tmp_path):
     config = apply_overrides(lora_config(2), RUN)
     trainer = LlamaTrainer(config, policy)
     out = tmp_path / "run"
-    train(trainer, out, log=lambda _: None)
+    train(trainer, out)
     trained, frozen = trainer.partition.split(trainer.abstract_state.params)
     storage, frozen_storage = trainer.partition.split(trainer.layouts.storage)
     adapters = shard_bytes(trained, storage)  # float32 adapters, per device
@@ -127,15 +127,15 @@ def test_lora_run_records_checkpoints_and_resumes(tmp_path):
 
     target = abstract_with(trained, storage)
     with Checkpointer(out / "checkpoints", read_only=True) as checkpoints:
-        saved = checkpoints.restore(3, target, params_only=True)  # the adapters are all it has
+        saved = checkpoints.restore_params(3, target)  # the adapters are all it has
     assert saved.meta.base["run_dir"] is None and saved.meta.base["seed"] == 0
     assert set(saved.meta.base["fingerprints"]) == set(_paths(frozen))
     losses = [row["loss"] for row in read_metrics(out)]
     shutil.rmtree(out / "checkpoints" / "3")
-    train(LlamaTrainer(config, policy), out, mode=RunMode(resume=True), log=lambda _: None)
+    train(LlamaTrainer(config, policy), out, mode=RunMode(resume=True))
     assert [row["loss"] for row in read_metrics(out)][-1] == losses[-1]
     with Checkpointer(out / "checkpoints", read_only=True) as checkpoints:
-        again = checkpoints.restore(3, target, params_only=True)
+        again = checkpoints.restore_params(3, target)
     for got, want in zip(jax.tree.leaves(again.state), jax.tree.leaves(saved.state), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 

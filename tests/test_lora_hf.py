@@ -43,12 +43,12 @@ def lora_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     reference = Reference("llama", root / "hf")
     base = root / "base"
-    import_hf(reference.directory, base, log=lambda _: None)
+    import_hf(reference.directory, base)
     model = load_yaml(LlamaTrainerConfig, base / "config.yaml").model
     config = apply_overrides(LlamaTrainerConfig(model=model), LORA_RUN)
     run = root / "run"
     trainer = LlamaTrainer(config, ShardingPolicy(tp=2, fsdp=True))
-    train(trainer, run, mode=RunMode(init_from=base), log=lambda _: None)
+    train(trainer, run, mode=RunMode(init_from=base))
     return reference, base, run
 
 
@@ -57,7 +57,7 @@ def test_merged_and_peft_exports_give_the_runs_logits(lora_run, tmp_path):
     transformers on the merged export and peft's adapters on the base model; greedy generation
     on the run follows its own logits."""
     reference, _, run = lora_run
-    logits = theseus.logits(run, IDS, log=lambda _: None)
+    logits = theseus.logits(run, IDS)
     assert np.abs(logits - reference.logits).max() > 1e-3  # the adapters changed the model
 
     lib = libraries()
@@ -85,7 +85,6 @@ def test_merged_and_peft_exports_give_the_runs_logits(lora_run, tmp_path):
     prompt = [int(i) for i in IDS[0, :5]]
     result = theseus.generate(
         run, [prompt], max_new_tokens=4, temperature=0.0, policy_changes={"tp": 2},
-        log=lambda _: None,
     )  # fmt: skip
     assert result.completions[0].token_ids == greedy_reference(model, prompt, 4)
 
@@ -102,9 +101,9 @@ def test_adapters_of_a_run_without_them_and_a_changed_base(lora_run, tmp_path):
     saved = tmp_path / "saved-base"
     shutil.move(base, saved)
     try:
-        import_hf(other.directory, base, log=lambda _: None)
+        import_hf(other.directory, base)
         with pytest.raises(ValueError, match="not those this run was trained on"):
-            theseus.logits(run, IDS, log=lambda _: None)
+            theseus.logits(run, IDS)
     finally:
         shutil.rmtree(base)
         shutil.move(saved, base)

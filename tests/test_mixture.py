@@ -74,7 +74,7 @@ def test_mixture_under_tp2_fsdp_matches_one_device(sources, tmp_path):
     sharded = GPTTrainer(config(sources, 2), ShardingPolicy(tp=2, fsdp=True))
     assert sharded.batch_plan.accumulation_steps == 2 and sharded.topology.num_devices == 8
     for trainer, name in ((reference, "one"), (sharded, "eight")):
-        train(trainer, tmp_path / name, log=lambda _: None)
+        train(trainer, tmp_path / name)
     want, got = rows(tmp_path / "one"), rows(tmp_path / "eight")
     np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], rtol=1e-5)
     validated = [r for r in want if "val_loss" in r]

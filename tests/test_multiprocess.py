@@ -21,6 +21,7 @@ import time
 import numpy as np
 import pytest
 from support import TINY_GPT, invoke, subprocess_env
+from wandb_records import read_run, run_files
 
 from theseus.distributed.join import differing_processes, mismatch_message
 from theseus.distributed.launch import check_command, free_port
@@ -242,11 +243,15 @@ def test_two_process_checkpoint_restores_into_one_process(killed, reference):
 @pytest.mark.slow
 def test_launch_restores_one_process_checkpoint_into_two(tmp_path, reference):
     """`theseus launch -n 2` gives the losses of one process of 8 devices, resuming that
-    process's checkpoint (1×8 → 2×4)."""
+    process's checkpoint (1×8 → 2×4); W&B, enabled on this resume, gets one run of the steps
+    after it."""
     out = resumable_copy(reference, tmp_path / "from-one", 4)
     launch = ["launch", "-n", 2, "--cpu-devices-per-process", 4, "--"]
-    result = run(theseus(*launch, "train", "--out", out, "--resume", *ARGS))
+    wandb = ["logging.wandb.project=theseus-tests", "logging.wandb.mode=offline"]
+    result = run(theseus(*launch, "train", "--out", out, "--resume", *ARGS, *wandb))
     assert_same_losses(out, reference)
+    (wandb_run,) = [read_run(path) for path in run_files(out)]  # one W&B run, by process 0
+    assert wandb_run.logged_steps == list(range(5, STEPS + 1))
     record = json.loads((out / "run.json").read_text())
     assert record["num_processes"] == 2 and record["mesh_shape"] == {"batch": 4, "shard": 2}
     lines = result.stdout.splitlines()

@@ -10,7 +10,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from support import TINY_GPT, GPTTrainer, GPTTrainerConfig, read_events
+from support import TINY_GPT, GPTTrainer, GPTTrainerConfig, log_lines, read_events
 
 from theseus.config import apply_overrides
 from theseus.plot import read_metrics
@@ -96,7 +96,8 @@ def test_run_records_speed_and_tensorboard_events(tmp_path):
     ]
     trainer = GPTTrainer(apply_overrides(GPTTrainerConfig(), overrides), ShardingPolicy(tp=2))
     logged = []  # (host time, line): the metrics lines of steps 1, 2 and 4 among them
-    train(trainer, tmp_path, log=lambda line: logged.append((time.perf_counter(), line)))
+    with log_lines(lambda line: logged.append((time.perf_counter(), line))):
+        train(trainer, tmp_path)
     rows = read_metrics(tmp_path)
     run = json.loads((tmp_path / "run.json").read_text())
 

@@ -1,13 +1,13 @@
 """The house rules that code review would otherwise have to remember: every import (inside
 functions too) points one way, no import cycle, every module placed in a layer, file sizes, and the
-README's map of the code matching the tree."""
+map of the code in docs/design.md matching the tree."""
 
 import ast
 import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "theseus"
-README = PACKAGE.parent / "README.md"
+DESIGN = PACKAGE.parent / "docs" / "design.md"
 MAX_LINES = 450
 MAX_ROOT_MODULES = 6
 
@@ -143,17 +143,29 @@ def test_few_modules_at_the_package_root():
     assert len(root) <= MAX_ROOT_MODULES, f"move some of {root} into a package"
 
 
-def test_the_readme_layout_lists_exactly_the_modules():
-    text = README.read_text()
+def test_the_design_layout_names_every_package_and_only_modules_that_exist():
+    """docs/design.md's "Layout of the code" names every package (``theseus/x/``), every module
+    at the package root and nothing that is gone, so a contributor's map cannot go stale."""
+    text = DESIGN.read_text()
     section = text.split("## Layout of the code", 1)[1].split("\n## ", 1)[0]
-    listed = set(re.findall(r"theseus/[\w/]+\.py", section))
-    existing = {
-        str(p.relative_to(PACKAGE.parent)) for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"
+    named = set(re.findall(r"theseus/[\w/]+\.py", section))
+    packages = {
+        str(p.parent.relative_to(PACKAGE.parent)) + "/"
+        for p in PACKAGE.rglob("__init__.py")
+        if p.parent != PACKAGE
     }
-    assert listed == existing, {
-        "in the README, not in the tree": sorted(listed - existing),
-        "in the tree, not in the README": sorted(existing - listed),
+    roots = {str(p.relative_to(PACKAGE.parent)) for p in PACKAGE.glob("*.py")} - {
+        "theseus/__init__.py"
     }
+    gone = sorted(n for n in named if not (PACKAGE.parent / n).is_file())
+    unnamed_packages = sorted(
+        p for p in packages if not any(n.startswith(p) for n in named) and p not in section
+    )
+    assert not gone, f"docs/design.md names modules that do not exist: {gone}"
+    assert not unnamed_packages, f"docs/design.md does not name these packages: {unnamed_packages}"
+    assert roots <= named, (
+        f"docs/design.md does not name these root modules: {sorted(roots - named)}"
+    )
 
 
 FAMILIES = "model.families"

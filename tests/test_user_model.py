@@ -145,7 +145,7 @@ def test_own_model_trains_sharded_like_one_device(tmp_path, job):
     config = apply_overrides(BigramTrainerConfig(), OVERRIDES)
     policy = theseus.ShardingPolicy()
     one_device = type(trainer)(config, policy, Topology.new(policy, devices=jax.devices()[:1]))
-    train(one_device, tmp_path / "single", log=lambda _: None)
+    train(one_device, tmp_path / "single")
 
     sharded_losses, sharded_val = losses(tmp_path / "sharded")
     single_losses, single_val = losses(tmp_path / "single")

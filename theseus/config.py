@@ -170,6 +170,21 @@ class DataConfig(Section):
         return self
 
 
+class WandbConfig(Section):
+    """Weights & Biases tracking (needs the wandb package): off unless ``project`` is given."""
+
+    project: str | None = pydantic.Field(
+        None, description="W&B project to log the run to; None: no W&B run"
+    )
+    entity: str | None = pydantic.Field(None, description="W&B team or user; None: your default")
+    name: str | None = pydantic.Field(None, description="run name; None: W&B picks one")
+    group: str | None = pydantic.Field(None, description="group the run with others (W&B group)")
+    tags: list[str] = pydantic.Field(default_factory=list, description="W&B tags of the run")
+    mode: Literal["online", "offline"] = pydantic.Field(
+        "online", description="online, or offline: write OUT/wandb only (upload: wandb sync)"
+    )
+
+
 class LoggingConfig(Section):
     """What the main process shows while training."""
 
@@ -180,6 +195,9 @@ class LoggingConfig(Section):
     )
     peak_tflops: float | None = pydantic.Field(
         None, gt=0, description="peak TFLOP/s per device for MFU; None: the built-in table"
+    )
+    wandb: WandbConfig = pydantic.Field(
+        default_factory=WandbConfig, description="Weights & Biases (logging.wandb.project)"
     )
 
 

@@ -7,6 +7,7 @@ and must be called before a job is created, since the policy fixes the mesh and 
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -18,6 +19,8 @@ from theseus.sharding.axis import ShardingPolicy
 from theseus.training.run.evaluation import run_config
 from theseus.training.run.mode import NEW_RUN, RunMode
 from theseus.training.trainer import BaseTrainer, TrainerConfig
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -44,14 +47,14 @@ def run_trainer(
     *,
     mode: RunMode = NEW_RUN,
     source_dir: str | Path | None = None,
-    log=print,
 ) -> Any:
     """Train (as ``mode`` says) or evaluate with an already created trainer, as the job says."""
-    from theseus.training.run.loop import evaluate, train
+    from theseus.training.run.evaluation import evaluate
+    from theseus.training.run.loop import train
 
     if job.action == "train":
-        return train(trainer, out_dir, mode=mode, log=log)
-    return evaluate(trainer, out_dir, source_dir=source_dir, log=log)
+        return train(trainer, out_dir, mode=mode)
+    return evaluate(trainer, out_dir, source_dir=source_dir)
 
 
 def run_job(
@@ -143,7 +146,6 @@ class Chain:
         out_dir: str | Path,
         *,
         mode: RunMode = RunMode(),
-        log=print,
     ) -> list[Any]:
         """Run every step in order; returns each step's result. Each training step treats its
         folder as ``mode`` says (``mode=RunMode(resume=True)`` continues each one)."""
@@ -154,7 +156,7 @@ class Chain:
         for index, step in enumerate(self.steps):
             job = get_job(step.job)
             directory = step_dir(out_dir, index, step.job)
-            log(f"chain step {index}: {step.job} in {directory}")
+            logger.info(f"chain step {index}: {step.job} in {directory}")
             results.append(
                 run_job(
                     job,
@@ -163,7 +165,6 @@ class Chain:
                     directory,
                     mode=mode,
                     source_dir=last_train_dir,
-                    log=log,
                 )
             )
             if job.action == "train":
@@ -192,7 +193,6 @@ class QuickSession:
         out_dir: str | Path,
         *,
         mode: RunMode = RunMode(),
-        log=print,
     ):
         self.mode = mode
         self.job = get_job(job_name)
@@ -202,7 +202,6 @@ class QuickSession:
         saved = run_config(config_class, out_dir) if self.job.action == "evaluate" else None
         self.config = saved or config_class()
         self.policy = ShardingPolicy()
-        self.log = log
         self.trainer: BaseTrainer | None = None
 
     def __enter__(self) -> QuickSession:
@@ -243,7 +242,7 @@ class QuickSession:
         )
 
     def __call__(self) -> Any:
-        return run_trainer(self.job, self.create(), self.out_dir, mode=self.mode, log=self.log)
+        return run_trainer(self.job, self.create(), self.out_dir, mode=self.mode)
 
 
 def quick(job_name: str, out_dir: str | Path, **options: Any) -> QuickSession:

@@ -77,7 +77,7 @@ class Collectives(Mapping[str, CollectiveTotal]):
         return sum(self[op].bytes for op in OPS)
 
 
-def array_bytes(type_text: str) -> int:
+def hlo_type_bytes(type_text: str) -> int:
     """Bytes of an HLO type: one array (``f32[4,8]{1,0}``) or a tuple of them (summed)."""
     total = 0
     for dtype, dims in _ARRAY.findall(type_text):
@@ -196,7 +196,7 @@ def count_collectives(hlo_text: str) -> Collectives:
                 type_text = instruction.type_text
                 if kind == "reduce-scatter":
                     type_text = " ".join(types[o] for o in instruction.operands)
-                one = CollectiveTotal(1, array_bytes(type_text))
+                one = CollectiveTotal(1, hlo_type_bytes(type_text))
                 found[kind] = found.get(kind, CollectiveTotal()) + one
             for callee, times in _callees(instruction):
                 for callee_kind, total in totals(callee):

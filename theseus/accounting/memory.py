@@ -90,7 +90,7 @@ class CompiledStep:
         )
 
 
-def array_bytes(tree: Any) -> int:
+def tree_bytes(tree: Any) -> int:
     """Bytes of every leaf of ``tree`` (arrays or shapes), whole."""
     return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
@@ -138,7 +138,7 @@ _BINARY = {"ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40, "pi": 2**50}
 _BYTES_PATTERN = re.compile(r"^\s*(\d+(?:\.\d*)?(?:e\d+)?)\s*([kmgtp]i?)?b?\s*$", re.IGNORECASE)
 
 
-def parse_bytes(text: str) -> int:
+def parse_bytes(text: str | int) -> int:
     """``80GiB`` → 85899345920; ``80GB`` and ``80G`` are decimal; a plain number is bytes."""
     match = _BYTES_PATTERN.match(str(text))
     if not match:

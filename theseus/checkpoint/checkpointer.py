@@ -6,45 +6,43 @@ format version, a :class:`~theseus.checkpoint.meta.CheckpointMeta` — step, dat
 policy, mesh — and a fingerprint of every array). Restoring takes a target pytree of
 ``jax.ShapeDtypeStruct`` with shardings, so each device reads only its own shard from disk: a run
 saved under one policy or device count resumes under another, and no array is ever whole on one
-device. ``params_only`` restores the ``params`` entry of the state alone (generation needs neither
-the optimizer state nor the data position): Adam's moments are never read, and every check below
-applies the same way.
+device. :meth:`Checkpointer.restore_params` restores the ``params`` entry of the state alone
+(generation needs neither the optimizer state nor the data position): Adam's moments are never
+read, and every check below applies the same way. The orbax plumbing is
+:mod:`theseus.checkpoint.store`; this module is the policy (checks, fallback, errors).
 
 Robustness: orbax writes a step into a temporary directory and renames it on commit, so an
 interrupted save leaves no step behind (temporary directories are ignored and removed when a
 :class:`Checkpointer` opens the directory). A committed step that was damaged afterwards (a file
 deleted or truncated, garbage metadata, flipped bits in the data) fails one of the checks of
-:meth:`Checkpointer.restore` — orbax's own reads, or the per-array fingerprints, which are exact
+:meth:`Checkpointer.restore_state` — orbax's own reads, or the per-array fingerprints, which are exact
 integer hashes independent of the layout — and is reported as :class:`CheckpointError` naming the
-directory and step. ``restore(None, ...)`` then falls back to the newest good step and says which
+directory and step. Restoring step ``None`` falls back to the newest good step and says which
 ones it skipped. A checkpoint of another model (different tree or shapes) is an
 :class:`IncompatibleCheckpointError` naming the first mismatching paths; it never falls back.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 
 from theseus.checkpoint.budget import HOST_BUDGET_BYTES, limit, read_requests, write_requests
 from theseus.checkpoint.checks import compatibility_problems, one_line
 from theseus.checkpoint.fingerprints import fingerprints
 from theseus.checkpoint.meta import CheckpointMeta, MetadataFile
+from theseus.checkpoint.store import OrbaxStore
+from theseus.distributed.join import main_process_logger
 
-logger = logging.getLogger(__name__)
+logger = main_process_logger(__name__)
 
-_STATE = "state"
-_META = "meta"
-#: The entry of a state that ``restore(..., params_only=True)`` reads.
+#: The entry of a state that :meth:`Checkpointer.restore_params` reads.
 PARAMS = "params"
 _MAX_LISTED = 5
 
@@ -54,8 +52,10 @@ class CheckpointError(ValueError):
 
 
 class CheckpointWriteError(Exception):
-    """A checkpoint could not be written; the previously committed ones are intact. (A training
-    run stops with exit status 5 on it: :class:`theseus.training.run.stops.CheckpointWriteError`.)"""
+    """A checkpoint could not be written; the previously committed ones are intact. A training
+    run stops on it, and ``theseus train`` exits with ``exit_code``."""
+
+    exit_code: ClassVar[int] = 5
 
 
 class IncompatibleCheckpointError(CheckpointError):
@@ -64,8 +64,7 @@ class IncompatibleCheckpointError(CheckpointError):
 
 @dataclass(frozen=True)
 class Restored:
-    """What :meth:`Checkpointer.restore` returns: the state (with ``params_only``, the
-    parameters alone) in the target's layouts, and the metadata saved with it."""
+    """A restored state (or its parameters alone) in the target's layouts, and its metadata."""
 
     state: Any
     meta: CheckpointMeta
@@ -77,29 +76,10 @@ class Restored:
 
 @dataclass(frozen=True)
 class SkippedCheckpoint:
-    """A step that ``restore(None, ...)`` passed over, and why."""
+    """A step that a restore of step ``None`` passed over, and why."""
 
     step: int
     reason: str
-
-
-class _BelowError(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.ERROR
-
-
-@contextlib.contextmanager
-def _quiet_orbax_warnings() -> Iterator[None]:
-    """Keep orbax's absl warnings about options it adjusts (a read-only manager "setting
-    save_interval_steps=0", "Given directory is read only") off the user's terminal: they
-    describe what this class asked for, not a problem."""
-    absl = logging.getLogger("absl")
-    quiet = _BelowError()
-    absl.addFilter(quiet)
-    try:
-        yield
-    finally:
-        absl.removeFilter(quiet)
 
 
 # --- the checkpointer ------------------------------------------------------------------------
@@ -115,8 +95,7 @@ class Checkpointer:
 
     ``read_only`` opens a directory another job may be writing (e.g. to evaluate a running
     training job): nothing is created, removed or saved, and its temporary directories are left
-    alone. ``log`` receives the warnings (fallbacks, removals); the default is this module's
-    logger.
+    alone. Warnings (fallbacks, removals) go to this module's logger, on the main process.
 
     ``host_budget_bytes`` bounds the array data a save or restore stages in host memory at once
     (per process; at least one shard: see :mod:`theseus.checkpoint.budget`), so saving or
@@ -130,7 +109,6 @@ class Checkpointer:
         keep: int = 3,
         async_save: bool = True,
         read_only: bool = False,
-        log: Callable[[str], None] | None = None,
         host_budget_bytes: int = HOST_BUDGET_BYTES,
     ):
         if keep < 1:
@@ -141,40 +119,18 @@ class Checkpointer:
         self.directory = Path(directory).absolute()
         self.keep = keep
         self.read_only = read_only
-        self._log = log if log is not None else logger.warning
         self._bad_steps: set[int] = set()
         self._saving: int | None = None  # the step whose save may still be running
         self.skipped: tuple[SkippedCheckpoint, ...] = ()
         if read_only and not self.directory.is_dir():
             raise CheckpointError(f"no checkpoints in {self.directory}: it is not a directory")
-        with _quiet_orbax_warnings():
-            options = ocp.CheckpointManagerOptions(
-                max_to_keep=None if read_only else keep,
-                enable_async_checkpointing=async_save,
-                create=not read_only,
-                # Temporary directories are saves that never committed (e.g. a killed process). A
-                # reader leaves them alone: they may be a running job's saves in progress.
-                cleanup_tmp_directories=not read_only,
-                read_only=read_only,
-                # Do not read every step's metadata on open: a damaged step must not stop the open.
-                lightweight_initialize=True,
-            )
-        registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-        state_handler = ocp.handlers.StandardCheckpointHandler()
-        meta_handler = ocp.handlers.JsonCheckpointHandler()
-        registry.add(_STATE, ocp.args.StandardSave, state_handler)
-        registry.add(_STATE, ocp.args.StandardRestore, state_handler)
-        # The params-only restore: orbax's partial restore reads one entry of the state item.
-        params_handler = ocp.handlers.PyTreeCheckpointHandler()
-        registry.add(_STATE, ocp.args.PyTreeRestore, params_handler)
-        self._state_handlers = (state_handler, params_handler)
-        registry.add(_META, ocp.args.JsonSave, meta_handler)
-        registry.add(_META, ocp.args.JsonRestore, meta_handler)
         try:
-            with _quiet_orbax_warnings():
-                self._manager = ocp.CheckpointManager(
-                    self.directory, options=options, handler_registry=registry
-                )
+            self._store = OrbaxStore(
+                self.directory,
+                keep=None if read_only else keep,
+                async_save=async_save,
+                read_only=read_only,
+            )
         except Exception as error:  # any failure to open is reported the same way
             raise CheckpointError(
                 f"cannot open checkpoint directory {self.directory}: {one_line(error)}"
@@ -184,11 +140,11 @@ class Checkpointer:
 
     def all_steps(self) -> list[int]:
         """Committed steps, oldest first (uncommitted temporary directories are not steps)."""
-        return sorted(self._manager.all_steps())
+        return self._store.all_steps()
 
     def latest_step(self) -> int | None:
-        """The newest committed step (not checked for damage; :meth:`restore` checks)."""
-        return self._manager.latest_step()
+        """The newest committed step (not checked for damage; a restore checks)."""
+        return self._store.latest_step()
 
     def step_directory(self, step: int) -> Path:
         return self.directory / str(step)
@@ -211,14 +167,9 @@ class Checkpointer:
         self.wait()  # a failure of the previous save is reported as that step's
         self._clear_way_for(step)
         payload = MetadataFile(meta, fingerprints(state)).to_json()
-        self._set_in_flight_limit(save=limit(self.host_budget_bytes, write_requests(state)))
+        in_flight = limit(self.host_budget_bytes, write_requests(state))
         try:
-            started = self._manager.save(
-                step,
-                args=ocp.args.Composite(
-                    **{_STATE: ocp.args.StandardSave(state), _META: ocp.args.JsonSave(payload)}
-                ),
-            )
+            started = self._store.save(step, state, payload, in_flight_bytes=in_flight)
         except Exception as error:  # OSError, or orbax's wrapping of it
             raise self._save_error(step, error) from error
         self._saving = step
@@ -227,25 +178,6 @@ class Checkpointer:
                 f"orbax declined to save step {step} in {self.directory} (steps there: "
                 f"{self.all_steps()})"
             )
-
-    def _set_in_flight_limit(self, *, save: int | None = None, restore: int | None = None) -> None:
-        """Set orbax's in-flight byte limit of the next save or restore of the state item.
-
-        Orbax takes these limits only when a handler is built, and the manager's handlers are
-        built once; the limiter itself is made afresh from them at the start of every call, so
-        setting them just before a call bounds that call alone (a save's limiter is taken before
-        :meth:`save` returns, so a background write keeps its own).
-        """
-        for handler in self._state_handlers:
-            # StandardCheckpointHandler wraps a PyTreeCheckpointHandler, which wraps the base
-            # handler that serializes; each keeps its own copy of the limits.
-            inner = getattr(handler, "_impl", handler)
-            for part in (inner, inner._handler_impl):
-                assert hasattr(part, "_save_concurrent_bytes"), f"orbax changed: {type(part)}"
-                if save is not None:
-                    part._save_concurrent_bytes = save
-                if restore is not None:
-                    part._restore_concurrent_bytes = restore
 
     def _clear_way_for(self, step: int) -> None:
         """Remove damaged steps at or after ``step``; refuse to write under good later ones."""
@@ -258,8 +190,8 @@ class Checkpointer:
                 "latest step, or save into another directory."
             )
         for bad in later:
-            self._log(f"removing damaged checkpoint {self.step_directory(bad)} (step {bad})")
-            self._manager.delete(bad)
+            logger.warning(f"removing damaged checkpoint {self.step_directory(bad)} (step {bad})")
+            self._store.delete(bad)
             self._bad_steps.discard(bad)
 
     def wait(self) -> None:
@@ -267,7 +199,7 @@ class Checkpointer:
         :class:`CheckpointWriteError`."""
         step, self._saving = self._saving, None
         try:
-            self._manager.wait_until_finished()
+            self._store.wait()
         except Exception as error:  # the background save's error, any type
             raise self._save_error(step, error) from error
 
@@ -287,11 +219,11 @@ class Checkpointer:
     def reached_preemption(self, step: int) -> bool:
         """Whether all processes agreed to stop and save at ``step`` after a preemption notice
         (JAX's preemption sync point, through orbax; always False without jax.distributed)."""
-        return self._manager.reached_preemption(step)
+        return self._store.reached_preemption(step)
 
     def close(self) -> None:
         """Wait for pending saves and release the manager's threads."""
-        self._manager.close()
+        self._store.close()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -301,37 +233,44 @@ class Checkpointer:
 
     # --- restoring ------------------------------------------------------------------------------
 
-    def restore(
-        self,
-        step: int | None,
-        target: Any | Callable[[CheckpointMeta], Any],
-        *,
-        params_only: bool = False,
+    def restore_state(
+        self, step: int | None, target: Any | Callable[[CheckpointMeta], Any]
     ) -> Restored:
         """Restore ``step`` (or, with ``None``, the newest good step) into ``target``'s layouts.
 
         ``target`` is a pytree of ``jax.ShapeDtypeStruct`` with shardings (for a training run,
         ``theseus.training.run.checkpointing.restore_target``), or a function that builds one
         from the step's metadata (generation lays the parameters out by the saved config and
-        policy); each device reads its own shards. With ``params_only``, ``target`` describes
-        the state's ``params`` entry, and only that entry is read and checked. Steps that
-        ``None`` passed over are logged and kept in :attr:`skipped`.
+        policy); each device reads its own shards. Steps that ``None`` passed over are logged
+        and kept in :attr:`skipped`.
 
         Raises :class:`CheckpointError` when the step is missing or damaged (with ``None``: when
         no step is good) and :class:`IncompatibleCheckpointError` when the checkpoint holds
         another tree or other shapes than ``target``.
         """
+        return self._restore(step, target, entry=None)
+
+    def restore_params(
+        self, step: int | None, target: Any | Callable[[CheckpointMeta], Any]
+    ) -> Restored:
+        """:meth:`restore_state` of the state's ``params`` entry alone: ``target`` describes the
+        parameters, and only they are read and checked (the optimizer state never is)."""
+        return self._restore(step, target, entry=PARAMS)
+
+    def _restore(self, step: int | None, target: Any, *, entry: str | None) -> Restored:
+        """Restore ``state[entry]`` (``None``: the whole state) of ``step``, or of the newest
+        good step with ``None``."""
         self.skipped = ()
         self.wait()
         if step is not None:
-            return self._restore_step(int(step), target, params_only)
+            return self._restore_step(int(step), target, entry)
         steps = self.all_steps()
         if not steps:
             raise CheckpointError(f"no checkpoints in {self.directory}")
         skipped = []
         for candidate in reversed(steps):
             try:
-                restored = self._restore_step(candidate, target, params_only)
+                restored = self._restore_step(candidate, target, entry)
             except IncompatibleCheckpointError:
                 raise
             except CheckpointError as error:
@@ -339,7 +278,7 @@ class Checkpointer:
                 continue
             self.skipped = tuple(skipped)
             if skipped:
-                self._log(
+                logger.warning(
                     f"restored step {candidate} from {self.directory}; skipped damaged "
                     + "; ".join(f"step {s.step} ({s.reason})" for s in skipped)
                 )
@@ -350,11 +289,11 @@ class Checkpointer:
             + "\n".join(f"  {s.reason}" for s in skipped)
         )
 
-    def _restore_step(self, step: int, target: Any, params_only: bool) -> Restored:
+    def _restore_step(self, step: int, target: Any, entry: str | None) -> Restored:
         """Read and check one step; every process reaches the same verdict."""
         where = f"checkpoint {self.step_directory(step)} (step {step})"
         try:
-            restored, error = self._read_step(step, target, params_only, where), None
+            restored, error = self._read_step(step, target, entry, where), None
         except CheckpointError as caught:
             restored, error = None, caught
         failing = _failing_processes(error is not None)
@@ -367,40 +306,34 @@ class Checkpointer:
         self._bad_steps.discard(step)
         return restored
 
-    def _read_step(self, step: int, target: Any, params_only: bool, where: str) -> Restored:
-        if step not in self._manager.all_steps():
+    def _read_step(self, step: int, target: Any, entry: str | None, where: str) -> Restored:
+        if step not in self.all_steps():
             raise CheckpointError(
                 f"{where} does not exist; committed steps in {self.directory}: "
                 f"{self.all_steps() or 'none'}"
             )
         try:
-            payload = self._manager.restore(
-                step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()})
-            )[_META]
-            saved = MetadataFile.from_json(payload)
+            saved = MetadataFile.from_json(self._store.read_meta(step))
             meta, expected = saved.meta, saved.fingerprints
-            saved_tree = self._manager.item_metadata(step)[_STATE]
-            if saved_tree is None:
-                raise ValueError("the state's metadata is missing")
-            saved_tree = getattr(saved_tree, "tree", saved_tree)
+            saved_tree = self._store.saved_tree(step)
         except Exception as error:  # orbax and tensorstore raise many types
             raise CheckpointError(f"{where} is damaged: {one_line(error)}") from error
         if meta.step != step:
             raise CheckpointError(f"{where} is damaged: its metadata says step {meta.step}")
         target = target(meta) if callable(target) else target
-        if params_only:
-            saved_tree = {PARAMS: saved_tree.get(PARAMS) if isinstance(saved_tree, dict) else None}
-            expected = {p: v for p, v in expected.items() if p.startswith(f"{PARAMS}/")}
-        full_target = {PARAMS: target} if params_only else target
+        if entry is not None:  # the one entry, under its name: paths as in the whole state
+            saved_tree = {entry: saved_tree.get(entry) if isinstance(saved_tree, dict) else None}
+            expected = {p: v for p, v in expected.items() if p.startswith(f"{entry}/")}
+        full_target = target if entry is None else {entry: target}
         _check_compatible(saved_tree, full_target, where)
-        requests = read_requests(saved_tree, full_target)
-        self._set_in_flight_limit(restore=limit(self.host_budget_bytes, requests))
+        in_flight = limit(self.host_budget_bytes, read_requests(saved_tree, full_target))
         try:
-            state = self._manager.restore(
-                step, args=ocp.args.Composite(**{_STATE: _restore_args(target, params_only)})
-            )[_STATE]
-            state = state[PARAMS] if params_only else state
-            got = fingerprints({PARAMS: state} if params_only else state)
+            if entry is None:
+                state = self._store.read_state(step, target, in_flight_bytes=in_flight)
+                got = fingerprints(state)
+            else:
+                state = self._store.read_entry(step, entry, target, in_flight_bytes=in_flight)
+                got = fingerprints({entry: state})
         except Exception as error:
             raise CheckpointError(f"{where} is damaged: {one_line(error)}") from error
         wrong = [path for path, value in expected.items() if got.get(path) != value]
@@ -412,19 +345,6 @@ class Checkpointer:
                 + (" ..." if len(wrong) > _MAX_LISTED else "")
             )
         return Restored(state, meta)
-
-
-def _restore_args(target: Any, params_only: bool) -> Any:
-    """Orbax's arguments for reading the state item into ``target``: the whole state, or only
-    its ``params`` entry (a partial restore: the other entries are never read)."""
-    if not params_only:
-        return ocp.args.StandardRestore(target)
-    item = {PARAMS: target}
-    return ocp.args.PyTreeRestore(
-        item=item,
-        restore_args=ocp.checkpoint_utils.construct_restore_args(item),
-        partial_restore=True,
-    )
 
 
 def _check_compatible(saved_tree: Any, target: Any, where: str) -> None:

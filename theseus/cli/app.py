@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import typer
 
-from theseus.cli import hf, launch, plan, text, training
+from theseus.cli import doctor, hf, launch, plan, text, training
+from theseus.cli.options import show_log_lines
 
 app = typer.Typer(
     help="theseus: train annotated JAX models under DP, TP, ZeRO or FSDP.",
@@ -19,8 +20,9 @@ app = typer.Typer(
 
 
 @app.callback()
-def main() -> None:
+def main(context: typer.Context) -> None:
     """theseus: annotate a model once with logical axis names; train it under any layout."""
+    context.call_on_close(show_log_lines())
 
 
 # In the order `theseus --help` lists them.
@@ -32,3 +34,4 @@ app.command()(text.tokenize)
 app.command()(text.generate)
 app.command(name="import-hf")(hf.import_hf)
 app.command(name="export-hf")(hf.export_hf)
+app.command()(doctor.doctor)

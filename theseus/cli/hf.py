@@ -13,6 +13,7 @@ from theseus.cli.options import (
     ProcessFlags,
     join_job,
     layout_options,
+    log_lines_to_stderr,
     process_options,
     use_cpu_devices,
     user_errors,
@@ -29,16 +30,20 @@ def import_hf(
     sharding: dict | None = None,
     process: ProcessFlags | None = None,
 ) -> None:
-    """Import a Llama, Mistral, Qwen2, Qwen3 or GPT-2 checkpoint as a run directory (streamed
-    into the storage layout of the given policy; tokenizer files copied). In a multi-process job
-    (`theseus launch`, --coordinator) each process reads only its own devices' slices."""
+    """Import a Llama, Mistral, Qwen2, Qwen3 or GPT-2 checkpoint as a run directory.
+
+    The weights are streamed into the storage layout of the given policy and the tokenizer files
+    copied. In a multi-process job (`theseus launch`, --coordinator) each process reads only its
+    own devices' slices.
+    """
+    log_lines_to_stderr()
     join_job(process, out_dir)
     with user_errors():
         from theseus.hf.importer import import_hf as run_import
         from theseus.sharding.axis import ShardingPolicy
 
         policy = ShardingPolicy(**(sharding or {}))
-        run_import(hf_dir, out_dir, policy=policy, log=lambda text: typer.echo(text, err=True))
+        run_import(hf_dir, out_dir, policy=policy)
 
 
 def export_hf(
@@ -56,10 +61,13 @@ def export_hf(
     ] = False,
     cpu_devices: CPUDevices = None,
 ) -> None:
-    """Export a run's newest good checkpoint as config.json + safetensors + tokenizer files,
-    loadable by transformers' AutoModelForCausalLM.from_pretrained (LoRA adapters merged into
-    the weights), or with --adapters a LoRA run's adapters as peft's adapter_config.json +
-    adapter_model.safetensors."""
+    """Export a run's newest good checkpoint as a Hugging Face model folder.
+
+    The folder holds config.json, safetensors and the tokenizer files, loadable by transformers'
+    AutoModelForCausalLM.from_pretrained (LoRA adapters merged into the weights); with --adapters,
+    a LoRA run's adapters alone as peft's adapter_config.json + adapter_model.safetensors.
+    """
+    log_lines_to_stderr()
     use_cpu_devices(cpu_devices)
     with user_errors():
         from theseus.hf.exporter import export_hf as run_export
@@ -70,5 +78,4 @@ def export_hf(
             dtype=dtype,
             max_shard_size=max_shard_size,
             adapters=adapters,
-            log=lambda text: typer.echo(text, err=True),
         )

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
+import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -103,10 +105,33 @@ RunDir = Annotated[Path | None, typer.Option(help="run directory \\[default: run
 ChainFile = Annotated[Path, typer.Argument(help="chain YAML (from `theseus configure`)")]
 
 
+#: Threads of XLA:CPU's thread pools per simulated device (:func:`size_cpu_thread_pools`).
+CPU_THREADS_PER_DEVICE = 4
+
+
+def size_cpu_thread_pools(num_devices: int) -> None:
+    """Give XLA:CPU's thread pools room for every collective that ``num_devices`` simulated
+    devices can have waiting at once: ``PJRT_NPROC``, which the CPU backend reads when it starts,
+    becomes ``CPU_THREADS_PER_DEVICE`` threads a device (the machine's cores if more). A value
+    the user set is kept.
+
+    By default the pools have max(cores, devices) threads. An in-process collective blocks the
+    pool thread it runs on until its whole group arrives, and XLA:CPU orders a device's
+    collectives only by when they start: a loop holding collectives that goes on on a pool thread
+    lets the collective after it start meanwhile, so one device can wait in two at once. With 8
+    devices on 2 cores such waits took all 8 threads, the work a device still had queued never
+    ran, and XLA's terminate timeout aborted the process (bench/collective_deadlock.py).
+    """
+    threads = max(os.cpu_count() or 1, CPU_THREADS_PER_DEVICE * num_devices)
+    os.environ.setdefault("PJRT_NPROC", str(threads))
+
+
 def use_cpu_devices(count: int | None) -> None:
-    """Simulate ``count`` CPU devices; must run before JAX's first operation."""
+    """Simulate ``count`` CPU devices, with thread pools that their collectives cannot exhaust;
+    must run before JAX's first operation."""
     if count is None:
         return
+    size_cpu_thread_pools(count)
     import jax
 
     jax.config.update("jax_platforms", "cpu")
@@ -146,6 +171,47 @@ def join_job(process: ProcessFlags, out: Path | None) -> None:
     join.start(membership, process.heartbeat_timeout)
 
 
+class _TerminalLines(logging.Handler):
+    """theseus's log records as plain lines on ``sys.stdout`` (or ``sys.stderr``), looked up at
+    each line: a worker's terminal or a test's captured stream gets them."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.stream = "stdout"
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            print(self.format(record), file=getattr(sys, self.stream))
+        except Exception:  # noqa: BLE001 - logging's own convention
+            self.handleError(record)
+
+
+_TERMINAL = _TerminalLines()
+
+
+def show_log_lines() -> Callable[[], None]:
+    """Show the ``theseus`` logger's lines (info and above) on stdout for one command; returns
+    the function that undoes it (the app calls it when the command ends)."""
+    logger = logging.getLogger("theseus")
+    level, propagate = logger.level, logger.propagate
+    _TERMINAL.stream = "stdout"
+    logger.addHandler(_TERMINAL)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # said once: not again by a root handler (a worker's log file)
+
+    def undo() -> None:
+        logger.removeHandler(_TERMINAL)
+        logger.setLevel(level)
+        logger.propagate = propagate
+
+    return undo
+
+
+def log_lines_to_stderr() -> None:
+    """Show this command's log lines on stderr: its stdout is its result (text, JSON)."""
+    _TERMINAL.stream = "stderr"
+
+
 def fail(message: str, code: int = 2) -> None:
     """A user error: one paragraph on stderr, no traceback, exit status ``code`` (2: bad input)."""
     typer.echo(f"error: {message}", err=True)
@@ -158,12 +224,13 @@ def user_errors(exit_codes: Mapping[type[Exception], int] | None = None) -> Iter
     ``exit_codes`` gives the error's type (e.g. 1 for a plan that found no policy)."""
     import pydantic
 
+    from theseus.checkpoint.checkpointer import CheckpointWriteError
     from theseus.config import describe_validation_error
     from theseus.training.run.stops import RunInterrupted
 
     try:
         yield
-    except RunInterrupted as error:  # stopped on purpose: a status of its own (see README)
+    except (RunInterrupted, CheckpointWriteError) as error:  # a status of its own (see README)
         typer.echo(f"stopped: {error}", err=True)
         raise typer.Exit(code=error.exit_code) from None
     except pydantic.ValidationError as error:

@@ -14,6 +14,7 @@ from theseus.cli.options import (
     Overwrite,
     import_modules,
     layout_options,
+    log_lines_to_stderr,
     use_cpu_devices,
     user_errors,
 )
@@ -59,8 +60,11 @@ def tokenize(
     ] = DEFAULT_SHARD_TOKENS,
     overwrite: Overwrite = False,
 ) -> None:
-    """Tokenize a corpus into token shards with byte-level BPE, streaming it with bounded memory;
-    run it again to finish an interrupted one. Train on it with data.path=OUT_DIR."""
+    """Tokenize a corpus into token shards with byte-level BPE.
+
+    Train on them with data.path=OUT_DIR. The corpus is streamed with bounded memory; run the
+    command again to finish an interrupted one.
+    """
     with user_errors():
         from theseus.data.bpe import tokenize as tokenize_corpus
 
@@ -115,6 +119,7 @@ def generate(
     sharding: dict | None = None,
 ) -> None:
     """Complete prompts with a run's newest good checkpoint (KV cache; any layout)."""
+    log_lines_to_stderr()
     use_cpu_devices(cpu_devices)
     import json
 
@@ -139,7 +144,6 @@ def generate(
             tokenizer=tokenizer,
             policy_changes=sharding,
             job=job,
-            log=lambda text: typer.echo(text, err=True),
         )
     if json_output:
         typer.echo(json.dumps(result.to_json(), indent=2))

@@ -57,8 +57,10 @@ def train(
     imports: Imports = None,
     flags: JobFlags | None = None,
 ) -> None:
-    """Train a job (the default GPT on built-in data unless data.path is given), or evaluate
-    the run in --out (--job llama/evaluate)."""
+    """Train a job, or evaluate the run in --out (--job llama/evaluate).
+
+    The default job trains a GPT on built-in data unless data.path is given.
+    """
     join_job(flags.process, out)
     shorthands = {
         "training.steps": steps,

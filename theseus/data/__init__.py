@@ -1,8 +1,10 @@
 """Language-model data: corpora of token ids, their weighted mixtures and stateless samplers."""
 
+from theseus.data.binfile import write_tokens
+from theseus.data.corpus import Corpus
 from theseus.data.mixture import Mixture, MixtureSampler, load_mixture
 from theseus.data.sampler import Sampler, validation_batches
-from theseus.data.tokens import Corpus, load_corpus, write_tokens
+from theseus.data.tokens import load_corpus
 
 __all__ = [
     "Corpus",

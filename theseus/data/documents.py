@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from theseus.data.corpus import bytes_to_tokens
 from theseus.data.readers import InputFile, read_pieces
 from theseus.data.split import DocumentSplit
 
@@ -30,11 +31,5 @@ def split_documents(
             last = document + piece.document
             parts[split.is_validation(last)].append(piece.text.encode())
         document = last + 1
-    train, validation = (_tokens(b"".join(parts[side])) for side in (False, True))
+    train, validation = (bytes_to_tokens(b"".join(parts[side])) for side in (False, True))
     return train, validation
-
-
-def _tokens(data: bytes) -> np.ndarray:
-    tokens = np.frombuffer(data, dtype=np.uint8).astype(np.uint16)  # (num_bytes,)
-    tokens.setflags(write=False)
-    return tokens

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from theseus.config import DataConfig
-from theseus.data.sampler import Sampler, batch_indices
+from theseus.data.sampler import IndexedExamples, Sampler
 from theseus.data.tokens import Corpus, load_corpus
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -95,7 +95,7 @@ def load_mixture(data: DataConfig) -> Mixture:
     return Mixture(tuple(sources), named=True)
 
 
-class MixtureSampler:
+class MixtureSampler(IndexedExamples):
     """Maps global example indices to token windows of the mixture's train splits (the
     :class:`~theseus.data.sampler.Sampler` interface)."""
 
@@ -125,23 +125,6 @@ class MixtureSampler:
             if chosen.any():
                 examples[chosen] = sampler.gather(flat[chosen])
         return examples.reshape(*np.shape(indices), self.seq_len + 1)
-
-    def global_batch(
-        self, position: int, accumulation_steps: int, examples_per_microbatch: int
-    ) -> np.ndarray:
-        return self.local_batch(position, accumulation_steps, examples_per_microbatch, slice(None))
-
-    def local_batch(
-        self,
-        position: int,
-        accumulation_steps: int,
-        examples_per_microbatch: int,
-        rows: slice | np.ndarray,
-    ) -> np.ndarray:
-        """As :meth:`Sampler.local_batch`: int32 (accumulation_steps, rows, seq_len + 1)."""
-        return self.gather(
-            batch_indices(position, accumulation_steps, examples_per_microbatch, rows)
-        )
 
 
 def uniform(seed: int, indices: np.ndarray) -> np.ndarray:

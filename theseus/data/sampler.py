@@ -10,6 +10,8 @@ stores the number of examples consumed; a resumed run passes it back as ``positi
 
 from __future__ import annotations
 
+import abc
+
 import numpy as np
 
 from theseus.data.shards import ShardedTokens
@@ -17,34 +19,12 @@ from theseus.data.shards import ShardedTokens
 VALIDATION_SEED = 0
 
 
-class Sampler:
-    """Maps global example indices to token windows of one split. Immutable apart from a cache."""
+class IndexedExamples(abc.ABC):
+    """Examples at global indices (:meth:`gather`), read as batches of a data position."""
 
-    def __init__(self, tokens: np.ndarray | ShardedTokens, seq_len: int, seed: int):
-        if not isinstance(tokens, np.ndarray | ShardedTokens) or tokens.ndim != 1:
-            raise TypeError(f"tokens must be a 1-D numpy array, got {type(tokens).__name__}")
-        if not np.issubdtype(tokens.dtype, np.integer):
-            raise TypeError(f"tokens must have an integer dtype, got {tokens.dtype}")
-        _check_int("seq_len", seq_len, minimum=1)
-        _check_int("seed", seed, minimum=0)
-        num_windows = (tokens.size - 1) // seq_len
-        if num_windows < 1:
-            raise ValueError(
-                f"a split of {tokens.size} tokens holds no window of seq_len + 1 = "
-                f"{seq_len + 1} tokens; lower the sequence length or supply more data"
-            )
-        self.tokens = tokens
-        self.seq_len = seq_len
-        self.seed = seed
-        self.num_windows = num_windows
-        self._cached_epoch = -1
-        self._cached_permutation = np.empty(0, dtype=np.int64)
-
-    def examples(self, start: int, count: int) -> np.ndarray:
-        """Examples ``start .. start + count - 1`` as int32, shape (count, seq_len + 1)."""
-        _check_int("start", start, minimum=0)
-        _check_int("count", count, minimum=0)
-        return self.gather(start + np.arange(count, dtype=np.int64))
+    @abc.abstractmethod
+    def gather(self, indices: np.ndarray) -> np.ndarray:
+        """Examples at global ``indices``, int32 of shape indices.shape + (seq_len + 1,)."""
 
     def global_batch(
         self, position: int, accumulation_steps: int, examples_per_microbatch: int
@@ -73,6 +53,36 @@ class Sampler:
         return self.gather(
             batch_indices(position, accumulation_steps, examples_per_microbatch, rows)
         )
+
+
+class Sampler(IndexedExamples):
+    """Maps global example indices to token windows of one split. Immutable apart from a cache."""
+
+    def __init__(self, tokens: np.ndarray | ShardedTokens, seq_len: int, seed: int):
+        if not isinstance(tokens, np.ndarray | ShardedTokens) or tokens.ndim != 1:
+            raise TypeError(f"tokens must be a 1-D numpy array, got {type(tokens).__name__}")
+        if not np.issubdtype(tokens.dtype, np.integer):
+            raise TypeError(f"tokens must have an integer dtype, got {tokens.dtype}")
+        _check_int("seq_len", seq_len, minimum=1)
+        _check_int("seed", seed, minimum=0)
+        num_windows = (tokens.size - 1) // seq_len
+        if num_windows < 1:
+            raise ValueError(
+                f"a split of {tokens.size} tokens holds no window of seq_len + 1 = "
+                f"{seq_len + 1} tokens; lower the sequence length or supply more data"
+            )
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.seed = seed
+        self.num_windows = num_windows
+        self._cached_epoch = -1
+        self._cached_permutation = np.empty(0, dtype=np.int64)
+
+    def examples(self, start: int, count: int) -> np.ndarray:
+        """Examples ``start .. start + count - 1`` as int32, shape (count, seq_len + 1)."""
+        _check_int("start", start, minimum=0)
+        _check_int("count", count, minimum=0)
+        return self.gather(start + np.arange(count, dtype=np.int64))
 
     def gather(self, indices: np.ndarray) -> np.ndarray:
         """Windows of global example ``indices``, int32 of shape indices.shape + (seq_len + 1,)."""

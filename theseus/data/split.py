@@ -1,4 +1,7 @@
-"""Which documents are held out for validation: a seeded, balanced split by document position.
+"""The three train/validation splits: by document position (folders and document files), by
+file name (the built-in corpus) and the tail (a single text or ``.bin`` file).
+
+Which documents are held out for validation: a seeded, balanced split by document position.
 
 Documents are taken in blocks of ``BLOCK`` consecutive positions; block ``b`` holds
 ``round((b + 1) * BLOCK * f) - round(b * BLOCK * f)`` validation documents, the ones that a
@@ -16,6 +19,7 @@ documents), so validation losses compare in nats per byte.
 from __future__ import annotations
 
 import math
+import zlib
 
 import numpy as np
 
@@ -60,3 +64,39 @@ class DocumentSplit:
 def _round(value: float) -> int:
     """Round half up (Python's ``round`` rounds half to even)."""
     return math.floor(value + 0.5)
+
+
+def tail_split(tokens: np.ndarray, validation_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """Split off the last ``validation_fraction`` of ``tokens``.
+
+    Each side gets at least one token when there are two or more.
+    """
+    num_validation = tail_split_size(tokens.size, validation_fraction)
+    return tokens[: tokens.size - num_validation], tokens[tokens.size - num_validation :]
+
+
+def tail_split_size(size: int, validation_fraction: float) -> int:
+    """How many of ``size`` tokens (two or more) the tail split holds out: at least one, and
+    one fewer than all."""
+    return min(max(1, round(size * validation_fraction)), size - 1)
+
+
+def split_by_file(
+    names: list[str], validation_fraction: float, seed: int
+) -> tuple[list[str], list[str]]:
+    """Partition file names into (train, validation), keeping the input order within each.
+
+    A name goes to validation when ``crc32(name, seed) % 1000 < validation_fraction * 1000``:
+    stable across runs, machines and additions of other files. With two or more names both
+    parts are non-empty: the lowest-hashed name is forced into validation, the highest into train.
+    """
+    assert len(names) >= 2, "by-file split needs at least two files"
+    buckets = {name: zlib.crc32(name.encode(), int(seed)) % 1000 for name in names}
+    threshold = validation_fraction * 1000
+    validation = {name for name in names if buckets[name] < threshold}
+    ranked = sorted(names, key=lambda name: (buckets[name], name))
+    if not validation:
+        validation = {ranked[0]}
+    if len(validation) == len(names):
+        validation.discard(ranked[-1])
+    return [n for n in names if n not in validation], [n for n in names if n in validation]

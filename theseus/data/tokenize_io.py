@@ -20,8 +20,8 @@ from theseus.data.shards import (
     own_files,
     read_json,
 )
-from theseus.data.split import DocumentSplit
-from theseus.data.tokens import builtin_files, split_by_file, tail_split_size
+from theseus.data.split import DocumentSplit, split_by_file, tail_split_size
+from theseus.data.tokens import builtin_files
 
 BUILTIN = "builtin"  # the corpus argument naming the built-in corpus
 

@@ -9,6 +9,7 @@ of one process (an interactive allocation) runs without the distributed runtime.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,6 +156,20 @@ def is_main_process() -> bool:
     import jax
 
     return jax.process_index() == 0
+
+
+class _MainProcessOnly(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return is_main_process()
+
+
+def main_process_logger(name: str) -> logging.Logger:
+    """The logger ``name`` (a module's ``__name__``), passing records on the main process only:
+    for lines every process of a job would say alike (a run's progress, a restore's verdict)."""
+    logger = logging.getLogger(name)
+    if not any(isinstance(f, _MainProcessOnly) for f in logger.filters):
+        logger.addFilter(_MainProcessOnly())
+    return logger
 
 
 def describe_processes() -> str:

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import functools
 import json
-import re
+import logging
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -24,12 +24,16 @@ import jax
 import ml_dtypes
 import numpy as np
 
+from theseus.accounting.memory import parse_bytes
 from theseus.hf.config import export_model_type, hf_config, trainer_family
 from theseus.hf.importer import IMPORTED_FROM, TOKENIZER_FILES, check_out_dir
 from theseus.hf.peft import adapter_config, adapter_tensors, merged_run_params
 from theseus.hf.safetensors import write_file
 from theseus.inference.logits import load_run
 from theseus.model.family import HFTensor
+from theseus.sharding.layout import leaf_at
+
+logger = logging.getLogger(__name__)
 
 ExportDtype = Literal["float32", "bfloat16"]
 _DTYPES = {
@@ -37,8 +41,6 @@ _DTYPES = {
     "bfloat16": np.dtype(ml_dtypes.bfloat16),
     "float16": np.dtype(np.float16),
 }
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20}
-_UNITS |= {"GIB": 2**30}
 BLOCK_BYTES = 64 * 2**20  # float32 bytes of one block of rows gathered to the host
 
 
@@ -60,20 +62,6 @@ class ExportResult:
         )
 
 
-def parse_size(size: str | int) -> int:
-    """Bytes of ``size``: an int, or e.g. ``"5GB"``, ``"500MB"``, ``"2GiB"``."""
-    if isinstance(size, int) and not isinstance(size, bool):
-        value = size
-    else:
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*", str(size).upper())
-        if match is None:
-            raise ValueError(f"max shard size {size!r}: give bytes, e.g. 5GB, 500MB or 2GiB")
-        value = int(float(match[1]) * _UNITS[match[2] or ""])
-    if value < 1:
-        raise ValueError(f"max shard size {size!r} must be positive")
-    return value
-
-
 def shard_files(tensors: list[HFTensor], dtype: np.dtype, limit: int) -> list[list[HFTensor]]:
     """Tensors grouped in order into files of at most ``limit`` bytes (a larger tensor alone)."""
     files: list[list[HFTensor]] = [[]]
@@ -86,12 +74,6 @@ def shard_files(tensors: list[HFTensor], dtype: np.dtype, limit: int) -> list[li
         files[-1].append(tensor)
         size += nbytes
     return files
-
-
-def _leaf(params: dict, path: str) -> jax.Array:
-    for key in path.split("/"):
-        params = params[key]
-    return params
 
 
 @functools.partial(jax.jit, static_argnums=2)
@@ -143,7 +125,7 @@ def tensor_blocks(
     for start in range(0, rows, step):
         pieces = []
         for part in tensor.parts:
-            leaf = _leaf(params, part.path)  # ([n_layer,] rows, ...)
+            leaf = leaf_at(params, part.path)  # ([n_layer,] rows, ...)
             stacked = part.layer is not None
             layer = (slice(part.layer, part.layer + 1),) if stacked else ()
             rest = tuple(slice(0, n) for n in leaf.shape[len(layer) + 1 :])
@@ -180,7 +162,6 @@ def export_hf(
     dtype: ExportDtype | None = None,
     max_shard_size: str | int = "5GB",
     adapters: bool = False,
-    log: Callable[[str], None] = print,
 ) -> ExportResult:
     """Write the newest good checkpoint of ``run_dir`` as a Hugging Face model folder that
     ``transformers.AutoModelForCausalLM.from_pretrained`` loads (a LoRA run's adapters merged
@@ -188,13 +169,16 @@ def export_hf(
     imported in (float32 for a run trained here). ``adapters``: write a LoRA run's adapters
     alone, in peft's format, for the base model the run was initialised from."""
     run_dir, out_dir = Path(run_dir), Path(out_dir)
-    limit = parse_size(max_shard_size)
+    try:
+        limit = parse_bytes(max_shard_size)
+    except ValueError as error:
+        raise ValueError(f"max shard size: {error}") from None
     if dtype is not None and dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype={dtype!r}: export writes float32 or bfloat16")
     check_out_dir(out_dir)
     if jax.process_count() > 1:
         raise ValueError("export-hf runs in one process; start it without --coordinator")
-    loaded = load_run(run_dir, layout="storage", log=log)
+    loaded = load_run(run_dir, layout="storage")
     base = loaded.meta.base or {}
     base_dir = Path(base["run_dir"]) if base.get("run_dir") else None
     spec = loaded.trainer.lora_spec
@@ -212,7 +196,7 @@ def export_hf(
     tensors = family.family.hf.tensors(model)
     if adapters:
         found = adapter_tensors(family, tensors, loaded.params)
-        return _export_adapters(loaded, found, out_dir, np_dtype, base_dir, imported, log)
+        return _export_adapters(loaded, found, out_dir, np_dtype, base_dir, imported)
     params = merged_run_params(loaded.trainer, loaded.params)
     groups = shard_files(tensors, np_dtype, limit)
     names = (
@@ -236,7 +220,7 @@ def export_hf(
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     _copy_tokenizer(run_dir, base_dir, out_dir)
     result = ExportResult(str(out_dir), model_type, dtype_name, loaded.step, names, len(tensors))
-    log(result.describe())
+    logger.info(result.describe())
     return result
 
 
@@ -249,7 +233,7 @@ def _copy_tokenizer(run_dir: Path, base_dir: Path | None, out_dir: Path) -> None
                 break
 
 
-def _export_adapters(loaded, found, out_dir, np_dtype, base_dir, imported, log) -> ExportResult:
+def _export_adapters(loaded, found, out_dir, np_dtype, base_dir, imported) -> ExportResult:
     """peft's ``adapter_config.json`` and ``adapter_model.safetensors`` of a LoRA run (its
     adapters' tensors ``found``)."""
     spec = loaded.trainer.lora_spec
@@ -262,5 +246,5 @@ def _export_adapters(loaded, found, out_dir, np_dtype, base_dir, imported, log) 
     (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     dtype_name = "bfloat16" if np_dtype == _DTYPES["bfloat16"] else "float32"
     result = ExportResult(str(out_dir), "peft-lora", dtype_name, loaded.step, [name], len(found))
-    log(result.describe())
+    logger.info(result.describe())
     return result

@@ -13,6 +13,7 @@ the job and model config in its metadata), ``config.yaml``, ``run.json`` and the
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -36,6 +37,8 @@ from theseus.sharding.axis import ShardingPolicy
 from theseus.sharding.layout import is_sharding, path_str
 from theseus.sharding.topology import Topology
 from theseus.training.trainer import BaseTrainer
+
+logger = logging.getLogger(__name__)
 
 IMPORTED_FROM = "imported_from"  # run.json: the Hugging Face model an import came from
 TOKENIZER_FILES = (
@@ -206,7 +209,6 @@ def import_hf(
     *,
     policy: ShardingPolicy | None = None,
     devices: Sequence[jax.Device] | None = None,
-    log: Callable[[str], None] = print,
 ) -> ImportResult:
     """Import the Hugging Face checkpoint ``hf_dir`` (``config.json`` and safetensors) as the
     run directory ``out_dir``, placing the parameters in ``policy``'s storage layout (default:
@@ -232,7 +234,7 @@ def import_hf(
         **trainer.execution_facts(),
     )
     out_dir.mkdir(parents=True, exist_ok=True)
-    with Checkpointer(out_dir / CHECKPOINTS, log=log) as checkpointer:
+    with Checkpointer(out_dir / CHECKPOINTS) as checkpointer:
         checkpointer.save({"params": params}, meta)
         checkpointer.wait()
     copied = [name for name in TOKENIZER_FILES if (hf_dir / name).is_file()]
@@ -254,5 +256,5 @@ def import_hf(
     result = ImportResult(
         str(out_dir), spec.job, spec.model_type, trainer.num_params, dtype, copied
     )
-    log(result.describe())
+    logger.info(result.describe())
     return result

@@ -15,6 +15,7 @@ import jax
 
 from theseus.jobs import RegisteredFamily
 from theseus.model.family import HFTensor, Part
+from theseus.sharding.layout import leaf_at
 from theseus.training.finetune import Partition, is_adapter, merged_params
 from theseus.training.trainer import BaseTrainer
 
@@ -44,7 +45,7 @@ def adapter_tensors(
         if leaf != "weight" or not _has(params, f"{module_path}/lora_a"):
             continue
         stem = PEFT_PREFIX + tensor.name.removesuffix(".weight")
-        rank = _leaf(params, f"{module_path}/lora_a").shape[-2]
+        rank = leaf_at(params, f"{module_path}/lora_a").shape[-2]
         d_out, d_in = tensor.shape
         for name, path, shape in (
             ("lora_A", f"{module_path}/lora_a", (rank, d_in)),
@@ -99,10 +100,3 @@ def _has(params: dict, path: str) -> bool:
             return False
         node = node[key]
     return True
-
-
-def _leaf(params: dict, path: str) -> Any:
-    node: Any = params
-    for key in path.split("/"):
-        node = node[key]
-    return node

@@ -12,9 +12,10 @@ its own positions only, so padding never changes a result, and its sampling key 
 
 from __future__ import annotations
 
+import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,8 @@ from theseus.model.decode import ROWS
 from theseus.sharding.axis import Axis, partition_spec
 from theseus.sharding.layout import abstract_with
 from theseus.training.trainer import BaseTrainer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -99,7 +102,6 @@ class Generator:
         seed: int = 0,
         num_samples: int = 1,
         num_valid: int | None = None,
-        log: Callable[[str], None] = print,
     ) -> GeneratedIds:
         """New token ids of every prompt's ``num_samples`` rows, the rate and notes for the
         user. Ids from ``num_valid`` (default: the whole vocabulary) on are never chosen."""
@@ -121,7 +123,7 @@ class Generator:
         if padded > num_rows:
             notes.append(f"{num_rows} rows on {replicas} replicas: {padded - num_rows} idle row(s)")
         for note in notes:
-            log(f"note: {note}")
+            logger.info(f"note: {note}")
         width = max(lengths)
         tokens = np.zeros((padded, width), np.int32)  # (rows, width): right-padded prompts
         row_lengths = np.ones(padded, np.int32)
@@ -247,12 +249,11 @@ def load_generator(
     policy_changes: dict[str, Any] | None = None,
     devices: Sequence[jax.Device] | None = None,
     job: str | None = None,
-    log: Callable[[str], None] = print,
 ) -> LoadedGenerator:
     """A :class:`Generator` with the newest good checkpoint of ``run_dir`` in the compute layout
     of the run's policy merged with ``policy_changes``, and that checkpoint's metadata. The job
     is read from the run (``job`` names it when its config fits several registered jobs)."""
-    loaded = load_run(run_dir, policy_changes=policy_changes, devices=devices, job=job, log=log)
+    loaded = load_run(run_dir, policy_changes=policy_changes, devices=devices, job=job)
     return LoadedGenerator(Generator(loaded.trainer, loaded.params), loaded.meta)
 
 
@@ -283,7 +284,6 @@ def generate(
     policy_changes: dict[str, Any] | None = None,
     devices: Sequence[jax.Device] | None = None,
     job: str | None = None,
-    log: Callable[[str], None] = print,
 ) -> Generation:
     """Complete ``prompts`` with the newest good checkpoint of ``run_dir``.
 
@@ -298,9 +298,7 @@ def generate(
         raise TypeError("prompts must be a list of strings or of lists of int token ids")
     if not prompts or not all(len(p) for p in prompts):
         raise ValueError("give one or more prompts, none of them empty (--prompt TEXT)")
-    loaded = load_generator(
-        run_dir, policy_changes=policy_changes, devices=devices, job=job, log=log
-    )
+    loaded = load_generator(run_dir, policy_changes=policy_changes, devices=devices, job=job)
     generator = loaded.generator
     trainer = generator.trainer
     codec: Codec = resolve_codec(
@@ -318,7 +316,6 @@ def generate(
         seed=seed,
         num_samples=num_samples,
         num_valid=codec.vocab_size,
-        log=log,
     )
     ids = generated.ids  # (rows, new tokens)
     completions = [

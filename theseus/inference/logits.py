@@ -11,7 +11,7 @@ a device.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -74,7 +74,6 @@ def load_run(
     devices: Sequence[jax.Device] | None = None,
     job: str | None = None,
     layout: Literal["compute", "storage"] = "compute",
-    log: Callable[[str], None] = print,
 ) -> LoadedRun:
     """The newest good parameters of ``run_dir`` in the ``layout`` of the run's policy merged
     with ``policy_changes``, with the trainer that defines that layout. The job is the one whose
@@ -101,11 +100,11 @@ def load_run(
         trainers[meta.step] = (trainer, name)
         return params_target(trainer, getattr(trainer.layouts, layout), meta)
 
-    with Checkpointer(run_dir / CHECKPOINTS, read_only=True, log=log) as checkpointer:
-        restored = checkpointer.restore(None, target_for, params_only=True)
+    with Checkpointer(run_dir / CHECKPOINTS, read_only=True) as checkpointer:
+        restored = checkpointer.restore_params(None, target_for)
     trainer, name = trainers[restored.step]
     # A fine-tuning checkpoint holds the trained parameters; its base holds the frozen ones.
-    restored = with_base(trainer, restored, getattr(trainer.layouts, layout), log=log)
+    restored = with_base(trainer, restored, getattr(trainer.layouts, layout))
     return LoadedRun(trainer, restored.state, restored.meta, name)
 
 
@@ -145,14 +144,11 @@ def logits(
     *,
     policy_changes: dict[str, Any] | None = None,
     devices: Sequence[jax.Device] | None = None,
-    log: Callable[[str], None] = print,
 ) -> np.ndarray:
     """Float32 logits ``(rows, seq, vocab)`` of ``token_ids`` (rows, seq) under the newest good
     checkpoint of ``run_dir`` (a training run or an imported model), computed under the run's
     policy merged with ``policy_changes`` (e.g. ``{"tp": 2, "fsdp": True}``)."""
-    loaded = load_run(
-        run_dir, policy_changes=policy_changes, devices=devices, layout="storage", log=log
-    )
+    loaded = load_run(run_dir, policy_changes=policy_changes, devices=devices, layout="storage")
     trainer = loaded.trainer
     vocab = trainer.config.model.vocab_size
     ids = check_token_ids(token_ids, vocab)

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import optax
 
-from theseus.accounting.memory import CompiledStep, MemoryTotals, array_bytes, format_bytes
+from theseus.accounting.memory import CompiledStep, MemoryTotals, format_bytes, tree_bytes
 from theseus.accounting.preflight import BatchPlan, preflight
 from theseus.config import apply_overrides
 from theseus.plan.policies import candidate_policies, communication_key
@@ -221,7 +221,7 @@ def _non_param_optimizer_bytes(trainer: BaseTrainer) -> int:
         trainer.abstract_state.opt_state,
         transform_non_params=lambda x: x,
     )
-    return array_bytes(rest)
+    return tree_bytes(rest)
 
 
 def closed_form(
@@ -232,7 +232,7 @@ def closed_form(
     psi = trainer.num_params
     float32_params = all(np.dtype(leaf.dtype) == np.float32 for leaf in trainer.abstract_leaves)
     non_param = _non_param_optimizer_bytes(trainer)
-    adam_like = array_bytes(trainer.abstract_state.opt_state) - non_param == 8 * psi
+    adam_like = tree_bytes(trainer.abstract_state.opt_state) - non_param == 8 * psi
     if policy.tp != 1 or totals is None or not (float32_params and adam_like):
         return None
     n = replicas

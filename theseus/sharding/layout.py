@@ -78,6 +78,14 @@ def path_str(path: Sequence[Any]) -> str:
     return "/".join(parts)
 
 
+def leaf_at(tree: dict, path: str) -> Any:
+    """The leaf of nested dicts ``tree`` at a :func:`path_str` path (``blocks/attn_qkv``)."""
+    node: Any = tree
+    for key in path.split("/"):
+        node = node[key]
+    return node
+
+
 def _leaf_names(leaf: object) -> tuple[str | None, ...] | None:
     if not _is_variable(leaf):
         return None

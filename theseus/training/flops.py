@@ -3,11 +3,11 @@
 Model FLOPs count the matmuls a training step needs (forward and backward), not what an
 implementation happens to run: recomputation under activation checkpointing and the optimizer
 update are left out, as in the PaLM paper's MFU. A trainer that defines ``flops_per_token()``
-(every family does, from its matmul shapes) gives its own count; any other model gets XLA's: ``cost_analysis()`` of
-the loss gradient of one microbatch, lowered for one device with every ``lax.scan`` unrolled
-first. Unrolling is needed because XLA's cost analysis counts a loop body once, whatever its trip
+(every family does, from its matmul shapes) gives its own count; any other model gets XLA's:
+``cost_analysis()`` of the loss gradient of one microbatch, lowered for one device with every
+``lax.scan`` unrolled first. Unrolling is needed because XLA's cost analysis counts a loop body once, whatever its trip
 count. The lowered module is counted rather than the compiled one because compiling an unrolled
-model is slow, and the two counts agree (the README's "How fast it trains" has the figures).
+model is slow, and the two counts agree (docs/performance.md, "FLOPs per token", has the figures).
 """
 
 from __future__ import annotations

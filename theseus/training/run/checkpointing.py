@@ -11,7 +11,6 @@ every read of the checkpoint (resume, evaluation, scoring, generation, export) c
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,8 @@ from theseus.checkpoint.fingerprints import fingerprints
 from theseus.checkpoint.meta import CHECKPOINTS, CheckpointMeta
 from theseus.sharding.layout import abstract_with
 from theseus.training.finetune import Partition, is_adapter
-from theseus.training.trainer import BaseTrainer, TrainState
+from theseus.training.state import TrainState
+from theseus.training.trainer import BaseTrainer
 
 
 def restore_target(trainer: BaseTrainer, meta: CheckpointMeta | None = None) -> TrainState:
@@ -85,7 +85,6 @@ def read_base_params(
     layout: Any,
     *,
     step: int | None = None,
-    log: Callable[[str], None] = print,
 ) -> Restored:
     """Every parameter of ``trainer`` but its LoRA adapters from run ``run_dir`` (newest good
     step, or ``step``), float32 as runs store them, in ``layout``; the frozen ones are then
@@ -95,8 +94,8 @@ def read_base_params(
     abstract = keep.split(trainer.abstract_state.params)[1]
     float32 = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32), abstract)
     target = abstract_with(float32, keep.split(layout)[1])
-    with Checkpointer(Path(run_dir) / CHECKPOINTS, read_only=True, log=log) as other:
-        restored = other.restore(step, target, params_only=True)
+    with Checkpointer(Path(run_dir) / CHECKPOINTS, read_only=True) as other:
+        restored = other.restore_params(step, target)
     trained, frozen = trainer.partition.split(restored.state)
     dtype = trainer.frozen_dtype
     frozen_layout = trainer.partition.split(layout)[1]
@@ -109,9 +108,7 @@ def read_base_params(
     return dataclasses.replace(restored, state=trainer.partition.join(trained, frozen))
 
 
-def frozen_params(
-    trainer: BaseTrainer, base: dict, layout: Any, *, log: Callable[[str], None] = print
-) -> Any:
+def frozen_params(trainer: BaseTrainer, base: dict, layout: Any) -> Any:
     """The frozen parameters a checkpoint's ``base`` points to, in ``layout``, after checking
     their fingerprints against those the run started from."""
     if base["run_dir"] is None:
@@ -120,7 +117,7 @@ def frozen_params(
         frozen = jax.device_put(frozen, trainer.partition.split(layout)[1])
         where = f"the initialisation of seed {base['seed']}"
     else:
-        restored = read_base_params(trainer, base["run_dir"], layout, step=base["step"], log=log)
+        restored = read_base_params(trainer, base["run_dir"], layout, step=base["step"])
         frozen = trainer.partition.split(restored.state)[1]
         where = f"{base['run_dir']} (step {base['step']})"
     got = fingerprints(frozen)
@@ -139,22 +136,16 @@ def restore_params(
     trainer: BaseTrainer,
     checkpointer: Checkpointer,
     layout: Any,
-    *,
-    log: Callable[[str], None] = print,
 ) -> Restored:
     """Every parameter of the newest good checkpoint in ``layout``: a checkpoint holding the
     trained ones alone is joined with its checked base."""
-    restored = checkpointer.restore(
-        None, lambda meta: params_target(trainer, layout, meta), params_only=True
-    )
-    return with_base(trainer, restored, layout, log=log)
+    restored = checkpointer.restore_params(None, lambda meta: params_target(trainer, layout, meta))
+    return with_base(trainer, restored, layout)
 
 
-def with_base(
-    trainer: BaseTrainer, restored: Restored, layout: Any, *, log: Callable[[str], None] = print
-) -> Restored:
+def with_base(trainer: BaseTrainer, restored: Restored, layout: Any) -> Restored:
     """``restored`` parameters joined with the frozen ones of its base, if it has one."""
     if restored.meta.base is None:
         return restored
-    frozen = frozen_params(trainer, restored.meta.base, layout, log=log)
+    frozen = frozen_params(trainer, restored.meta.base, layout)
     return dataclasses.replace(restored, state=trainer.partition.join(restored.state, frozen))

@@ -1,12 +1,23 @@
-"""What an evaluate job takes from the run it scores: the run's own config (``config.yaml``, written
-by every training run and by ``theseus import-hf``) as the base under the user's overrides, and a
-model section that must stay the run's, refused field by field before anything is restored."""
+"""Evaluation of a run's newest good checkpoint, and what an evaluate job takes from the run it
+scores: the run's own config (``config.yaml``, written by every training run and by ``theseus
+import-hf``) as the base under the user's overrides, and a model section that must stay the
+run's, refused field by field before anything is restored."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from theseus.checkpoint.checkpointer import Checkpointer
+from theseus.checkpoint.meta import CHECKPOINTS
 from theseus.config import ConfigError, ConfigT, read_yaml, validate
+from theseus.distributed.join import is_main_process, main_process_logger
+from theseus.training.run.checkpointing import restore_params
+from theseus.training.run.data import load_data, validation_array
+from theseus.training.trainer import BaseTrainer
+
+logger = main_process_logger(__name__)
 
 RUN_CONFIG = "config.yaml"
 
@@ -50,3 +61,53 @@ def check_same_model(config: ConfigT, source: str | Path) -> None:
             f"cannot evaluate {source} with another model: {'; '.join(changes)}. An evaluation "
             f"takes the model section from the run's {RUN_CONFIG}; drop these overrides"
         )
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """Validation loss of a checkpoint."""
+
+    out_dir: str
+    source: str
+    step: int
+    val_loss: float
+    val_loss_by_source: dict[str, float] | None = None
+
+    def describe(self) -> str:
+        return (
+            f"evaluated {self.source} at step {self.step}: validation loss {self.val_loss:.4f}; "
+            f"written to {self.out_dir}/eval.json"
+        )
+
+
+def evaluate(
+    trainer: BaseTrainer,
+    out_dir: str | Path,
+    *,
+    source_dir: str | Path | None = None,
+) -> EvalResult:
+    """Validation loss of the newest good checkpoint in ``source_dir`` (default: ``out_dir``),
+    restored into this trainer's layouts; written to ``out_dir/eval.json``."""
+    out_dir = Path(out_dir)
+    source = Path(source_dir) if source_dir is not None else out_dir
+    if not (source / CHECKPOINTS).is_dir():
+        raise ValueError(
+            f"nothing to evaluate: {source} holds no {CHECKPOINTS}/ folder; train first or give "
+            "the run directory of a training job"
+        )
+    check_same_model(trainer.config, source)
+    corpus = load_data(trainer)
+    validation = validation_array(trainer, corpus)
+    # Read-only: a training job may still be saving there.
+    with Checkpointer(source / CHECKPOINTS, read_only=True) as checkpointer:
+        restored = restore_params(trainer, checkpointer, trainer.layouts.storage)
+    val_loss, by_source = validation.losses(trainer, restored.state)
+    by_source = None if by_source is None else {k: float(v) for k, v in by_source.items()}
+    result = EvalResult(str(out_dir), str(source), restored.step, float(val_loss), by_source)
+    if is_main_process():
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "eval.json").write_text(
+            json.dumps({**asdict(result), "policy": trainer.policy.model_dump()}, indent=2) + "\n"
+        )
+    logger.info(result.describe())
+    return result

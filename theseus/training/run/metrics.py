@@ -1,20 +1,21 @@
 """The metrics of a run: one JSON row per step in ``metrics.jsonl``, shown by the reporter, read
-from the device one step late so the host never waits on it inside the loop."""
+from the device one step late so the host never waits on it inside the loop; validation and
+checkpoint saves are kept out of every step's time (:meth:`MetricsWriter.paused`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 import jax
 
 from theseus.distributed.join import is_main_process
 from theseus.training.run.progress import Reporter
-from theseus.training.run.tensorboard import TensorBoardWriter
 from theseus.training.run.throughput import Speedometer, StepClock
 from theseus.training.trainer import BaseTrainer
 
@@ -25,8 +26,12 @@ class PendingStep:
 
     step: int
     metrics: dict[str, jax.Array]
-    val_loss: jax.Array | None = None
-    val_loss_by_source: dict[str, jax.Array] | None = None
+
+
+class Tracker(Protocol):
+    """Where recorded rows go besides ``metrics.jsonl`` (TensorBoard, Weights & Biases)."""
+
+    def write(self, row: dict[str, Any]) -> None: ...
 
 
 @dataclass
@@ -41,6 +46,7 @@ class MetricsWriter:
     """Owns ``metrics.jsonl`` (written by the main process), the progress reporter and the
     one-step-late read: :meth:`push` hands in step n's device metrics and records step n - 1's,
     which the device has finished by then; leaving the ``with`` block records the last one.
+    Work between steps (validation, a save) runs inside :meth:`paused`.
 
     The run's length and logging settings come from ``trainer``'s config, the tokens per step
     and the rates from ``speed``. A run that starts at ``first_step`` (after a resume) keeps the
@@ -55,25 +61,25 @@ class MetricsWriter:
         speed: Speedometer,
         *,
         first_step: int,
-        log: Callable[[str], None],
-        events: TensorBoardWriter | None = None,
+        trackers: Sequence[Tracker] = (),
         check_row: Callable[[dict], None] = lambda row: None,
     ):
         self.path = path
         self.first_step = first_step
         self.speed = speed  # step time → tokens/s and MFU
-        self.events = events  # TensorBoard, when asked for
+        self.trackers = trackers  # TensorBoard, W&B: when asked for
         self.check_row = check_row  # e.g. stop after a non-finite step
         self._clock = StepClock()
         self.history = MetricsHistory()
         config = trainer.config
-        self._reporter = Reporter(first_step - 1, config.training.steps, config.logging, log)
+        self._reporter = Reporter(first_step - 1, config.training.steps, config.logging)
         self._file: IO[str] | None = None
         self._pending: PendingStep | None = None
+        self._pending_row: dict[str, Any] | None = None  # the held step's row, once read
 
     def __enter__(self) -> MetricsWriter:
         if is_main_process():
-            kept = _kept_rows(self.path, self.first_step - 1)
+            kept = kept_rows(self.path, self.first_step - 1)
             self.path.write_text("".join(row + "\n" for row in kept))
             self._file = open(self.path, "a")  # closed in __exit__
         self._reporter.__enter__()
@@ -88,16 +94,39 @@ class MetricsWriter:
             if self._file is not None:
                 self._file.close()
 
-    def push(
-        self,
-        step: int,
-        metrics: dict[str, jax.Array],
-        val_loss: Any = None,
-        val_loss_by_source: dict[str, Any] | None = None,
-    ) -> None:
-        """Hold step ``step``'s metrics; record the step before it."""
+    def push(self, step: int, metrics: dict[str, jax.Array]) -> None:
+        """Hold step ``step``'s metrics; record the step before it. A step that has already
+        finished (XLA:CPU runs small programs inline, at dispatch) is read and timed now."""
         self.flush()
-        self._pending = PendingStep(step, metrics, val_loss, val_loss_by_source)
+        self._pending = PendingStep(step, metrics)
+        if all(leaf.is_ready() for leaf in jax.tree.leaves(metrics)):  # no wait
+            self._held_row()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Work between two steps (validation, a checkpoint save): the held step is read (and
+        timed) before it, and the clock restarts after it, so no step's time holds it."""
+        self._held_row()
+        try:
+            yield
+        finally:
+            self._clock.restart()
+
+    def add_validation(self, val_loss: jax.Array, by_source: dict[str, jax.Array] | None) -> None:
+        """Put the held step's validation losses in its row (waits for them: call it inside
+        :meth:`paused`)."""
+        row = self._held_row()
+        row["val_loss"] = float(val_loss)
+        if by_source is not None:
+            by_source = jax.device_get(by_source)
+            row["val_loss_by_source"] = {name: float(v) for name, v in by_source.items()}
+
+    def _held_row(self) -> dict[str, Any]:
+        """The held step's row, read from the device the first time it is asked for."""
+        assert self._pending is not None, "no step is held"
+        if self._pending_row is None:
+            self._pending_row = self.row(self._pending)
+        return self._pending_row
 
     def row(self, pending: PendingStep) -> dict[str, Any]:
         """The row of a step (reads its metrics from the device): numbers as floats, flags as
@@ -107,32 +136,27 @@ class MetricsWriter:
         row |= {k: bool(v) if v.dtype == bool else float(v) for k, v in metrics.items()}
         row |= self.speed.rates(self._clock.lap())  # device_get returned when the step finished
         row["tokens"] = pending.step * self.speed.tokens_per_step
-        if pending.val_loss is not None:
-            row["val_loss"] = float(pending.val_loss)
-        if pending.val_loss_by_source is not None:
-            by_source = jax.device_get(pending.val_loss_by_source)
-            row["val_loss_by_source"] = {name: float(v) for name, v in by_source.items()}
         return row
 
     def flush(self) -> None:
         """Record the held step now (before a checkpoint of it is saved, say)."""
         if self._pending is None:
             return
-        row = self.row(self._pending)
-        self._pending = None
+        row = self._held_row()
+        self._pending = self._pending_row = None
         self.history.losses.append(row["loss"])
         if "val_loss" in row:
             self.history.val_losses.append(row["val_loss"])
         if self._file is not None:
             self._file.write(json.dumps(strict_json_row(row), allow_nan=False) + "\n")
             self._file.flush()
-        if self.events is not None:
-            self.events.write(row)
+        for tracker in self.trackers:
+            tracker.write(row)
         self._reporter.update(row)
         self.check_row(row)
 
 
-def _kept_rows(path: Path, last_step: int) -> list[str]:
+def kept_rows(path: Path, last_step: float) -> list[str]:
     """Rows of an earlier run segment up to ``last_step``: the ones a resumed run keeps."""
     if not path.is_file():
         return []

@@ -20,6 +20,8 @@ RUN_FILES = (
     CHECKPOINTS,
     "eval.json",
     "tokenizer.json",
+    "wandb-run.json",  # training/run/wandb_writer.py
+    "wandb",
 )
 
 

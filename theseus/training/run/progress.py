@@ -4,8 +4,6 @@ silent."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -17,19 +15,18 @@ from rich.progress import (
 )
 
 from theseus.config import LoggingConfig
-from theseus.distributed.join import is_main_process
+from theseus.distributed.join import is_main_process, main_process_logger
+
+logger = main_process_logger(__name__)
 
 
 class Reporter:
     """Shows steps ``first_done + 1 .. total`` as they are recorded."""
 
-    def __init__(
-        self, first_done: int, total: int, config: LoggingConfig, log: Callable[[str], None]
-    ):
+    def __init__(self, first_done: int, total: int, config: LoggingConfig):
         self.total = total
         self.config = config
         self.main = is_main_process()
-        self.log = log if self.main else (lambda _: None)
         self.first_done = first_done
         self.progress: Progress | None = None
         if self.main and config.progress_bar:
@@ -67,7 +64,7 @@ class Reporter:
         interval = self.config.log_interval
         if step % interval == 0 or "val_loss" in row or step == self.first_done + 1:
             val = f" val_loss {row['val_loss']:.4f}" if "val_loss" in row else ""
-            self.log(
+            logger.info(
                 f"step {step}/{self.total} loss {row['loss']:.4f}{val} "
                 f"lr {row['learning_rate']:.2e} {speed(row)}"
             )

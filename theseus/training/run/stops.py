@@ -1,6 +1,8 @@
 """Ways a run ends early on purpose, each with the exit status of ``theseus train``.
 
 They are not usage errors (status 2): the command was right, and the run stopped to lose nothing.
+(A checkpoint that cannot be written stops a run too:
+:class:`theseus.checkpoint.checkpointer.CheckpointWriteError`, status 5.)
 The message says what happened, at which step, and which checkpoint a ``--resume`` continues from.
 
 Non-finite steps: the step drops their update on device (:mod:`theseus.training.nonfinite`); the
@@ -11,12 +13,10 @@ host sees the ``skipped`` flag on its one-step-late read of the metrics (no extr
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import ClassVar
 
-from theseus.checkpoint.checkpointer import CheckpointWriteError
 from theseus.training.nonfinite import WATCHED
 
 
@@ -36,21 +36,6 @@ class Preempted(RunInterrupted):
     """SIGTERM: the current step finished, a checkpoint was saved; ``--resume`` continues."""
 
     exit_code: ClassVar[int] = 4
-
-
-class CheckpointSaveError(RunInterrupted):
-    """A checkpoint could not be written; the previously committed ones are intact."""
-
-    exit_code: ClassVar[int] = 5
-
-
-@contextlib.contextmanager
-def failed_saves_stop_the_run() -> Iterator[None]:
-    """A checkpoint that cannot be written stops the run with :class:`CheckpointSaveError`."""
-    try:
-        yield
-    except CheckpointWriteError as error:
-        raise CheckpointSaveError(str(error)) from error
 
 
 class NonFiniteGuard:

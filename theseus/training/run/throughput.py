@@ -1,15 +1,17 @@
 """Step time, tokens/s and MFU of each recorded step, without any extra host sync.
 
-The loop reads step ``n``'s metrics while step ``n + 1`` runs (one step late); that read returns
-when step ``n`` has finished on the device. :class:`StepClock` takes a host timestamp right after
-each such read, so the difference between two consecutive timestamps is the time between two step
-completions: the device's step time while the device is the bottleneck (the host is then waiting
-in that read), and the true time per step when the host is. This adds nothing to the loop: no
-``block_until_ready``, no extra transfer. JAX offers no completion callback that would timestamp
-on the device side without a host thread waiting. The first step is timed from the start of the
-loop. An interval that holds a validation also holds its time (the device runs it between the two
-steps), and one that follows a checkpoint save holds the save's wait for its step's arrays; the
-sum of ``step_time_s`` is the loop's wall time up to the last read (the last save comes after).
+The loop reads step ``n``'s metrics after dispatching step ``n + 1`` (one step late); that read
+returns when step ``n`` has finished on the device. :class:`StepClock` takes a host timestamp right
+after each such read, so the difference between two consecutive timestamps is the time between two
+step completions: the device's step time while the device is the bottleneck (the host is then
+waiting in that read, or in the dispatch: XLA:CPU starts a program with collectives only after the
+previous one has finished), and the true time per step when the host is. A step that has already
+finished when it is handed over (XLA:CPU runs small programs inline, at dispatch) is read and timed
+at once, not one step late. This adds nothing to the loop: no ``block_until_ready``, no extra transfer. JAX offers no completion callback that would
+timestamp on the device side without a host thread waiting. The first step is timed from the
+start of the loop. Validation and checkpoint saves run between steps with the clock paused
+(``MetricsWriter.paused``): the step before them is read first, and the clock restarts after them,
+so every row, the last one included, measures its own step and nothing else.
 """
 
 from __future__ import annotations
@@ -65,6 +67,10 @@ class StepClock:
     """Host timestamps of step completions, taken as each step's metrics are read."""
 
     def __init__(self) -> None:
+        self.last = time.perf_counter()
+
+    def restart(self) -> None:
+        """Start the next lap now (after work between steps that no step's time should hold)."""
         self.last = time.perf_counter()
 
     def lap(self) -> float:
