@@ -22,9 +22,12 @@ from flax import nnx
 
 from theseus.config import apply_overrides
 from theseus.inference import Generator, Sampling
+from theseus.jobs import get_job
 from theseus.sharding.axis import ShardingPolicy
 from theseus.sharding.topology import Topology
-from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
+
+GPTTrainer = get_job("gpt/train/pretrain").trainer_class
+GPTTrainerConfig = GPTTrainer.config_class
 
 
 def main() -> None:

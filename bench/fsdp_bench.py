@@ -58,8 +58,11 @@ GATHER = ("compute", "storage")
 def compiled(policy, overrides: list[str]):
     """(seconds, CompiledMemory with collectives) of the GPT train step on this process."""
     from theseus.config import apply_overrides
+    from theseus.jobs import get_job
     from theseus.plan import plan
-    from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
+
+    GPTTrainer = get_job("gpt/train/pretrain").trainer_class
+    GPTTrainerConfig = GPTTrainer.config_class
 
     config = apply_overrides(GPTTrainerConfig(), overrides)
     start = time.perf_counter()

@@ -81,9 +81,12 @@ def bench_one(model_name, hyper, policy_name, args, log) -> Row:
     import reference
 
     from theseus.config import apply_overrides
+    from theseus.jobs import get_job
     from theseus.sharding.axis import ShardingPolicy
     from theseus.training.flops import device_peak
-    from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
+
+    GPTTrainer = get_job("gpt/train/pretrain").trainer_class
+    GPTTrainerConfig = GPTTrainer.config_class
 
     tp, zero, fsdp, _ = POLICIES[policy_name]
     num_devices = jax.device_count()

@@ -79,8 +79,11 @@ start = time.perf_counter()
 if what == "read":
     from theseus.hf import importer as imp
     spec = imp.read_spec(__import__("pathlib").Path(source))
-    expected = imp.hf_tensors(spec.job, spec.model)
-    infos = imp.match_tensors(expected, imp.checkpoint_tensors(imp.Path(source)), source)
+    hf_spec = spec.family.family.hf
+    expected = hf_spec.tensors(spec.model)
+    infos = imp.match_tensors(
+        expected, imp.checkpoint_tensors(imp.Path(source)), source, hf_spec.aliases
+    )
     trainer = imp.import_trainer(spec, ShardingPolicy(fsdp=True), None)
     jax.block_until_ready(imp.read_params(trainer, expected, infos))
     num_params = trainer.num_params
@@ -104,14 +107,13 @@ def write_checkpoint(folder: Path, layers: int) -> tuple[int, int]:
     import numpy as np
 
     from theseus.hf.config import model_spec
-    from theseus.hf.mapping import hf_tensors
     from theseus.hf.safetensors import write_file
 
     config = dict(LLAMA_1B, num_hidden_layers=layers)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     spec = model_spec(config, "config.json")
-    tensors = hf_tensors(spec.job, spec.model)
+    tensors = spec.family.family.hf.tensors(spec.model)
     dtype = np.dtype(ml_dtypes.bfloat16)
     rng = np.random.default_rng(0)
 

@@ -61,9 +61,12 @@ def main() -> None:
     args = parser.parse_args()
 
     from theseus.config import apply_overrides
+    from theseus.jobs import get_job
     from theseus.plan import format_bytes, plan
     from theseus.sharding.axis import ShardingPolicy
-    from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
+
+    GPTTrainer = get_job("gpt/train/pretrain").trainer_class
+    GPTTrainerConfig = GPTTrainer.config_class
 
     config = apply_overrides(GPTTrainerConfig(), BIG)
     start = time.perf_counter()

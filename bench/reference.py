@@ -2,7 +2,7 @@
 baseline the benchmarks compare theseus's step against.
 
 It is what a careful user would write by hand for one sharding choice: the same GPT-2 math as
-``theseus.model.gpt`` (float32 master weights, matmuls in the compute dtype with float32
+``theseus.model.families.gpt`` (float32 master weights, matmuls in the compute dtype with float32
 accumulation and float32 weight gradients, float32 LayerNorm statistics, softmax, residual stream
 and logits, a head tied to the token embedding, layers stacked and scanned, optional per-layer
 remat), the same AdamW chain, and the same three layouts written out by hand as

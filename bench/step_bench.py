@@ -66,8 +66,11 @@ class Contender:
 
 def theseus_contender(policy_name: str, dtype: str):
     from theseus.config import apply_overrides
+    from theseus.jobs import get_job
     from theseus.sharding.axis import ShardingPolicy
-    from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
+
+    GPTTrainer = get_job("gpt/train/pretrain").trainer_class
+    GPTTrainerConfig = GPTTrainer.config_class
 
     tp, zero, fsdp = POLICIES[policy_name]
     overrides = [f"model.{k}={v}" for k, v in MODEL.items()]

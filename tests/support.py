@@ -20,13 +20,18 @@ from typer.testing import CliRunner, Result
 from theseus.cli.app import app
 from theseus.config import apply_overrides
 from theseus.data import Sampler, load_corpus, validation_batches
-from theseus.model import GPTConfig
-from theseus.model.llama import LlamaConfig
+from theseus.jobs import families
 from theseus.sharding.axis import ShardingPolicy
 from theseus.sharding.topology import Topology, under_mesh
-from theseus.training.gpt import GPTTrainer
-from theseus.training.llama import LlamaTrainer
 from theseus.training.trainer import BaseTrainer, TrainerConfig
+
+# The model families from the registry (tests, like the package, never import a family module).
+FAMILIES = families()
+GPT_FAMILY, LLAMA_FAMILY = FAMILIES["gpt"].family, FAMILIES["llama"].family
+GPT, GPTConfig, GPT_PLAN = GPT_FAMILY.model_class, GPT_FAMILY.config_class, GPT_FAMILY.plan
+Llama, LlamaConfig = LLAMA_FAMILY.model_class, LLAMA_FAMILY.config_class
+GPTTrainer, LlamaTrainer = FAMILIES["gpt"].trainer_class, FAMILIES["llama"].trainer_class
+GPTTrainerConfig, LlamaTrainerConfig = GPTTrainer.config_class, LlamaTrainer.config_class
 
 # n_embd and n_mlp divide by 8 (tp=8 and FSDP over 8 devices); other dims differ from them.
 # Dropout is on: per-example keys must make its masks the same under every layout.
@@ -169,7 +174,9 @@ EQUIVALENCE_LLAMA = LlamaConfig(
     qk_norm=True,
 )
 
-TRAINERS: dict[type, type[BaseTrainer]] = {GPTConfig: GPTTrainer, LlamaConfig: LlamaTrainer}
+TRAINERS: dict[type, type[BaseTrainer]] = {
+    f.family.config_class: f.trainer_class for f in FAMILIES.values()
+}
 
 
 def equivalence_config(
@@ -348,3 +355,38 @@ def log_lines(on_line: Callable[[str], None]) -> Iterator[None]:
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
+
+
+# Llama 3.1 8B's config.json as transformers 4.x writes it (the layout of the published files).
+LLAMA31_8B_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.0.dev0",
+    "use_cache": True,
+    "vocab_size": 128256,
+}

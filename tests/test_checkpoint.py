@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 from support import (
     EQUIVALENCE_BATCH,
     EQUIVALENCE_MODEL,
+    GPTTrainer,
     equivalence_config,
     log_lines,
     shared_trainer,
@@ -32,7 +33,6 @@ from theseus.checkpoint.checkpointer import (
 from theseus.checkpoint.meta import CheckpointMeta
 from theseus.sharding.axis import ShardingPolicy
 from theseus.sharding.topology import Topology
-from theseus.training.gpt import GPTTrainer
 from theseus.training.run.checkpointing import checkpoint_meta, restore_target
 from theseus.training.state import TrainState
 

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 import yaml
-from support import TINY_GPT
+from support import TINY_GPT, GPTTrainer, GPTTrainerConfig
 
 import theseus
 from theseus.config import ConfigError, apply_overrides, load_yaml, save_yaml
@@ -14,7 +14,6 @@ from theseus.execution import Chain, chain, quick
 from theseus.jobs import all_jobs, get_job
 from theseus.plot import plot_losses, read_metrics
 from theseus.sharding.axis import ShardingPolicy
-from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
 from theseus.training.run.evaluation import evaluate
 from theseus.training.run.mode import RunMode
 

@@ -20,6 +20,7 @@ from flax import nnx
 from support import (
     DEFAULT_CODEGEN,
     EQUIVALENCE_LLAMA,
+    GPTTrainer,
     Run,
     equivalence_config,
     run_steps,
@@ -33,7 +34,6 @@ from theseus.model.layers import dense, layer_norm
 from theseus.plan import plan, render
 from theseus.sharding.axis import ShardingPolicy
 from theseus.sharding.casting import cast_only_inputs
-from theseus.training.gpt import GPTTrainer
 
 
 def train(policy: ShardingPolicy, **training) -> Run:

@@ -7,14 +7,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support import TINY_GPT, invoke, log_lines, write_corpus
+from support import GPT, TINY_GPT, invoke, log_lines, write_corpus
 
 import theseus
 from theseus.data import load_corpus
 from theseus.data.bpe import load_tokenizer, tokenize
 from theseus.inference import Sampling, load_generator
 from theseus.inference.sampling import next_tokens, sample_keys
-from theseus.model import GPT
 
 PROMPTS = [[66, 101, 97], [73, 109, 112, 108, 105, 99, 105], [83, 105, 109, 112, 108, 101, 32]]
 NEW_TOKENS = 32

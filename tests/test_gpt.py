@@ -10,8 +10,8 @@ import optax
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from support import GPT, GPT_FAMILY, GPT_PLAN, GPTConfig
 
-from theseus.model import GPT, GPT_PLAN, GPTConfig
 from theseus.model.layers import dense
 from theseus.sharding.axis import ShardingPolicy
 from theseus.sharding.layout import abstract_leaves, check_layouts, layout
@@ -186,9 +186,9 @@ def test_logical_names():
 
 def test_num_params():
     leaves, _ = abstract_leaves(nnx.state(_abstract_model(), nnx.Param))
-    assert sum(math.prod(leaf.shape) for leaf in leaves) == GPT.num_params(CONFIG)
+    assert sum(math.prod(leaf.shape) for leaf in leaves) == GPT_FAMILY.num_params(CONFIG)
     gpt2_small = GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768)
-    assert GPT.num_params(gpt2_small) == 124_439_808  # GPT-2 small with its tied head
+    assert GPT_FAMILY.num_params(gpt2_small) == 124_439_808  # GPT-2 small with its tied head
 
 
 def test_gpt2_initialization(initialized):

@@ -14,19 +14,17 @@ import jax
 import numpy as np
 import pytest
 from hf_reference import IDS, KINDS, VOCAB, Reference, greedy_reference, libraries, reference_logits
-from support import invoke
+from support import GPT_FAMILY, LlamaTrainer, LlamaTrainerConfig, invoke
 
 import theseus
 from theseus.config import apply_overrides, load_yaml
 from theseus.data import Sampler, load_corpus
 from theseus.hf.exporter import export_hf, tensor_blocks
 from theseus.hf.importer import import_hf
-from theseus.hf.mapping import hf_tensors
 from theseus.inference.logits import load_run
 from theseus.plot import read_metrics
 from theseus.sharding.axis import ShardingPolicy
 from theseus.sharding.topology import Topology
-from theseus.training.llama import LlamaTrainer, LlamaTrainerConfig
 from theseus.training.run.loop import train
 from theseus.training.run.mode import RunMode
 from theseus.training.trainer import next_token_loss
@@ -254,7 +252,7 @@ def test_export_blocks_rebuild_each_tensor(imported):
     """Export gathers a tensor in blocks of rows; small blocks give the same bytes."""
     loaded = load_run(imported("gpt2"), layout="storage")
     model = loaded.trainer.config.model.model_dump(mode="json")
-    for tensor in hf_tensors("gpt/train/pretrain", model)[:8]:  # c_attn among them
+    for tensor in GPT_FAMILY.hf.tensors(model)[:8]:  # c_attn among them
         whole = np.concatenate(list(tensor_blocks(loaded.params, tensor, np.float32)))
         small = list(tensor_blocks(loaded.params, tensor, np.float32, block_bytes=100))
         assert len(small) > 1 or len(tensor.shape) == 1

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from support import invoke, subprocess_env
 
+from theseus.config import read_yaml
 from theseus.execution import quick
 from theseus.inference.logits import load_run, logits
 from theseus.plot import read_metrics
@@ -82,6 +83,21 @@ def test_evaluate_takes_the_model_from_the_run(runs):
     assert other.exit_code == 2 and "not a run of this job's model family" in other.output
     for result in (forced, other):
         assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_train_hf_starts_a_fresh_model_of_the_configs_shape(runs):
+    """`theseus train --hf FOLDER` takes the model section from config.json (no weights), the
+    job from its family; overrides apply on top; another family's job is refused."""
+    steps = ("--steps", 1, "logging.progress_bar=false", "model.rope_theta=5000.0")
+    result = invoke("train", "--hf", runs / "hf", *BATCH, *steps, "--out", runs / "fresh")
+    assert result.exit_code == 0, result.output
+    fresh, trained = (
+        read_yaml(runs / name / "config.yaml")["model"] for name in ("fresh", "trained")
+    )
+    assert fresh == trained | {"rope_theta": 5000.0, "head_dim": 8}
+    wrong = invoke("train", "--hf", runs / "hf", "--job", "gpt/train/pretrain", "--out", runs / "x")
+    assert wrong.exit_code == 2 and "the llama family" in wrong.output
+    assert not (runs / "x").exists()
 
 
 def test_import_in_two_processes_gives_the_one_process_parameters(runs, tmp_path):

@@ -6,7 +6,13 @@ import json
 import pytest
 from support import (
     EQUIVALENCE_LLAMA,
+    LLAMA31_8B_CONFIG,
+    LLAMA_FAMILY,
     POLICIES,
+    GPTTrainer,
+    GPTTrainerConfig,
+    LlamaTrainer,
+    LlamaTrainerConfig,
     assert_same_numbers,
     equivalence_config,
     invoke,
@@ -18,10 +24,8 @@ from support import (
 )
 
 from theseus.config import apply_overrides
-from theseus.model.llama import num_params
 from theseus.sharding.axis import ShardingPolicy
 from theseus.training.flops import xla_flops_per_token
-from theseus.training.llama import LlamaTrainer, LlamaTrainerConfig
 
 MODEL = EQUIVALENCE_LLAMA
 
@@ -51,10 +55,10 @@ def test_plan_names_and_counts():
     assert names["layers/k_proj/bias"] == ("n_layer", "n_kv")
     assert names["layers/down_proj/weight"] == ("n_layer", "n_embd", "n_mlp")
     assert names["layers/q_norm/weight"] == ("n_layer", None)
-    assert trainer.num_params == num_params(MODEL)
+    assert trainer.num_params == LLAMA_FAMILY.num_params(MODEL)
     assert "layers/q_proj/weight" in trainer.per_layer_paths  # gathered one layer at a time
-    untied = num_params(MODEL.model_copy(update={"tie_word_embeddings": True}))
-    assert num_params(MODEL) - untied == 256 * 40
+    untied = LLAMA_FAMILY.num_params(MODEL.model_copy(update={"tie_word_embeddings": True}))
+    assert LLAMA_FAMILY.num_params(MODEL) - untied == 256 * 40
 
 
 def test_analytic_flops_match_xla():
@@ -63,29 +67,38 @@ def test_analytic_flops_match_xla():
     assert abs(analytic / xla - 1) < 0.1, (analytic, xla)
 
 
-def test_plan_llama31_8b_on_64_devices():
-    """The planner sizes Llama 3.1 8B (abstractly) on 64 devices."""
+def test_plan_llama31_8b_on_64_devices(tmp_path):
+    """The planner sizes Llama 3.1 8B (abstractly) on 64 devices, from model overrides and from
+    its config.json (`--hf`, the file or its folder) with no model override: the same plan."""
     llama8b = [
         "model.vocab_size=128256", "model.hidden_size=4096", "model.intermediate_size=14336",
         "model.num_layers=32", "model.num_heads=32", "model.num_kv_heads=8",
         "model.max_position_embeddings=131072", "model.rope_theta=500000.0",
-        "model.rope_type=llama3", "training.seq_len=8192", "training.batch_size=64",
-        "training.dtype=bfloat16", "training.per_device_batch_size=1",
+        "model.rope_type=llama3", "model.rms_norm_eps=1e-5", "model.head_dim=128",
     ]  # fmt: skip
-    result = invoke(
-        "plan", "llama/train/pretrain", "--devices", "64", "--tp", "8", "--fsdp", "--json",
-        *llama8b,
-    )  # fmt: skip
+    training = [
+        "training.seq_len=8192", "training.batch_size=64", "training.dtype=bfloat16",
+        "training.per_device_batch_size=1",
+    ]  # fmt: skip
+    flags = ("--devices", "64", "--tp", "8", "--fsdp", "--json")
+    result = invoke("plan", "llama/train/pretrain", *flags, *llama8b, *training)
     assert result.exit_code == 0, result.output
     plan = json.loads(result.output)
     assert plan["num_params"] == 8_030_261_248  # Llama 3.1 8B's published count
     assert plan["mesh"] == {"batch": 8, "shard": 8}
     assert all(not row["problems"] for row in plan["rows"])
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA31_8B_CONFIG))
+    for given in (tmp_path / "config.json", tmp_path):
+        from_hf = invoke("plan", "--hf", given, *flags, *training)
+        assert from_hf.exit_code == 0, from_hf.output
+        assert json.loads(from_hf.output) == plan
+    gpt = invoke("plan", "gpt/train/pretrain", "--hf", tmp_path, "--devices", "8")
+    assert gpt.exit_code == 2
+    assert "trains the gpt family, but the Hugging Face config is a llama model" in gpt.output
 
 
 def test_sequences_longer_than_the_context_are_refused():
     """Both decoders refuse a training.seq_len beyond their context, naming the key to raise."""
-    from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
 
     for trainer_class, config_class, key in (
         (GPTTrainer, GPTTrainerConfig, "model.block_size"),

@@ -14,14 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support import TINY_GPT, invoke, log_lines
+from support import TINY_GPT, GPTTrainer, GPTTrainerConfig, invoke, log_lines
 
 from theseus.checkpoint.checkpointer import Checkpointer, CheckpointWriteError
 from theseus.checkpoint.meta import CheckpointMeta
 from theseus.config import apply_overrides
 from theseus.data import Sampler, load_corpus
 from theseus.sharding.axis import ShardingPolicy
-from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
 from theseus.training.run.checkpointing import restore_target
 from theseus.training.run.loop import train
 from theseus.training.run.preemption import PreemptionWatch

@@ -13,6 +13,8 @@ from flax import nnx
 from support import (
     EQUIVALENCE_BATCH,
     EQUIVALENCE_LLAMA,
+    GPTTrainer,
+    LlamaTrainer,
     assert_same_numbers,
     equivalence_config,
     invoke,
@@ -30,8 +32,6 @@ from theseus.config import apply_overrides
 from theseus.plot import read_metrics
 from theseus.sharding.axis import ShardingPolicy
 from theseus.sharding.layout import abstract_with, path_str
-from theseus.training.gpt import GPTTrainer
-from theseus.training.llama import LlamaTrainer
 from theseus.training.run.loop import train
 from theseus.training.run.mode import RunMode
 from theseus.training.trainer import next_token_loss

@@ -12,13 +12,12 @@ import shutil
 import numpy as np
 import pytest
 from hf_reference import IDS, Reference, greedy_reference, libraries, reference_logits
-from support import invoke
+from support import LlamaTrainer, LlamaTrainerConfig, invoke
 
 import theseus
 from theseus.config import apply_overrides, load_yaml
 from theseus.hf.importer import import_hf
 from theseus.sharding.axis import ShardingPolicy
-from theseus.training.llama import LlamaTrainer, LlamaTrainerConfig
 from theseus.training.run.loop import train
 from theseus.training.run.mode import RunMode
 

@@ -8,14 +8,13 @@ import json
 import jax
 import numpy as np
 import pytest
-from support import TINY_GPT, invoke, read_events, write_mixture
+from support import TINY_GPT, GPTTrainer, GPTTrainerConfig, invoke, read_events, write_mixture
 
 from theseus.config import DataConfig, apply_overrides, validate
 from theseus.data import MixtureSampler, load_mixture
 from theseus.plot import plot_losses, read_metrics, source_names
 from theseus.sharding.axis import ShardingPolicy
 from theseus.sharding.topology import Topology
-from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
 from theseus.training.run.loop import train
 from theseus.training.run.metrics import strict_json_row
 from theseus.training.run.tensorboard import TensorBoardWriter

@@ -12,7 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from support import GPT_7_5B, invoke
+from support import GPT_7_5B, GPTTrainer, GPTTrainerConfig, invoke
 
 import theseus.jobs
 import theseus.plan as planner
@@ -23,7 +23,6 @@ from theseus.jobs import register_job
 from theseus.sharding.axis import Axis, ShardingPlan, ShardingPolicy
 from theseus.sharding.layout import LayoutError
 from theseus.sharding.topology import Topology
-from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
 
 DP, ZERO, FSDP = ShardingPolicy(zero=False), ShardingPolicy(), ShardingPolicy(fsdp=True)
 REPO = Path(__file__).resolve().parents[1]

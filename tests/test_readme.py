@@ -2,8 +2,10 @@
 and python block (a python block starting with ``# file: NAME`` is written, not run), then each
 inline command (`theseus ...`, `python ...`) that is not the start of a command a block runs. A
 block that cannot run as written on a test machine has a stand-in in ``STAND_INS``, with its
-reason."""
+reason; a published ``config.json`` a command reads is written into the folder first
+(``HF_CONFIGS``)."""
 
+import json
 import os
 import re
 import subprocess
@@ -11,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from support import subprocess_env
+from support import LLAMA31_8B_CONFIG, subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -30,6 +32,9 @@ INSTALL_AND_TEST = (
     "python3 -m venv .venv && .venv/bin/pip install -c constraints.txt -e '.[test]' "
     "&& .venv/bin/python -m pytest -q"
 )
+# Published config.json files the README's commands read, written into the folder first (stand-ins
+# for the downloaded files: the plan reads no weights).
+HF_CONFIGS = {"Llama-3.1-8B": LLAMA31_8B_CONFIG}
 # Blocks (by their first line) that a test machine cannot run as written: what runs instead
 # (None: nothing here) and why.
 STAND_INS: dict[str, tuple[str | None, str]] = {
@@ -141,6 +146,9 @@ def run_in(folder: Path, language: str, code: str) -> None:
 
 @pytest.mark.slow
 def test_every_readme_command_runs(tmp_path):
+    for folder, config in HF_CONFIGS.items():
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "config.json").write_text(json.dumps(config))
     for language, code in blocks():
         named = re.match(r"# file: (\S+)\n", code)
         if language == "python" and named:

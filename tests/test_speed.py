@@ -10,13 +10,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from support import TINY_GPT, log_lines, read_events
+from support import TINY_GPT, GPTTrainer, GPTTrainerConfig, log_lines, read_events
 
 from theseus.config import apply_overrides
 from theseus.plot import read_metrics
 from theseus.sharding.axis import ShardingPolicy
 from theseus.training.flops import FlopsCount, device_peak, xla_flops_per_token
-from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
 from theseus.training.run.loop import train
 from theseus.training.run.tensorboard import TensorBoardWriter
 from theseus.training.run.throughput import Speedometer

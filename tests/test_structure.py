@@ -166,3 +166,28 @@ def test_the_design_layout_names_every_package_and_only_modules_that_exist():
     assert roots <= named, (
         f"docs/design.md does not name these root modules: {sorted(roots - named)}"
     )
+
+
+FAMILIES = "model.families"
+REGISTRY = "jobs"
+
+
+def test_only_the_registry_imports_a_family_module():
+    """A family is one module under theseus/model/families/; the registry (theseus.jobs) alone
+    names it (by its dotted name, through importlib), and nothing imports it."""
+    family_modules = {n for n in MODULES if within(n, FAMILIES) and n != FAMILIES}
+    importers = sorted(
+        f"{here} imports {target}"
+        for here, targets in GRAPH.items()
+        for target in targets & family_modules
+    )
+    assert not importers, importers
+    namers = sorted(
+        name
+        for name, path in MODULES.items()
+        if name not in family_modules | {REGISTRY} and f"theseus.{FAMILIES}." in path.read_text()
+    )
+    assert not namers, f"only theseus.{REGISTRY} may name a family module: {namers}"
+    tests = PACKAGE.parent / "tests"
+    users = sorted(p.name for p in tests.glob("*.py") if f"theseus.{FAMILIES}." in p.read_text())
+    assert not users, f"tests reach families through theseus.families(): {users}"

@@ -10,6 +10,7 @@ from support import (
     EQUIVALENCE_BATCH,
     EQUIVALENCE_MODEL,
     POLICIES,
+    GPTTrainer,
     assert_same_numbers,
     equivalence_config,
     one_device_run,
@@ -26,7 +27,6 @@ from theseus.config import apply_overrides
 from theseus.sharding.axis import ShardingPolicy
 from theseus.sharding.layout import LayoutError
 from theseus.sharding.topology import Topology
-from theseus.training.gpt import GPTTrainer
 
 MODEL = EQUIVALENCE_MODEL
 GLOBAL_BATCH = EQUIVALENCE_BATCH

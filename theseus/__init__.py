@@ -1,8 +1,8 @@
 """theseus: annotate a model once with logical axis names, train it under DP, TP, ZeRO or FSDP.
 
-``theseus.chain``, ``theseus.quick``, ``theseus.register``, ``theseus.BaseTrainer``,
-``theseus.tokenize``, ``theseus.generate``, ``theseus.logits``, ``theseus.evaluate``,
-``theseus.import_hf`` and ``theseus.export_hf`` load the training stack on first use, so
+``theseus.chain``, ``theseus.quick``, ``theseus.register``, ``theseus.families``,
+``theseus.BaseTrainer``, ``theseus.tokenize``, ``theseus.generate``, ``theseus.logits``,
+``theseus.evaluate``, ``theseus.import_hf`` and ``theseus.export_hf`` load the training stack on first use, so
 ``import theseus`` (and the command line) stay light.
 """
 
@@ -15,6 +15,8 @@ _LAZY = {
     "Chain": "theseus.execution",
     "register": "theseus.jobs",
     "register_job": "theseus.jobs",
+    "families": "theseus.jobs",
+    "register_family": "theseus.jobs",
     "BaseTrainer": "theseus.training.trainer",
     "TrainerConfig": "theseus.training.trainer",
     "scan_layers": "theseus.sharding.layer_scan",

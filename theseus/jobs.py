@@ -1,14 +1,18 @@
-"""The registry of named jobs: a trainer class and what to do with it (train or evaluate)."""
+"""The registry of named jobs (a trainer class and what to do with it: train or evaluate) and of
+model families (each registers its jobs)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from theseus.config import read_yaml
+from theseus.model.family import Family
+from theseus.training.family import FamilyTrainer, trainer_class
 from theseus.training.run.evaluation import RUN_CONFIG
 from theseus.training.run.identity import record_training_job
 from theseus.training.trainer import BaseTrainer
@@ -115,28 +119,66 @@ def job_of_run(run_dir: str | Path) -> str:
     return legacy_job(read_yaml(config_file, "run config") or {})
 
 
-def _register_builtin() -> None:
-    from theseus.training.gpt import GPTTrainer
-    from theseus.training.llama import LlamaTrainer
+@dataclass(frozen=True)
+class RegisteredFamily:
+    """A registered model family: its ``name``, the ``jobs`` registering it made (training
+    first), the dotted name of its ``module``, the :class:`~theseus.model.family.Family` it
+    declares and its trainer class."""
 
-    register_job("gpt/train/pretrain", GPTTrainer, "pretrain GPT on byte or token data")
-    register_job(
-        "gpt/evaluate",
-        GPTTrainer,
-        "validation loss of the latest GPT checkpoint of a run",
-        action="evaluate",
-    )
-    register_job(
-        "llama/train/pretrain",
-        LlamaTrainer,
-        "train a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) on byte or token data",
-    )
-    register_job(
-        "llama/evaluate",
-        LlamaTrainer,
-        "validation loss of the latest Llama-family checkpoint of a run",
-        action="evaluate",
-    )
+    name: str
+    jobs: tuple[str, ...]
+    module: str
+    family: Family = field(repr=False)
+    trainer_class: type[FamilyTrainer] = field(repr=False)
+
+    @property
+    def train_job(self) -> str:
+        return self.jobs[0]
 
 
-_register_builtin()
+_FAMILIES: dict[str, RegisteredFamily] = {}
+#: The families theseus ships, by module; the registry is the only importer of these modules.
+BUILTIN_FAMILIES = ("theseus.model.families.gpt", "theseus.model.families.llama")
+_FAMILY_JOBS: tuple[tuple[str, Action], ...] = (
+    ("train/pretrain", "train"),
+    ("evaluate", "evaluate"),
+)
+
+
+def register_family(module: str) -> RegisteredFamily:
+    """Import ``module`` (a dotted name), which defines ``FAMILY``, and register its jobs:
+    ``NAME/train/pretrain`` and ``NAME/evaluate``, with one trainer class."""
+    family = importlib.import_module(module).FAMILY
+    if not isinstance(family, Family):
+        raise TypeError(f"{module}.FAMILY is {family!r}, not a theseus.model.family.Family")
+    existing = _FAMILIES.get(family.name)
+    if existing is not None:
+        if existing.module != module:
+            raise ValueError(
+                f"model family {family.name!r} is already registered from {existing.module}; "
+                "choose another name"
+            )
+        return existing
+    trainer = trainer_class(family)
+    jobs = tuple(f"{family.name}/{suffix}" for suffix, _ in _FAMILY_JOBS)
+    for job, (suffix, action) in zip(jobs, _FAMILY_JOBS, strict=True):
+        register_job(job, trainer, family.descriptions[suffix], action)
+    registered = RegisteredFamily(family.name, jobs, module, family, trainer)
+    _FAMILIES[family.name] = registered
+    return registered
+
+
+def families() -> dict[str, RegisteredFamily]:
+    """The registered model families by name."""
+    return dict(_FAMILIES)
+
+
+def family_of(trainer_class: type[BaseTrainer]) -> RegisteredFamily | None:
+    """The registered family whose model ``trainer_class`` trains (a subclass of a family's
+    trainer too), or None for a trainer of its own model."""
+    family = getattr(trainer_class, "family", None)
+    return next((f for f in _FAMILIES.values() if f.family is family), None)
+
+
+for _module in BUILTIN_FAMILIES:
+    register_family(_module)

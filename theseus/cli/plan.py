@@ -56,6 +56,15 @@ def plan_command(
     json_output: Annotated[
         bool, typer.Option("--json", help="print the plan as JSON, for tools")
     ] = False,
+    hf: Annotated[
+        Path | None,
+        typer.Option(
+            "--hf",
+            help="plan a published model: its Hugging Face config.json (or the folder holding "
+            "it) gives the model section (no weights read); the job defaults to its family's; "
+            "overrides apply on top",
+        ),
+    ] = None,
     imports: Imports = None,
     sharding: dict[str, Any] | None = None,
 ) -> None:
@@ -71,13 +80,13 @@ def plan_command(
     from theseus.plan import NoPolicyFits
 
     rest = list(arguments or [])
-    source = rest.pop(0) if rest and "=" not in rest[0] else DEFAULT_JOB
+    source = rest.pop(0) if rest and "=" not in rest[0] else None
     with user_errors(exit_codes={NoPolicyFits: 1}):
         import_modules(imports)
         from theseus.config import apply_overrides
         from theseus.plan import parse_bytes, plan, plan_for_budget, render
 
-        chosen = plan_source(source)
+        chosen = plan_source(source or DEFAULT_JOB) if hf is None else hf_source(hf, source)
         trainer_class, policy = chosen.trainer_class, chosen.policy
         config = apply_overrides(chosen.config, rest)
         if devices is None:
@@ -122,6 +131,23 @@ class PlanSource:
     policy: Any
 
 
+def hf_source(path: Path, job: str | None) -> PlanSource:
+    """What ``theseus plan --hf PATH [JOB]`` plans: the model of a Hugging Face config under its
+    family's training job (or ``job``, one of that family's)."""
+    from theseus.hf.config import job_for, read_config, with_model
+    from theseus.jobs import get_job
+    from theseus.sharding.axis import ShardingPolicy
+
+    if job is not None and job.endswith((".yaml", ".yml")):
+        raise ValueError(
+            f"--hf gives the model; a chain YAML ({job}) gives its own. Drop one of them."
+        )
+    spec = read_config(path)
+    trainer_class = get_job(job_for(spec, job)).trainer_class
+    config = with_model(trainer_class.config_class(), spec)
+    return PlanSource(trainer_class, config, ShardingPolicy())
+
+
 def plan_source(source: str) -> PlanSource:
     """The source of ``theseus plan SOURCE``: a registered job, a chain YAML (its first step and
     its policy) or a GPT config YAML."""
@@ -129,7 +155,6 @@ def plan_source(source: str) -> PlanSource:
     from theseus.execution import Chain
     from theseus.jobs import get_job
     from theseus.sharding.axis import ShardingPolicy
-    from theseus.training.gpt import GPTTrainer, GPTTrainerConfig
 
     if not (source.endswith((".yaml", ".yml")) or Path(source).is_file()):
         trainer_class = get_job(source).trainer_class
@@ -139,4 +164,5 @@ def plan_source(source: str) -> PlanSource:
         chain = Chain.from_dict(data, where=source)
         first = chain.steps[0]
         return PlanSource(get_job(first.job).trainer_class, first.config, chain.policy)
-    return PlanSource(GPTTrainer, validate(GPTTrainerConfig, data or {}), ShardingPolicy())
+    gpt = get_job(DEFAULT_JOB).trainer_class
+    return PlanSource(gpt, validate(gpt.config_class, data or {}), ShardingPolicy())

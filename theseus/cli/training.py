@@ -42,8 +42,19 @@ def train(
         str | None,
         typer.Option(
             help="registered job: a training job, or an evaluate job (gpt/evaluate, "
-            "llama/evaluate) that scores the run in --out with that run's config "
-            f"\\[default: the --init-from run's job, else {DEFAULT_JOB}]"
+            "llama/evaluate) that scores the run in --out with that run's config [default: "
+            f"the --init-from run's job, with --hf the model's family's training job, else "
+            f"{DEFAULT_JOB}]",
+            show_default=False,
+        ),
+    ] = None,
+    hf: Annotated[
+        Path | None,
+        typer.Option(
+            "--hf",
+            help="train a fresh model of a published model's shape: its Hugging Face "
+            "config.json (or the folder holding it) gives the model section (no weights "
+            "read); overrides apply on top",
         ),
     ] = None,
     steps: Steps = None,
@@ -70,10 +81,17 @@ def train(
     with user_errors():
         import_modules(imports)
         from theseus.execution import quick
+        from theseus.hf.config import job_for, read_config, with_model
 
-        if job is None and flags.run.init_from is None:
+        spec = None if hf is None else read_config(hf)
+        if spec is not None:
+            job = job_for(spec, job)
+        elif job is None and flags.run.init_from is None:
             job = DEFAULT_JOB
-        session = quick(job, out, mode=flags.run).override(*extra)
+        session = quick(job, out, mode=flags.run)
+        if spec is not None:
+            session.config = with_model(session.config, spec)
+        session.override(*extra)
         session.shard(**flags.sharding)
         summary = session()
     echo_on_main(summary.describe())

@@ -25,12 +25,12 @@ import ml_dtypes
 import numpy as np
 
 from theseus.accounting.memory import parse_bytes
-from theseus.hf.config import export_model_type, hf_config
+from theseus.hf.config import export_model_type, hf_config, trainer_family
 from theseus.hf.importer import IMPORTED_FROM, check_out_dir
-from theseus.hf.mapping import HFTensor, hf_tensors
 from theseus.hf.peft import adapter_config, adapter_tensors, merged_run_params
 from theseus.hf.safetensors import write_file
 from theseus.inference.logits import load_run
+from theseus.model.family import HFTensor
 from theseus.sharding.layout import leaf_at
 from theseus.training.run.identity import TOKENIZER_FILES
 
@@ -198,10 +198,12 @@ def export_hf(
     dtype_name = dtype or imported.get("dtype", "float32")
     np_dtype = _DTYPES[dtype_name]
     model = loaded.trainer.config.model.model_dump(mode="json")
-    model_type = export_model_type(loaded.job, model, imported.get("model_type"))
-    tensors = hf_tensors(loaded.job, model)
+    family = trainer_family(loaded.trainer)
+    model_type = export_model_type(family, model, imported.get("model_type"))
+    tensors = family.family.hf.tensors(model)
     if adapters:
-        return _export_adapters(loaded, tensors, out_dir, np_dtype, base_dir, imported)
+        found = adapter_tensors(family, tensors, loaded.params)
+        return _export_adapters(loaded, found, out_dir, np_dtype, base_dir, imported)
     params = merged_run_params(loaded.trainer, loaded.params)
     groups = shard_files(tensors, np_dtype, limit)
     names = (
@@ -220,7 +222,7 @@ def export_hf(
         total = sum(int(np.prod(t.shape)) * np_dtype.itemsize for t in tensors)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    config = hf_config(loaded.job, model, model_type, dtype_name)
+    config = hf_config(family, model, model_type, dtype_name)
     config |= imported.get("special_tokens") or {}
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     _copy_tokenizer(run_dir, base_dir, out_dir)
@@ -238,10 +240,10 @@ def _copy_tokenizer(run_dir: Path, base_dir: Path | None, out_dir: Path) -> None
                 break
 
 
-def _export_adapters(loaded, tensors, out_dir, np_dtype, base_dir, imported) -> ExportResult:
-    """peft's ``adapter_config.json`` and ``adapter_model.safetensors`` of a LoRA run."""
+def _export_adapters(loaded, found, out_dir, np_dtype, base_dir, imported) -> ExportResult:
+    """peft's ``adapter_config.json`` and ``adapter_model.safetensors`` of a LoRA run (its
+    adapters' tensors ``found``)."""
     spec = loaded.trainer.lora_spec
-    found = adapter_tensors(loaded.job, tensors, loaded.params)
     base = imported.get("source") or (str(base_dir) if base_dir else "")
     config = adapter_config(found, rank=spec.rank, alpha=spec.alpha, base=base)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -28,10 +28,10 @@ from theseus.checkpoint.checkpointer import Checkpointer
 from theseus.checkpoint.meta import CHECKPOINTS, CheckpointMeta
 from theseus.config import apply_overrides, save_yaml, validate
 from theseus.distributed.supervise import log_path
-from theseus.hf.config import ModelSpec, model_spec
-from theseus.hf.mapping import HFTensor, Part, aliases, hf_tensors
+from theseus.hf.config import ModelSpec, read_config
 from theseus.hf.safetensors import TensorInfo, checkpoint_tensors
 from theseus.jobs import get_job
+from theseus.model.family import HFTensor, Part
 from theseus.sharding.axis import ShardingPolicy
 from theseus.sharding.layout import is_sharding, path_str
 from theseus.sharding.topology import Topology
@@ -62,14 +62,10 @@ class ImportResult:
 
 
 def read_spec(hf_dir: Path) -> ModelSpec:
-    config_file = hf_dir / "config.json"
-    if not config_file.is_file():
+    """The model of the Hugging Face model folder ``hf_dir`` (its ``config.json``)."""
+    if not (hf_dir / "config.json").is_file():
         raise ValueError(f"{hf_dir} holds no config.json: it is not a Hugging Face model folder")
-    try:
-        hf = json.loads(config_file.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{config_file} is not valid JSON: {error}") from None
-    return model_spec(hf, str(config_file))
+    return read_config(hf_dir)
 
 
 def import_trainer(
@@ -86,9 +82,13 @@ def import_trainer(
 
 
 def match_tensors(
-    expected: list[HFTensor], found: dict[str, TensorInfo], hf_dir: Path
+    expected: list[HFTensor],
+    found: dict[str, TensorInfo],
+    hf_dir: Path,
+    aliases: Callable[[str], tuple[str, ...]],
 ) -> dict[str, TensorInfo]:
-    """Each expected tensor's file entry; a missing or misshapen one is an error naming it."""
+    """Each expected tensor's file entry (under one of its ``aliases``); a missing or misshapen
+    one is an error naming it."""
     matched, problems = {}, []
     for tensor in expected:
         info = next((found[a] for a in aliases(tensor.name) if a in found), None)
@@ -211,8 +211,9 @@ def import_hf(
     if jax.process_count() > 1:  # every process has checked before any writes
         multihost_utils.sync_global_devices("import-hf: output directory checked")
     spec = read_spec(hf_dir)
-    expected = hf_tensors(spec.job, spec.model)
-    infos = match_tensors(expected, checkpoint_tensors(hf_dir), hf_dir)
+    hf_spec = spec.family.family.hf
+    expected = hf_spec.tensors(spec.model)
+    infos = match_tensors(expected, checkpoint_tensors(hf_dir), hf_dir, hf_spec.aliases)
     trainer = import_trainer(spec, policy or ShardingPolicy(), devices)
     params = read_params(trainer, expected, infos)
     dtype = _dtype_name(infos[expected[0].name])

@@ -13,8 +13,8 @@ from typing import Any
 
 import jax
 
-from theseus.hf.config import GPT_JOB
-from theseus.hf.mapping import HFTensor, Part
+from theseus.jobs import RegisteredFamily
+from theseus.model.family import HFTensor, Part
 from theseus.sharding.layout import leaf_at
 from theseus.training.finetune import Partition, is_adapter, merged_params
 from theseus.training.trainer import BaseTrainer
@@ -23,16 +23,23 @@ from theseus.training.trainer import BaseTrainer
 PEFT_PREFIX = "base_model.model."
 
 
-def adapter_tensors(job: str, tensors: list[HFTensor], params: dict) -> list[HFTensor]:
+def adapter_tensors(
+    family: RegisteredFamily, tensors: list[HFTensor], params: dict
+) -> list[HFTensor]:
     """peft's tensors of the adapters in ``params`` (stacked along ``n_layer``), named after the
-    Hugging Face weights (``tensors``) they adapt."""
-    if job == GPT_JOB:
+    Hugging Face weights (``tensors``) they adapt: those of the family's ``peft_targets``."""
+    targets = family.family.hf.peft_targets
+    if not targets:
         raise ValueError(
-            "--adapters writes peft adapters for Llama-family runs; GPT-2's fused c_attn has no "
-            "per-projection adapter in peft. Export the merged weights (without --adapters)."
+            f"--adapters: the {family.name} family names no projection peft can adapt in its "
+            "Hugging Face model (HFSpec.peft_targets; GPT-2 fuses q, k and v into one c_attn). "
+            "Export the merged weights (without --adapters)."
         )
     found = []
     for tensor in tensors:
+        module = tensor.name.split(".")[-2]
+        if module not in targets:
+            continue
         (part,) = tensor.parts
         module_path, _, leaf = part.path.rpartition("/")
         if leaf != "weight" or not _has(params, f"{module_path}/lora_a"):

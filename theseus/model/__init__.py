@@ -1,5 +1,2 @@
-"""Models: GPT-2 with logical sharding names and its sharding plan."""
-
-from theseus.model.gpt import GPT, GPT_PLAN, GPTConfig
-
-__all__ = ["GPT", "GPT_PLAN", "GPTConfig"]
+"""Models: the decoder pieces every family shares (parts, attention, the forward pass and cached
+decoding, rotary embeddings) and the families, one module each under ``families/``."""

@@ -1,7 +1,7 @@
 """The decode interface: what ``theseus generate`` needs from a model to sample with a KV cache.
 
 A trainer that can generate defines ``decoder()`` returning an object with this interface (GPT's
-is :class:`theseus.model.gpt_decode.GPTDecoder`):
+is :class:`theseus.model.decoder.CachedDecoder`):
 
 - ``context_len``: the most positions the model reads (GPT: ``block_size``); ``vocab_size``: the
   width of its logits.

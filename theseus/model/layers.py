@@ -1,4 +1,4 @@
-"""Mixed-precision building blocks: weight matmuls, LayerNorm and causal attention.
+"""Mixed-precision building blocks: weight matmuls, LayerNorm, RMSNorm and dropout.
 
 Parameters are float32 master weights. Matmuls run in the dtype of their input activations (the
 compute dtype) and accumulate in float32; LayerNorm statistics and softmax are float32.
@@ -99,22 +99,6 @@ def _dense_stored_bwd(move, out_dtype: jnp.dtype, w_axes: str, residuals, grad_o
 _dense_stored.defvjp(_dense_stored_fwd, _dense_stored_bwd)
 
 
-def linear(
-    x: jax.Array,
-    kernel: jax.Array,
-    bias: jax.Array,
-    lora_a: jax.Array | None = None,
-    lora_b: jax.Array | None = None,
-) -> jax.Array:
-    """``x @ kernel + bias`` in ``x.dtype``; the bias is added in float32 before the one rounding,
-    so its gradient is also reduced in float32. With LoRA adapters ``lora_a`` (d_in, rank) and
-    ``lora_b`` (rank, d_out) (already scaled), ``x @ lora_a @ lora_b`` is added in float32 too."""
-    out = dense(x, kernel, jnp.float32)  # (..., d_out)
-    if lora_a is not None:
-        out = out + dense(dense(x, lora_a), lora_b, jnp.float32)
-    return (out + bias).astype(x.dtype)
-
-
 def layer_norm(
     x: jax.Array, scale: jax.Array, bias: jax.Array, dtype: DTypeLike, eps: float = 1e-5
 ) -> jax.Array:
@@ -124,6 +108,13 @@ def layer_norm(
     variance = jnp.square(x - mean).mean(axis=-1, keepdims=True)  # (..., 1)
     normalized = (x - mean) * jax.lax.rsqrt(variance + eps)  # (..., dim)
     return (normalized * scale + bias).astype(dtype)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, dtype: DTypeLike) -> jax.Array:
+    """RMSNorm over the last axis with float32 statistics; the result is cast to ``dtype``."""
+    x = x.astype(jnp.float32)  # (..., dim)
+    variance = jnp.square(x).mean(axis=-1, keepdims=True)  # (..., 1)
+    return (weight * (x * jax.lax.rsqrt(variance + eps))).astype(dtype)
 
 
 def fold_in(keys: jax.Array | None, data: int | jax.Array) -> jax.Array | None:
@@ -167,28 +158,3 @@ def apply_dropout(x: jax.Array, keep: jax.Array | None, rate: float) -> jax.Arra
 def dropout(x: jax.Array, rate: float, keys: jax.Array | None) -> jax.Array:
     """Inverted dropout of ``x`` (examples, ...) with one key per example, ``keys`` (examples,)."""
     return apply_dropout(x, keep_masks(keys, rate, [x.shape[1:]])[0], rate)
-
-
-def causal_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    n_head: int,
-    *,
-    dropout_rate: float = 0.0,
-    keep: jax.Array | None = None,
-) -> jax.Array:
-    """Causal multi-head attention of ``(batch, seq, n_attn)`` projections, in ``q.dtype`` with
-    float32 scores and softmax. Heads are contiguous slices of ``n_attn``. With a ``keep`` mask
-    ``(batch, n_head, seq, seq)``, the attention probabilities are dropped out."""
-    batch, seq, n_attn = q.shape
-    head_dim = n_attn // n_head
-    q, k, v = (t.reshape(batch, seq, n_head, head_dim) for t in (q, k, v))
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-    scores = scores / jnp.sqrt(jnp.float32(head_dim))  # (batch, n_head, seq, seq)
-    causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))  # (seq, seq): query attends to key <= it
-    scores = jnp.where(causal, scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)  # (batch, n_head, seq, seq)
-    probs = apply_dropout(probs, keep, dropout_rate)
-    out = jnp.einsum("bhqk,bkhd->bqhd", probs, v, preferred_element_type=jnp.float32)
-    return out.reshape(batch, seq, n_attn).astype(q.dtype)  # (batch, seq, n_attn)

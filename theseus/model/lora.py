@@ -1,7 +1,7 @@
 """LoRA adapters as ordinary annotated parameters: creation beside a model's projections, their
 contribution to a projection's output, and the merged weight ``W + (alpha / rank) · ΔW``.
 
-A module whose weight LoRA may adapt says so with two class attributes: ``lora_weight`` (the name
+A module whose weight LoRA may adapt says so with two attributes: ``lora_weight`` (the name
 of its weight parameter) and ``lora_layout`` (``"io"``: the weight is ``(.., d_in, d_out)``;
 ``"oi"``: ``(.., d_out, d_in)``, Hugging Face's layout). :func:`add_adapters` gives each targeted
 module two parameters in the weight's own layout, each with one dimension replaced by the rank:
@@ -71,7 +71,7 @@ def adaptable(model: nnx.Module) -> list[Adaptable]:
     """Every projection weight of ``model`` that LoRA can adapt, in the model's order."""
     found = []
     for path, module in nnx.iter_modules(model):
-        name = getattr(type(module), "lora_weight", None)
+        name = getattr(module, "lora_weight", None)
         if name is None:
             continue
         param = getattr(module, name)

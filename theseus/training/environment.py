@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from theseus.distributed.join import Membership
-from theseus.model.llama import causal_attention
+from theseus.model.attention import AttentionMask, attention
 from theseus.training.flops import device_peak
 
 #: The jax version the tests run (constraints.txt pins it; tests/test_doctor.py keeps them equal).
@@ -193,12 +193,13 @@ def found_by(membership: Membership) -> str:
 
 
 def attention_kernel(device: Any) -> Attention:
-    """Which kernel the Llama family's attention compiles to on ``device``, found by compiling
-    it (a cuDNN custom call in the compiled program, or XLA's own ops), and whether cuDNN's
+    """Which kernel the Llama family's attention (every family's: :func:`attention`, causal)
+    compiles to on ``device``, found by compiling it (a cuDNN custom call in the compiled program, or XLA's own ops), and whether cuDNN's
     kernel compiles and runs here at all."""
     shape = (1, 128, 4, 64)  # (batch, seq, heads, head_dim): a shape cuDNN supports
     q = jax.device_put(jnp.ones(shape, jnp.bfloat16), device)
-    compiled = jax.jit(causal_attention).lower(q, q, q).compile().as_text()
+    causal = jax.jit(lambda q: attention(q, q, q, AttentionMask.causal(q.shape[1])))
+    compiled = causal.lower(q).compile().as_text()
     llama = "cudnn" if "cudnn" in compiled.lower() else "xla"
     try:
         cudnn = jax.jit(

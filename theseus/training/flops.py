@@ -3,11 +3,11 @@
 Model FLOPs count the matmuls a training step needs (forward and backward), not what an
 implementation happens to run: recomputation under activation checkpointing and the optimizer
 update are left out, as in the PaLM paper's MFU. A trainer that defines ``flops_per_token()``
-(GPT does, analytically) gives its own count; any other model gets XLA's: ``cost_analysis()`` of
-the loss gradient of one microbatch, lowered for one device with every ``lax.scan`` unrolled
-first. Unrolling is needed because XLA's cost analysis counts a loop body once, whatever its trip
+(every family does, from its matmul shapes) gives its own count; any other model gets XLA's:
+``cost_analysis()`` of the loss gradient of one microbatch, lowered for one device with every
+``lax.scan`` unrolled first. Unrolling is needed because XLA's cost analysis counts a loop body once, whatever its trip
 count. The lowered module is counted rather than the compiled one because compiling an unrolled
-model is slow, and the two counts agree (the README's "How fast it trains" has the figures).
+model is slow, and the two counts agree (docs/performance.md, "FLOPs per token", has the figures).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from jax.extend import core
 from theseus.training.keys import validation_keys
 
 if TYPE_CHECKING:
-    from theseus.model.llama import LlamaConfig
+    from theseus.model.family import Matmuls
     from theseus.training.trainer import BaseTrainer
 
 
@@ -101,41 +101,21 @@ def _unrolled_param(value: Any) -> Any:
     return value
 
 
-def gpt_flops_per_token(
-    *, n_layer: int, n_embd: int, n_attn: int, n_mlp: int, vocab_size: int, seq_len: int
-) -> int:
-    """Training FLOPs per token of GPT-2: ``6 N + 12 L T n_attn``.
+def flops_per_token(matmuls: Matmuls, *, seq_len: int) -> int:
+    """Training FLOPs per token of a decoder from its matmul shapes: ``6 N + 12 L T width``.
 
-    ``N = L (4 n_embd n_attn + 2 n_embd n_mlp) + vocab n_embd`` counts the weights that multiply
-    activations: per layer the q, k, v and output projections and the MLP, and the output head
-    (tied to the embedding; the lookup and the position table cost nothing). Each such weight does
-    one multiply-add (2 FLOPs) per token forward and two backward (input and weight gradients): 6
-    FLOPs. Attention's ``q kᵀ`` and ``probs v`` are ``2 T n_attn`` multiply-adds per token and
-    layer forward, over all ``T`` keys of a sequence since the causal mask skips no work: 3 × 2 × 2
-    = 12 FLOPs each for training. Biases, LayerNorm, softmax and the loss are left out (the tests
-    hold it to XLA's count of the default GPT).
+    ``N`` counts the weights that multiply activations (each layer's projections and the output
+    head, tied or not; an embedding lookup costs nothing). Each such weight does one
+    multiply-add (2 FLOPs) per token forward and two backward (input and weight gradients): 6
+    FLOPs. Attention's ``q kᵀ`` and ``probs v`` are ``2 T width`` multiply-adds per token and
+    layer forward (``width``: all query heads), over all ``T`` keys of a sequence since the
+    causal mask skips no work: 12 FLOPs each for training. Biases, norms, rotary embeddings,
+    softmax and the loss are left out (the tests hold it to XLA's count).
     """
-    weights = n_layer * (4 * n_embd * n_attn + 2 * n_embd * n_mlp) + vocab_size * n_embd
-    return 6 * weights + 12 * n_layer * seq_len * n_attn
-
-
-def llama_flops_per_token(config: LlamaConfig, *, seq_len: int) -> int:
-    """Training FLOPs per token of a Llama-family decoder: ``6 N + 12 L T n_q``.
-
-    ``N = L (2 n_embd n_q + 2 n_embd n_kv + 3 n_embd n_mlp) + vocab n_embd`` counts the weights
-    that multiply activations: per layer the q and output projections (n_q wide), the k and v
-    projections (n_kv wide, fewer under grouped-query attention) and the three SwiGLU matrices,
-    and the output head (tied or not, it is one matmul; the embedding lookup costs nothing). 6
-    FLOPs per weight and token as for GPT. Attention's ``q kᵀ`` and ``probs v`` are ``2 T n_q``
-    multiply-adds per token and layer forward (every query head reads all ``T`` keys, shared
-    key/value heads or not): 12 FLOPs each for training. Norms, rotary embeddings, biases,
-    softmax and the loss are left out.
-    """
-    c = config
-    per_layer = 2 * c.hidden_size * c.n_q + 2 * c.hidden_size * c.n_kv
-    per_layer += 3 * c.hidden_size * c.intermediate_size
-    weights = c.num_layers * per_layer + c.vocab_size * c.hidden_size
-    return 6 * weights + 12 * c.num_layers * seq_len * c.n_q
+    m = matmuls
+    per_layer = sum(d_in * d_out for d_in, d_out in m.layer_weights)
+    weights = m.num_layers * per_layer + m.head[0] * m.head[1]
+    return 6 * weights + 12 * m.num_layers * seq_len * m.attention_width
 
 
 # --- peak FLOP/s ---------------------------------------------------------------------------------

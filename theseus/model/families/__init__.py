@@ -1,0 +1,1 @@
+"""Model families, one module each; only the registry (:mod:`theseus.jobs`) imports them."""

@@ -1,0 +1,320 @@
+"""GPT-2: learned positions, pre-LayerNorm blocks, tanh-GELU MLP, output head tied to the token
+embedding; dropout where GPT-2 applies it. Weights are ``(d_in, d_out)`` kernels as GPT-2's
+Conv1D stores them, stacked along ``n_layer``; exported and imported as ``GPT2LMHeadModel``."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import pydantic
+from flax import nnx
+from jax.typing import DTypeLike
+
+from theseus.config import Section
+from theseus.model.decoder import CachedDecoder, DecoderModel, LayerInputs, Paths, Skeleton
+from theseus.model.family import Context, Family, HFSpec, HFTensor, Matmuls, Part, whole
+from theseus.model.layers import apply_dropout, keep_masks
+from theseus.model.parts import Norm, Stack, StackedProjection, norm, param, project
+from theseus.sharding.axis import Axis, ShardingPlan
+
+# TP splits the attention width and the MLP width over `shard`; everything else is whole on each
+# TP device. Heads are contiguous slices of n_attn, so each device holds whole heads when tp
+# divides n_head: n_head should be a multiple of tp for efficient attention (results are correct
+# for any tp). ZeRO partitions over `batch` the TP-split widths and also the vocabulary and
+# position tables, which TP leaves whole.
+GPT_PLAN = ShardingPlan(
+    tp=[
+        ("n_attn", Axis.SHARD),
+        ("n_mlp", Axis.SHARD),
+        ("vocab", None),
+        ("n_embd", None),
+        ("block_size", None),
+        ("n_layer", None),
+    ],
+    zero=[
+        ("n_attn", Axis.BATCH),
+        ("n_mlp", Axis.BATCH),
+        ("vocab", Axis.BATCH),
+        ("block_size", Axis.BATCH),
+    ],
+)
+EPS = 1e-5  # GPT-2's LayerNorm epsilon
+
+
+class GPTConfig(Section):
+    """GPT-2 hyperparameters.
+
+    Attributes:
+        vocab_size: number of token ids; the embedding table and the tied output head have this
+            many rows.
+        block_size: maximum sequence length (rows of the learned position embedding).
+        n_layer: number of transformer blocks.
+        n_head: number of attention heads; must divide ``n_embd``. For efficient TP it should
+            also be a multiple of ``tp``, so each device holds whole heads.
+        n_embd: width of the residual stream.
+        mlp_ratio: MLP hidden width as a multiple of ``n_embd``.
+        dropout: dropout rate in training where GPT-2 applies it (embeddings, attention
+            probabilities, the attention and MLP branches into the residual stream); in [0, 1).
+    """
+
+    vocab_size: pydantic.StrictInt = pydantic.Field(256, gt=0, description="token ids")
+    block_size: pydantic.StrictInt = pydantic.Field(128, gt=0, description="max sequence length")
+    n_layer: pydantic.StrictInt = pydantic.Field(4, gt=0, description="transformer blocks")
+    n_head: pydantic.StrictInt = pydantic.Field(4, gt=0, description="attention heads")
+    n_embd: pydantic.StrictInt = pydantic.Field(128, gt=0, description="residual width")
+    mlp_ratio: pydantic.StrictInt = pydantic.Field(4, gt=0, description="MLP width / n_embd")
+    dropout: float = pydantic.Field(0.0, ge=0, lt=1, description="dropout rate in training")
+
+    @pydantic.model_validator(mode="after")
+    def _heads_divide_width(self) -> GPTConfig:
+        if self.n_embd % self.n_head:
+            raise ValueError(
+                f"GPTConfig.n_embd={self.n_embd} must be divisible by n_head={self.n_head}."
+            )
+        return self
+
+    @property
+    def n_attn(self) -> int:
+        """Width of the q, k and v projections (all heads together)."""
+        return self.n_embd
+
+    @property
+    def n_mlp(self) -> int:
+        """Hidden width of the MLP."""
+        return self.mlp_ratio * self.n_embd
+
+
+@dataclass(frozen=True)
+class Settings:
+    n_head: int
+    dropout: float
+    compute_dtype: jnp.dtype
+
+
+def embed(params: dict, tokens: jax.Array, positions: jax.Array, s: Settings) -> jax.Array:
+    """Token plus position embedding, (batch, seq, n_embd) float32."""
+    return params["wte"][tokens].astype(jnp.float32) + params["wpe"][positions].astype(jnp.float32)
+
+
+def no_features(positions: jax.Array, s: Settings) -> None:
+    del positions, s  # GPT's layers read no positions (they are in the embedding)
+
+
+def block(layer: dict, x: jax.Array, inputs: LayerInputs, s: Settings) -> jax.Array:
+    """One pre-LayerNorm block on the float32 stream ``x`` (batch, seq, n_embd); with this
+    layer's per-example keys, attention probabilities and both residual branches drop out."""
+    batch, seq, n_embd = x.shape
+    shapes = [(s.n_head, seq, seq), (seq, n_embd), (seq, n_embd)]  # one draw of bits per example
+    probs_keep, attn_keep, mlp_keep = keep_masks(inputs.keys, s.dropout, shapes)
+    h = norm(x, layer["ln1"], EPS, s.compute_dtype)  # (batch, seq, n_embd)
+    q, k, v = (
+        project(h, layer[f"attn_{name}"]).reshape(batch, seq, s.n_head, -1) for name in "qkv"
+    )  # (batch, seq, n_head, head_dim)
+    attended = inputs.attend(q, k, v, probs_keep).reshape(batch, seq, -1)  # (batch, seq, n_attn)
+    branch = apply_dropout(project(attended, layer["attn_out"]), attn_keep, s.dropout)
+    x = x + branch.astype(jnp.float32)  # (batch, seq, n_embd)
+    h = norm(x, layer["ln2"], EPS, s.compute_dtype)
+    h = jax.nn.gelu(project(h, layer["mlp_fc"]), approximate=True)  # (batch, seq, n_mlp)
+    branch = apply_dropout(project(h, layer["mlp_proj"]), mlp_keep, s.dropout)
+    return x + branch.astype(jnp.float32)  # (batch, seq, n_embd)
+
+
+def skeleton(c: GPTConfig, compute_dtype: DTypeLike, remat: bool | str = False, lora_scale=0.0):
+    dtype = jnp.dtype(compute_dtype)
+    return Skeleton(
+        embed=embed,
+        features=no_features,
+        layer=block,
+        settings=Settings(c.n_head, c.dropout, dtype),
+        paths=Paths(embed="wte", layers="blocks", final_norm="ln_f", head="lm_head"),
+        eps=EPS,
+        compute_dtype=dtype,
+        context_len=c.block_size,
+        context_key="model.block_size",
+        dropout=c.dropout,
+        remat=remat,
+        lora_scale=lora_scale,
+    )
+
+
+class GPT(DecoderModel):
+    """GPT-2 (see the module docstring).
+
+    State paths and logical names: ``wte`` (vocab, n_embd); ``wpe`` (block_size, n_embd);
+    ``ln_f/scale``, ``ln_f/bias`` unannotated; under ``blocks/``, stacked along ``n_layer``:
+    ``ln1``, ``ln2`` (``scale``, ``bias``: n_layer, None), ``attn_q``, ``attn_k``, ``attn_v``
+    (``kernel``: n_layer, n_embd, n_attn; ``bias``: n_layer, n_attn), ``attn_out`` (n_layer,
+    n_attn, n_embd), ``mlp_fc`` (n_layer, n_embd, n_mlp; bias n_mlp), ``mlp_proj`` (n_layer,
+    n_mlp, n_embd); n_embd-wide biases are replicated (n_layer, None). Dropout
+    (``GPTConfig.dropout``) applies only with ``deterministic=False``, one key per example.
+    """
+
+    skeleton_of = staticmethod(skeleton)
+
+    def build(self, c: GPTConfig, rngs: nnx.Rngs) -> None:
+        normal = nnx.initializers.normal(0.02)
+        self.wte = param(rngs, (c.vocab_size, c.n_embd), ("vocab", "n_embd"), normal)
+        self.wpe = param(rngs, (c.block_size, c.n_embd), ("block_size", "n_embd"), normal)
+        n, e, std = c.n_layer, c.n_embd, 0.02
+        residual = 0.02 / math.sqrt(2 * n)  # GPT-2: projections into the residual stream
+
+        def proj(d_in, d_out, names, std):
+            return StackedProjection(n, d_in, d_out, names, "io", bias=True, std=std, rngs=rngs)
+
+        def layer_norm():
+            return Norm((n, e), ("n_layer", None), kind="layer", rngs=rngs)
+
+        layers = {"ln1": layer_norm()}
+        layers |= {f"attn_{x}": proj(e, c.n_attn, ("n_embd", "n_attn"), std) for x in "qkv"}
+        layers["attn_out"] = proj(c.n_attn, e, ("n_attn", "n_embd"), residual)
+        layers["ln2"] = layer_norm()
+        layers["mlp_fc"] = proj(e, c.n_mlp, ("n_embd", "n_mlp"), std)
+        layers["mlp_proj"] = proj(c.n_mlp, e, ("n_mlp", "n_embd"), residual)
+        self.blocks = Stack(layers)
+        self.ln_f = Norm((e,), None, kind="layer", rngs=rngs)
+
+
+def num_params(c: GPTConfig) -> int:
+    """The exact number of parameters of ``GPT(c)`` (the head is tied to ``wte``)."""
+    attention = 3 * (c.n_embd + 1) * c.n_attn + (c.n_attn + 1) * c.n_embd
+    mlp = (c.n_embd + 1) * c.n_mlp + (c.n_mlp + 1) * c.n_embd
+    layer = 4 * c.n_embd + attention + mlp
+    return (c.vocab_size + c.block_size) * c.n_embd + c.n_layer * layer + 2 * c.n_embd
+
+
+def matmuls(c: GPTConfig) -> Matmuls:
+    """q, k, v and output projections, the MLP; the head is tied to the embedding."""
+    e = c.n_embd
+    weights = ((e, c.n_attn),) * 3 + ((c.n_attn, e), (e, c.n_mlp), (c.n_mlp, e))
+    return Matmuls(c.n_layer, weights, (e, c.vocab_size), c.n_attn)
+
+
+def decoder(c: GPTConfig, compute_dtype: DTypeLike, lora_scale: float) -> CachedDecoder:
+    return CachedDecoder(
+        skeleton(c, compute_dtype, lora_scale=lora_scale),
+        c.vocab_size,
+        c.n_layer,
+        c.n_attn // c.n_head,
+        c.n_attn,
+        ("block_size", "n_attn"),
+    )
+
+
+# --- Hugging Face: GPT2LMHeadModel -------------------------------------------------------------
+
+
+def from_hf(hf: dict[str, Any], model_type: str, where: str) -> dict[str, Any]:
+    """The model section of a GPT-2 ``config.json``."""
+    del model_type
+    n_embd = hf["n_embd"]
+    n_inner = hf.get("n_inner") or 4 * n_embd
+    act = hf.get("activation_function", "gelu_new")
+    eps = float(hf.get("layer_norm_epsilon", 1e-5))
+    checks = [
+        (n_inner % n_embd == 0, f"n_inner={n_inner} is not a multiple of n_embd={n_embd}"),
+        (
+            act in ("gelu_new", "gelu_pytorch_tanh"),
+            f"activation_function={act!r}; theseus's GPT uses tanh GELU",
+        ),
+        (eps == EPS, f"layer_norm_epsilon={hf.get('layer_norm_epsilon')}; theseus's GPT uses 1e-5"),
+        (hf.get("scale_attn_weights", True), "scale_attn_weights=false is not supported"),
+        (
+            not hf.get("scale_attn_by_inverse_layer_idx") and not hf.get("reorder_and_upcast_attn"),
+            "scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn are not supported",
+        ),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(f"{where}: {message}")
+    return {
+        "vocab_size": hf["vocab_size"],
+        "block_size": hf.get("n_positions", hf.get("n_ctx", 1024)),
+        "n_layer": hf["n_layer"],
+        "n_head": hf["n_head"],
+        "n_embd": n_embd,
+        "mlp_ratio": n_inner // n_embd,
+        "dropout": 0.0,
+    }
+
+
+def to_hf(model: dict[str, Any], model_type: str) -> dict[str, Any]:
+    del model_type
+    return {
+        "vocab_size": model["vocab_size"],
+        "n_positions": model["block_size"],
+        "n_embd": model["n_embd"],
+        "n_layer": model["n_layer"],
+        "n_head": model["n_head"],
+        "n_inner": model["mlp_ratio"] * model["n_embd"],
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": EPS,
+        "tie_word_embeddings": True,
+    }
+
+
+def tensors(model: dict[str, Any]) -> list[HFTensor]:
+    """``transformer.`` tensors (head tied); ``c_attn`` holds q, k and v side by side."""
+    e, vocab = model["n_embd"], model["vocab_size"]
+    inner = model["mlp_ratio"] * e
+    found = [
+        whole("transformer.wte.weight", (vocab, e), "wte"),
+        whole("transformer.wpe.weight", (model["block_size"], e), "wpe"),
+    ]
+    for layer in range(model["n_layer"]):
+        prefix = f"transformer.h.{layer}."
+        for hf, ours in (("ln_1", "ln1"), ("ln_2", "ln2")):
+            for hf_leaf, leaf in (("weight", "scale"), ("bias", "bias")):
+                found.append(whole(f"{prefix}{hf}.{hf_leaf}", (e,), f"blocks/{ours}/{leaf}", layer))
+        for leaf, shape in (("weight", (e, 3 * e)), ("bias", (3 * e,))):
+            ours = "kernel" if leaf == "weight" else "bias"
+            parts = tuple(
+                Part(f"blocks/attn_{x}/{ours}", layer, i * e, (i + 1) * e)
+                for i, x in enumerate("qkv")
+            )
+            found.append(HFTensor(f"{prefix}attn.c_attn.{leaf}", shape, parts))
+        for hf, ours, d_in, d_out in (
+            ("attn.c_proj", "attn_out", e, e),
+            ("mlp.c_fc", "mlp_fc", e, inner),
+            ("mlp.c_proj", "mlp_proj", inner, e),
+        ):
+            found.append(
+                whole(f"{prefix}{hf}.weight", (d_in, d_out), f"blocks/{ours}/kernel", layer)
+            )
+            found.append(whole(f"{prefix}{hf}.bias", (d_out,), f"blocks/{ours}/bias", layer))
+    found.append(whole("transformer.ln_f.weight", (e,), "ln_f/scale"))
+    found.append(whole("transformer.ln_f.bias", (e,), "ln_f/bias"))
+    return found
+
+
+def aliases(name: str) -> tuple[str, ...]:
+    """GPT-2's original files have no ``transformer.`` prefix."""
+    return (name, name.removeprefix("transformer.")) if name.startswith("transformer.") else (name,)
+
+
+FAMILY = Family(
+    name="gpt",
+    trainer_name="GPTTrainer",
+    config_class=GPTConfig,
+    model_class=GPT,
+    plan=GPT_PLAN,
+    context=lambda c: Context(c.block_size, "model.block_size"),
+    matmuls=matmuls,
+    num_params=num_params,
+    decoder=decoder,
+    hf=HFSpec(
+        architectures={"gpt2": "GPT2LMHeadModel"},
+        from_hf=from_hf,
+        export_type=lambda model, imported: "gpt2",
+        to_hf=to_hf,
+        tensors=tensors,
+        aliases=aliases,
+    ),
+    descriptions={
+        "train/pretrain": "pretrain GPT on byte or token data",
+        "evaluate": "validation loss of the latest GPT checkpoint of a run",
+    },
+)

@@ -1,0 +1,114 @@
+"""What a model family declares in its one module (``theseus/model/families/NAME.py``, which
+defines ``FAMILY``): its config, model, sharding plan, context, matmul shapes (for FLOPs), cached
+decoder and Hugging Face mapping. The registry (:func:`theseus.families`) imports the module and
+registers the family's jobs, ``NAME/train/pretrain`` and ``NAME/evaluate``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from flax import nnx
+
+from theseus.config import Section
+from theseus.model.decode import Decoder
+from theseus.sharding.axis import ShardingPlan
+
+
+@dataclass(frozen=True)
+class Part:
+    """Columns ``[start, stop)`` of a Hugging Face tensor's last dimension are theseus parameter
+    ``path`` (its layer ``layer`` when the parameter is stacked along ``n_layer``)."""
+
+    path: str
+    layer: int | None
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class HFTensor:
+    """One Hugging Face tensor: its name, shape, and the theseus parameters it is made of."""
+
+    name: str
+    shape: tuple[int, ...]
+    parts: tuple[Part, ...]
+
+
+def whole(name: str, shape: tuple[int, ...], path: str, layer: int | None = None) -> HFTensor:
+    """A tensor that is one theseus parameter (one layer of it when ``layer`` is given)."""
+    return HFTensor(name, shape, (Part(path, layer, 0, shape[-1]),))
+
+
+@dataclass(frozen=True, eq=False)
+class HFSpec:
+    """A family's Hugging Face mapping.
+
+    ``architectures``: the architecture of each model type the family reads and writes.
+    ``from_hf(config, model_type, where)``: the theseus ``model`` section of a ``config.json``
+    (a ValueError naming ``where`` and the key when theseus cannot reproduce it).
+    ``export_type(model, imported)``: the model type a model section exports as (``imported``:
+    the type it was imported from, or None). ``to_hf(model, model_type)``: the ``config.json``
+    keys of a model section. ``tensors(model)``: the checkpoint's tensors.
+    ``peft_targets``: the Hugging Face modules peft can adapt (empty: adapters are not exported).
+    ``aliases(name)``: the names a tensor may have in published checkpoints.
+    """
+
+    architectures: dict[str, str]
+    from_hf: Callable[[dict[str, Any], str, str], dict[str, Any]]
+    export_type: Callable[[dict[str, Any], str | None], str]
+    to_hf: Callable[[dict[str, Any], str], dict[str, Any]]
+    tensors: Callable[[dict[str, Any]], list[HFTensor]]
+    peft_targets: tuple[str, ...] = ()
+    aliases: Callable[[str], tuple[str, ...]] = lambda name: (name,)
+
+    @property
+    def model_types(self) -> tuple[str, ...]:
+        return tuple(self.architectures)
+
+
+@dataclass(frozen=True)
+class Matmuls:
+    """The matmul shapes of a decoder, for its FLOPs: each layer's weights that multiply
+    activations ``(d_in, d_out)``, the output head's, and the width of attention's ``q kᵀ`` and
+    ``probs v`` (all query heads)."""
+
+    num_layers: int
+    layer_weights: tuple[tuple[int, int], ...]
+    head: tuple[int, int]
+    attention_width: int
+
+
+@dataclass(frozen=True)
+class Context:
+    """How long a model's sequences may be: ``length`` (set by config ``key``) and an attention
+    ``window`` that theseus does not apply (None: none), which also bounds them."""
+
+    length: int
+    key: str
+    window: int | None = None
+
+    @property
+    def default(self) -> int:
+        """The longest sequence computed exactly: the context, or the window if smaller."""
+        return min(self.length, self.window or self.length)
+
+
+@dataclass(frozen=True, eq=False)
+class Family:
+    """A model family (see the module docstring). ``model_class(config, rngs=, compute_dtype=,
+    remat=, lora=)`` builds the model, whose ``__call__(tokens, keys, deterministic=)`` gives
+    logits; ``decoder(config, compute_dtype, lora_scale)`` its cached decoding."""
+
+    name: str
+    trainer_name: str
+    config_class: type[Section]
+    model_class: type[nnx.Module]
+    plan: ShardingPlan
+    context: Callable[[Any], Context]
+    matmuls: Callable[[Any], Matmuls]
+    num_params: Callable[[Any], int]  # the exact parameter count of a config's model
+    decoder: Callable[[Any, Any, float], Decoder]
+    hf: HFSpec
+    descriptions: dict[str, str] = field(default_factory=dict)  # job suffix -> description

@@ -1,0 +1,84 @@
+"""The one trainer of every model family: the family's model, plan, context and FLOPs plugged
+into :class:`~theseus.training.trainer.BaseTrainer`. The registry makes one subclass per family
+(:func:`trainer_class`), named as the family says (``GPTTrainer``, ``LlamaTrainer``)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import jax
+import pydantic
+from flax import nnx
+
+from theseus.accounting.preflight import check_context_length
+from theseus.data import Corpus
+from theseus.model.decode import Decoder
+from theseus.model.family import Family
+from theseus.training.flops import flops_per_token
+from theseus.training.keys import Keys
+from theseus.training.trainer import BaseTrainer, TrainerConfig, next_token_loss
+
+
+class FamilyTrainer(BaseTrainer):
+    """Next-token training of a family's model (pretraining, or fine-tuning with --init-from)."""
+
+    family: ClassVar[Family]
+
+    def __init__(self, config: TrainerConfig, policy, topology=None):
+        context = self.family.context(config.model)
+        check_context_length(config.training, context.length, context.key, window=context.window)
+        super().__init__(config, policy, topology)
+
+    def build_model(self, rngs: nnx.Rngs) -> nnx.Module:
+        return self.family.model_class(
+            self.config.model,
+            rngs=rngs,
+            compute_dtype=self.compute_dtype,
+            remat=self.policy.activation_checkpointing,
+            lora=self.lora_spec,
+        )
+
+    def decoder(self) -> Decoder:
+        """Cached decoding for ``theseus generate`` (see theseus.model.decode)."""
+        spec = self.lora_spec
+        scale = 0.0 if spec is None else spec.scale
+        return self.family.decoder(self.config.model, self.compute_dtype, scale)
+
+    def loss(self, model: nnx.Module, tokens: jax.Array, keys: Keys, *, train: bool) -> jax.Array:
+        """Next-token loss; dropout (when the model has any) in training only."""
+        logits = model(tokens[:, :-1], keys.examples, deterministic=not train)
+        return next_token_loss(logits, tokens[:, 1:])
+
+    def default_seq_len(self) -> int:
+        return self.family.context(self.config.model).default
+
+    def flops_per_token(self) -> float:
+        return flops_per_token(self.family.matmuls(self.config.model), seq_len=self.seq_len)
+
+    def check_corpus(self, corpus: Corpus) -> None:
+        vocab = self.config.model.vocab_size
+        if corpus.vocab_size > vocab:
+            raise ValueError(
+                f"the data ({corpus.source}) has token ids up to {corpus.vocab_size - 1} but "
+                f"model.vocab_size={vocab}; set model.vocab_size={corpus.vocab_size} or more."
+            )
+
+
+def trainer_class(family: Family) -> type[FamilyTrainer]:
+    """``family``'s trainer class, with its config class (the shared training sections plus the
+    family's ``model`` section) named after it (``GPTTrainer``, ``GPTTrainerConfig``)."""
+    config_class = pydantic.create_model(
+        f"{family.trainer_name}Config",
+        __base__=TrainerConfig,
+        __module__=__name__,
+        __doc__=f"{family.name} training: the shared sections plus the model's hyperparameters.",
+        model=(family.config_class, pydantic.Field(default_factory=family.config_class)),
+    )
+    attributes = {
+        "family": family,
+        "config_class": config_class,
+        "plan": family.plan,
+        "__module__": __name__,
+        "__doc__": f"Next-token training of the {family.name} family's model.",
+    }
+    return type(family.trainer_name, (FamilyTrainer,), attributes)
