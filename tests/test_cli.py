@@ -317,13 +317,17 @@ def test_sigkill_and_sigterm_then_resume_match_the_uninterrupted_run(tmp_path):
         assert ("val_loss" in row) == ("val_loss" in want)
         for name, loss in want.get("val_loss_by_source", {}).items():
             assert row["val_loss_by_source"][name] == pytest.approx(loss, rel=1e-5)
-    wandb_runs = [read_run(path) for path in run_files(run_dir)]
-    assert len(wandb_runs) == 3  # one W&B run (one id), in three segments
+    # W&B buffers its records in the process: the SIGKILLed segment's file may hold nothing
+    # (seen: its 7-byte header alone). The segments after it log every step they train, from the
+    # killed run's checkpoint on, each once; the SIGTERM ends on a saved step, so none overlap.
+    _killed, *files = run_files(run_dir)
+    assert len(files) == 2  # one W&B run (one id), in three segments
+    wandb_runs = [read_run(path) for path in files]
     assert {run.run_id for run in wandb_runs} == {
         json.loads((run_dir / "wandb-run.json").read_text())["id"]
     }
     logged = [step for run in wandb_runs for step in run.logged_steps]
-    assert sorted(logged) == list(range(1, steps + 1))  # each step once
+    assert logged == list(range(killed_at + 1, steps + 1))
     for run in wandb_runs:
         for step, logged_row in run.rows.items():
             want = wandb_row(rows[step - 1])

@@ -2,7 +2,10 @@
 package: ``pip install 'theseus[wandb]'``. Only the main process logs.
 
 The W&B run's id is kept in the run directory (``wandb-run.json``), so that ``--resume``
-continues the same W&B run; rows that the earlier segment logged already are not logged again.
+continues the same W&B run. A resumed segment logs every row from its first step on: the steps
+after the checkpoint it resumes from are trained again, and an earlier segment ended by SIGKILL may
+have lost the rows W&B still buffered (seen: an offline file with its header alone). Online, W&B
+keeps a run's steps increasing and drops a step it already holds.
 W&B's own files go to ``OUT/wandb`` (an offline run stays there until ``wandb sync``).
 """
 
@@ -10,7 +13,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import secrets
 import string
 from pathlib import Path
@@ -18,7 +20,6 @@ from typing import Any
 
 from theseus.config import WandbConfig
 from theseus.distributed.join import is_main_process
-from theseus.training.run.metrics import kept_rows
 
 WANDB_DIR = "wandb"
 RUN_ID_FILE = "wandb-run.json"
@@ -53,8 +54,7 @@ def new_run_id() -> str:
 
 class WandbWriter:
     """Logs every recorded row at its step to one W&B run whose config is the run's resolved
-    config and its ``run.json`` (under ``run``). Rows up to ``logged_through`` (what an earlier
-    segment of a resumed run logged) are skipped: no step is logged twice."""
+    config and its ``run.json`` (under ``run``)."""
 
     def __init__(
         self,
@@ -63,11 +63,9 @@ class WandbWriter:
         *,
         run_id: str,
         run_config: dict[str, Any],
-        logged_through: int,
     ):
         import wandb
 
-        self.logged_through = logged_through
         self.run = wandb.init(
             project=config.project,
             entity=config.entity,
@@ -84,8 +82,7 @@ class WandbWriter:
         )
 
     def write(self, row: dict[str, Any]) -> None:
-        if row["step"] > self.logged_through:
-            self.run.log(wandb_row(row), step=row["step"])
+        self.run.log(wandb_row(row), step=row["step"])
 
     def __enter__(self) -> WandbWriter:
         return self
@@ -98,18 +95,16 @@ def open_wandb(config: Any, out_dir: Path, *, resume: bool) -> WandbWriter | Non
     """The W&B writer of a run whose ``run.json`` is written (``config`` is the trainer's), on
     the main process when ``logging.wandb.project`` is set; else None.
 
-    A resumed run continues the W&B run whose id ``out_dir`` keeps, after the last row the earlier
-    segment recorded (metrics.jsonl is cut back to the resumed step later); any other run starts
-    a W&B run and keeps its id.
+    A resumed run continues the W&B run whose id ``out_dir`` keeps; any other run starts a W&B
+    run and keeps its id.
     """
     if config.logging.wandb.project is None or not is_main_process():
         return None
     id_file = out_dir / RUN_ID_FILE
     if resume and id_file.is_file():
         run_id = json.loads(id_file.read_text())["id"]
-        logged = kept_rows(out_dir / "metrics.jsonl", math.inf)
     else:
-        run_id, logged = new_run_id(), []
+        run_id = new_run_id()
         id_file.write_text(json.dumps({"id": run_id}) + "\n")
     return WandbWriter(
         out_dir,
@@ -119,5 +114,4 @@ def open_wandb(config: Any, out_dir: Path, *, resume: bool) -> WandbWriter | Non
             **config.model_dump(mode="json"),
             "run": json.loads((out_dir / "run.json").read_text()),
         },
-        logged_through=json.loads(logged[-1])["step"] if logged else 0,
     )
