@@ -243,27 +243,6 @@ def test_resume_reproduces_uninterrupted_losses(tmp_path):
         assert before.get("val_loss") == after.get("val_loss")
 
 
-def test_resume_onto_other_policy_continues_with_matching_numbers(tmp_path):
-    run_dir = tmp_path / "run"
-    with quick("gpt/train/pretrain", run_dir) as q:
-        q.shard(tp=2, fsdp=True)
-        q.override(*TINY)
-        q()
-    full = read_metrics(run_dir)
-    import shutil
-
-    shutil.rmtree(run_dir / "checkpoints" / "6")
-    with quick("gpt/train/pretrain", run_dir, mode=RunMode(resume=True)) as q:
-        q.shard(tp=4)
-        q.override(*TINY)
-        q()
-    resumed = read_metrics(run_dir)
-    np.testing.assert_allclose(
-        [r["loss"] for r in resumed[4:]], [r["loss"] for r in full[4:]], rtol=1e-5
-    )
-    assert json.loads((run_dir / "run.json").read_text())["mesh_shape"] == {"batch": 2, "shard": 4}
-
-
 # --- plots ---------------------------------------------------------------------------------
 
 
