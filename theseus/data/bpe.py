@@ -197,9 +197,7 @@ def tokenize(
         "train_sample_bytes": None if reused else train_sample_bytes,
         "eos_token": eos_token,
         "text_field": text_field,
-        "validation_fraction": validation_fraction,
-        "seed": seed,
-        "shard_tokens": shard_tokens,
+        **tokenize_io.split_settings(validation_fraction, seed, shard_tokens),
     }
     out = Path(out_dir)
     state = tokenize_io.prepare_output(out, settings, overwrite=overwrite)

@@ -40,7 +40,7 @@ from theseus.data.shards import (
     write_json_atomic,
 )
 from theseus.data.split import DocumentSplit
-from theseus.data.streaming import BATCH_BYTES, read_ahead
+from theseus.data.streaming import by_text_bytes, read_ahead
 
 
 @dataclass(frozen=True)
@@ -112,9 +112,7 @@ def tokenize_chat(
         "chat_template": None if template is None else template.sha256,
         "eos_token": encoder.eos_token,
         "loss_mask": True,
-        "validation_fraction": validation_fraction,
-        "seed": seed,
-        "shard_tokens": shard_tokens,
+        **tokenize_io.split_settings(validation_fraction, seed, shard_tokens),
     }
     out = Path(out_dir)
     state = tokenize_io.prepare_output(out, settings, overwrite=overwrite)
@@ -179,20 +177,16 @@ def _rendered_batches(
 ) -> Iterator[list[tuple[str, Example]]]:
     """Records rendered and routed to their split, in batches of about ``BATCH_BYTES`` of text;
     records before their split's resume position are read but not rendered."""
-    batch: list[tuple[str, Example]] = []
-    size = 0
-    for record in read_records(files):
-        name = "validation" if split.is_validation(record.document) else "train"
-        if (record.document, 0) < resume[name]:
-            continue
-        example = encoder.render(record)
-        batch.append((name, example))
-        size += len(example.text)
-        if size >= BATCH_BYTES:
-            yield batch
-            batch, size = [], 0
-    if batch:
-        yield batch
+    routed = (
+        ("validation" if split.is_validation(record.document) else "train", record)
+        for record in read_records(files)
+    )
+    rendered = (
+        (name, encoder.render(record))
+        for name, record in routed
+        if (record.document, 0) >= resume[name]
+    )
+    return by_text_bytes(rendered, lambda item: item[1].text)
 
 
 def _encoded(encoder: ChatEncoder, batches) -> Iterator[tuple[list, list[Encoded]]]:

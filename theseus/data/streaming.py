@@ -50,14 +50,18 @@ def batches(
 ) -> Iterator[list[Routed]]:
     """Pieces routed to their split, in batches of about ``BATCH_BYTES``; pieces before their
     split's ``resume`` position (already in complete shards) are skipped."""
-    batch: list[Routed] = []
+    routed = (Routed(piece, split_of(piece.document)) for piece in pieces)
+    kept = (r for r in routed if r.piece.position >= resume[r.split])
+    return by_text_bytes(kept, lambda r: r.piece.text)
+
+
+def by_text_bytes(items: Iterator[T], text_of: Callable[[T], str]) -> Iterator[list[T]]:
+    """``items`` in batches of about ``BATCH_BYTES`` of text (the last one may be smaller)."""
+    batch: list[T] = []
     size = 0
-    for piece in pieces:
-        split = split_of(piece.document)
-        if piece.position < resume[split]:
-            continue
-        batch.append(Routed(piece, split))
-        size += len(piece.text)
+    for item in items:
+        batch.append(item)
+        size += len(text_of(item))
         if size >= BATCH_BYTES:
             yield batch
             batch, size = [], 0

@@ -99,6 +99,12 @@ class OutputState:
     finished: dict | None = None
 
 
+def split_settings(validation_fraction: float, seed: int, shard_tokens: int) -> dict:
+    """The settings of a tokenized folder that decide its splits and shards (part of what a
+    resumed or finished folder must match)."""
+    return {"validation_fraction": validation_fraction, "seed": seed, "shard_tokens": shard_tokens}
+
+
 def prepare_output(out: Path, settings: dict, *, overwrite: bool) -> OutputState:
     """Decide what to do with ``out``: start fresh (missing or empty, or ``overwrite``: this
     command's files are removed, others left), resume (its progress record has the same
