@@ -286,7 +286,9 @@ def _write_corpus(folder, records) -> None:
 
 
 def test_shards_and_masks_stream_resume_and_training_refuses_them(folders, tmp_path, monkeypatch):
-    monkeypatch.setattr(chat_tokenize, "BATCH_BYTES", 2000)  # several batches, as in a large corpus
+    monkeypatch.setattr(
+        "theseus.data.streaming.BATCH_BYTES", 2000
+    )  # several batches, as large corpora
     records = _records(90)
     corpus = tmp_path / "chats"
     _write_corpus(corpus, records)
