@@ -3,7 +3,7 @@
 # plugins of exactly the pinned jax, without installing anything: pip's resolver in a dry run
 # (`pip install --dry-run --ignore-installed --report`), which reads the wheels' metadata from the
 # index (PEP 658) instead of downloading the GPU wheels. Needs the package index; about 1.5 minutes
-# per extra, so it is run by hand (its output is in the README's install section), not in CI.
+# per extra, so it is run by hand (its output is in docs/performance.md), not in CI.
 #
 #     bash bench/check_extras.sh [PYTHON]      # default: .venv/bin/python
 set -euo pipefail
