@@ -82,7 +82,8 @@ def test_lora_run_takes_its_base_moves_with_it_and_checks_it(previous, tmp_path)
     (the base's job and model), naming its job in run.json and its checkpoints, its base
     recorded relative to it; a contradicting model override is refused naming both values.
     Copied together elsewhere (originals removed) the two still generate and export; with the
-    base elsewhere, --base finds it, and a different base is refused by its fingerprints."""
+    base elsewhere, --base finds it, and a different base is refused by its fingerprints; --base
+    for a run without a base is refused."""
     base, lora = tmp_path / "a" / "llama", tmp_path / "a" / "lora"
     shutil.copytree(previous / "llama", base)
     batch = ("training.batch_size=8", "training.per_device_batch_size=1", "--no-zero")
@@ -132,3 +133,5 @@ def test_lora_run_takes_its_base_moves_with_it_and_checks_it(previous, tmp_path)
     with pytest.raises(ValueError, match="are not those this run was trained on") as refusal:
         load_run(moved, base=other)
     assert "--base DIR" in str(refusal.value) and "\n" not in str(refusal.value)
+    with pytest.raises(ValueError, match="has no base; drop --base"):  # not silently ignored
+        load_run(elsewhere, base=moved)
