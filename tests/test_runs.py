@@ -135,3 +135,13 @@ def test_lora_run_takes_its_base_moves_with_it_and_checks_it(previous, tmp_path)
     assert "--base DIR" in str(refusal.value) and "\n" not in str(refusal.value)
     with pytest.raises(ValueError, match="has no base; drop --base"):  # not silently ignored
         load_run(elsewhere, base=moved)
+
+
+def test_resume_without_a_job_continues_the_runs_own(previous, tmp_path):
+    """--resume without --job takes the job the run records (or the legacy rule), as reading a
+    run does: a Llama run is not resumed as the default GPT (a shape mismatch per tensor)."""
+    with quick(None, previous / "llama", mode=RunMode(resume=True)) as q:
+        assert q.job.name == "llama/train/pretrain"
+    empty = invoke("train", "--resume", "--out", tmp_path / "none")
+    assert empty.exit_code == 2 and "nothing to resume" in empty.output, empty.output
+    assert not (tmp_path / "none").exists()
