@@ -145,3 +145,12 @@ def test_resume_without_a_job_continues_the_runs_own(previous, tmp_path):
     empty = invoke("train", "--resume", "--out", tmp_path / "none")
     assert empty.exit_code == 2 and "nothing to resume" in empty.output, empty.output
     assert not (tmp_path / "none").exists()
+
+
+def test_evaluate_where_the_runs_per_device_batch_does_not_split_its_batch(previous):
+    """A run trained on 2 devices (batch 4, 2 per device) evaluates on 4 devices, where 2 per
+    device does not split its batch over 4 replicas: a per-device batch that does is derived,
+    and the loss is the run's own (the held-out examples do not depend on the split)."""
+    run = previous / "gpt"
+    evaluation = theseus.evaluate(run, devices=jax.devices()[:4])
+    assert evaluation.val_loss == pytest.approx(read_metrics(run)[-1]["val_loss"], rel=1e-5)
