@@ -171,6 +171,19 @@ def test_wandb_without_the_package_writes_nothing(tmp_path, monkeypatch):
     assert not out.exists()
 
 
+def test_wandb_online_without_credentials_writes_nothing(tmp_path, monkeypatch):
+    """No API key and no terminal to ask for one: said before anything is written (wandb.init
+    failed with a traceback after the compile, leaving run.json and config.yaml behind)."""
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_IDENTITY_TOKEN_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    out = tmp_path / "out"
+    result = invoke("train", "--out", out, *TINY, "logging.wandb.project=p")
+    assert_user_error(result, "no credentials", "wandb login", "logging.wandb.mode=offline")
+    assert not out.exists()
+
+
 def test_resume_without_checkpoints(tmp_path):
     assert_user_error(invoke("train", "--out", tmp_path, *TINY, "--resume"), "nothing to resume")
 

@@ -82,7 +82,8 @@ def test_lora_run_takes_its_base_moves_with_it_and_checks_it(previous, tmp_path)
     (the base's job and model), naming its job in run.json and its checkpoints, its base
     recorded relative to it; a contradicting model override is refused naming both values.
     Copied together elsewhere (originals removed) the two still generate and export; with the
-    base elsewhere, --base finds it, and a different base is refused by its fingerprints."""
+    base elsewhere, --base finds it, and a different base is refused by its fingerprints; --base
+    for a run without a base is refused."""
     base, lora = tmp_path / "a" / "llama", tmp_path / "a" / "lora"
     shutil.copytree(previous / "llama", base)
     batch = ("training.batch_size=8", "training.per_device_batch_size=1", "--no-zero")
@@ -132,3 +133,24 @@ def test_lora_run_takes_its_base_moves_with_it_and_checks_it(previous, tmp_path)
     with pytest.raises(ValueError, match="are not those this run was trained on") as refusal:
         load_run(moved, base=other)
     assert "--base DIR" in str(refusal.value) and "\n" not in str(refusal.value)
+    with pytest.raises(ValueError, match="has no base; drop --base"):  # not silently ignored
+        load_run(elsewhere, base=moved)
+
+
+def test_resume_without_a_job_continues_the_runs_own(previous, tmp_path):
+    """--resume without --job takes the job the run records (or the legacy rule), as reading a
+    run does: a Llama run is not resumed as the default GPT (a shape mismatch per tensor)."""
+    with quick(None, previous / "llama", mode=RunMode(resume=True)) as q:
+        assert q.job.name == "llama/train/pretrain"
+    empty = invoke("train", "--resume", "--out", tmp_path / "none")
+    assert empty.exit_code == 2 and "nothing to resume" in empty.output, empty.output
+    assert not (tmp_path / "none").exists()
+
+
+def test_evaluate_where_the_runs_per_device_batch_does_not_split_its_batch(previous):
+    """A run trained on 2 devices (batch 4, 2 per device) evaluates on 4 devices, where 2 per
+    device does not split its batch over 4 replicas: a per-device batch that does is derived,
+    and the loss is the run's own (the held-out examples do not depend on the split)."""
+    run = previous / "gpt"
+    evaluation = theseus.evaluate(run, devices=jax.devices()[:4])
+    assert evaluation.val_loss == pytest.approx(read_metrics(run)[-1]["val_loss"], rel=1e-5)

@@ -189,7 +189,8 @@ class QuickSession:
     ``out_dir``: ``q.config`` starts as that run's config (its ``config.yaml``), so the model is
     the run's; changes to the model section are refused when it runs. A training job started
     from another run's parameters (``mode=RunMode(init_from=BASE)``) takes BASE's model
-    section the same way; ``job_name=None`` then means BASE's own job.
+    section the same way; ``job_name=None`` then means BASE's own job, and with
+    ``mode=RunMode(resume=True)`` the job of the run in ``out_dir``.
     """
 
     def __init__(
@@ -201,8 +202,11 @@ class QuickSession:
     ):
         self.mode = mode
         base = mode.init_from
-        if job_name is None and base is None:
+        if job_name is None and base is None and not mode.resume:
             raise ValueError("name the job to run (e.g. gpt/train/pretrain, see `theseus jobs`)")
+        if job_name is None and base is None:  # resumed: the job of the run it continues
+            mode.runs_to_replace(Path(out_dir))  # nothing to resume: that error first
+            job_name = job_of_run(out_dir)
         self.job = get_job(job_name or job_of_run(base))
         self.out_dir = Path(out_dir)
         config_class = self.job.trainer_class.config_class

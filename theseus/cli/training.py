@@ -43,7 +43,8 @@ def train(
         typer.Option(
             help="registered job: a training job, or an evaluate job (gpt/evaluate, "
             "llama/evaluate) that scores the run in --out with that run's config [default: "
-            f"the --init-from run's job, with --hf the model's family's training job, else "
+            f"the --init-from run's job, with --resume the run's, with --hf the model's "
+            f"family's training job, else "
             f"{DEFAULT_JOB}]",
             show_default=False,
         ),
@@ -86,8 +87,8 @@ def train(
         spec = None if hf is None else read_config(hf)
         if spec is not None:
             job = job_for(spec, job)
-        elif job is None and flags.run.init_from is None:
-            job = DEFAULT_JOB
+        elif job is None and flags.run.init_from is None and not flags.run.resume:
+            job = DEFAULT_JOB  # --init-from and --resume: the job of the run they read
         session = quick(job, out, mode=flags.run)
         if spec is not None:
             session.config = with_model(session.config, spec)

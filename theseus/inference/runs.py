@@ -123,7 +123,12 @@ def evaluate(
         raise ValueError(f"{run_dir} holds no config.yaml: it is not a run directory")
     config = apply_overrides(saved, list(overrides))
     policy = ShardingPolicy(**_saved_policy(run_dir))
-    trainer = reading_trainer(trainer_class, lambda _: config, policy, policy_changes, devices)
+    chosen = any(o.startswith("training.per_device_batch_size=") for o in overrides)
+
+    def config_for(topology: Topology) -> TrainerConfig:
+        return config if chosen else batch_for_replicas(config, topology.replicas)
+
+    trainer = reading_trainer(trainer_class, config_for, policy, policy_changes, devices)
     result = evaluate_checkpoint(trainer, run_dir, source_dir=run_dir, base_dir=base and Path(base))
     return Evaluation(
         str(run_dir),
@@ -133,6 +138,25 @@ def evaluate(
         result.val_loss_by_source,
         trainer.policy.describe(),
     )
+
+
+def batch_for_replicas(config: TrainerConfig, replicas: int) -> TrainerConfig:
+    """``config`` with a ``training.per_device_batch_size`` that splits ``training.batch_size``
+    over ``replicas``: the run's own when it does, else the largest below it that does (the
+    held-out examples, hence the loss, do not depend on the split; a batch that ``replicas``
+    do not divide is left to the batch check, which names the numbers)."""
+    training = config.training
+    per_replica, rest = divmod(training.batch_size, replicas)
+    if rest or per_replica % training.per_device_batch_size == 0:
+        return config
+    largest = min(training.per_device_batch_size, per_replica)
+    per_device = max(d for d in range(1, largest + 1) if per_replica % d == 0)
+    logger.info(
+        f"note: training.per_device_batch_size={training.per_device_batch_size} does not split "
+        f"the run's batch of {training.batch_size} over {replicas} replicas; evaluating with "
+        f"{per_device} (the same examples; training.per_device_batch_size=N chooses another)"
+    )
+    return apply_overrides(config, [f"training.per_device_batch_size={per_device}"])
 
 
 def _saved_policy(run_dir: Path) -> dict[str, Any]:

@@ -101,6 +101,9 @@ def base_location(run_dir: Path, base: dict, given: Path | None = None) -> Path 
     base copied together with its fine-tuning run lands. The base's fingerprints check the
     folder found (:func:`frozen_params`)."""
     if base["run_dir"] is None:
+        if given is not None:
+            why = f"its frozen parameters are the initialisation of seed {base['seed']}"
+            raise unused_base(run_dir, given, why)
         return None
     if given is not None:
         return Path(given)
@@ -203,6 +206,16 @@ def with_base(
     """``restored`` parameters of a checkpoint of ``run_dir`` joined with the frozen ones of
     its base, if it has one (found where :func:`base_location` says, ``base_dir`` naming it)."""
     if restored.meta.base is None:
+        if base_dir is not None:
+            raise unused_base(run_dir, base_dir, "it trained every parameter, so it has no base")
         return restored
     frozen = frozen_params(trainer, restored.meta.base, layout, run_dir=run_dir, base_dir=base_dir)
     return dataclasses.replace(restored, state=trainer.partition.join(restored.state, frozen))
+
+
+def unused_base(run_dir: Path, given: Path, why: str) -> ValueError:
+    """The error for ``--base`` (``base=``) given to read a run that reads no base run."""
+    return ValueError(
+        f"--base {given} (base= in Python) names the base run of a fine-tuning run, but "
+        f"{run_dir} reads none: {why}; drop --base"
+    )

@@ -26,13 +26,29 @@ RUN_ID_FILE = "wandb-run.json"
 
 
 def require_wandb(config: WandbConfig) -> None:
-    """Stop before anything is written when W&B is asked for but wandb is not installed."""
-    if config.project is not None and importlib.util.find_spec("wandb") is None:
+    """Stop before anything is written when W&B is asked for but wandb is not installed, or
+    (online, on the main process) has no credentials and no terminal to ask for them: W&B would
+    otherwise fail only after the run's records are written and its step compiled."""
+    if config.project is None:
+        return
+    if importlib.util.find_spec("wandb") is None:
         raise ValueError(
             f"logging.wandb.project={config.project!r} asks for a Weights & Biases run, but the "
             "wandb package is not installed; install it with `pip install 'theseus[wandb]'` "
             "(or `pip install wandb`), or leave logging.wandb.project unset"
         )
+    if config.mode != "online" or not is_main_process():
+        return
+    import wandb
+
+    try:  # the credentials wandb.init would look for (environment, .netrc, a prompt)
+        wandb.login(verify=False)
+    except wandb.errors.UsageError as error:
+        raise ValueError(
+            f"logging.wandb.project={config.project!r} asks for an online Weights & Biases run, "
+            f"but W&B has no credentials here ({error}); run `wandb login` or set WANDB_API_KEY, "
+            "or log offline with logging.wandb.mode=offline and upload later with `wandb sync`"
+        ) from None
 
 
 def wandb_row(row: dict[str, Any]) -> dict[str, Any]:
