@@ -48,6 +48,21 @@ def test_policy_matches_one_device(policy):
     assert_same_numbers(got, one_device_run(trainer.config))
 
 
+def test_sliding_windows_match_one_device():
+    """Windows of 4 on the last two of three layers (sequences of 24): tp=2 + FSDP, which gathers
+    one layer at a time, gives one device's numbers."""
+    model = MODEL.model_copy(
+        update={
+            "sliding_window": 4,
+            "layer_types": ("full_attention",) + ("sliding_attention",) * 2,
+        }
+    )
+    policy = ShardingPolicy(tp=2, fsdp=True)
+    trainer = shared_trainer(policy_config(policy, 1, model), policy)
+    assert trainer.seq_len == 24 and "layers/q_proj/weight" in trainer.per_layer_paths
+    assert_same_numbers(run_steps(trainer), one_device_run(trainer.config))
+
+
 def test_plan_names_and_counts():
     trainer = shared_trainer(config(4), ShardingPolicy(tp=2, fsdp=True))
     names = {leaf.path: leaf.names for leaf in trainer.abstract_leaves}
