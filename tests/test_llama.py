@@ -63,6 +63,25 @@ def test_sliding_windows_match_one_device():
     assert_same_numbers(run_steps(trainer), one_device_run(trainer.config))
 
 
+def test_windows_export_as_transformers_reads_them():
+    """Full then sliding layers export as qwen2 (with biases: max_window_layers and layer_types)
+    and import back the same; without biases or q/k norms no type writes them: refused."""
+    types = ("full_attention", "sliding_attention", "sliding_attention")
+    windowed = MODEL.model_copy(
+        update={"sliding_window": 4, "layer_types": types, "qk_norm": False}
+    )
+    model = windowed.model_dump(mode="json")
+    hf_spec = LLAMA_FAMILY.hf
+    assert hf_spec.export_type(model, None) == "qwen2"
+    hf = hf_spec.to_hf(model, "qwen2") | {"num_attention_heads": 8}
+    assert (hf["use_sliding_window"], hf["max_window_layers"]) == (True, 1)
+    for config in (hf, {k: v for k, v in hf.items() if k != "layer_types"}):
+        back = hf_spec.from_hf(config, "qwen2", "config.json")
+        assert (back["sliding_window"], tuple(back["layer_types"])) == (4, types)
+    with pytest.raises(ValueError, match="layer_types mixes sliding and full layers"):
+        hf_spec.export_type(model | {"attention_bias": False}, "mistral")
+
+
 def test_plan_names_and_counts():
     trainer = shared_trainer(config(4), ShardingPolicy(tp=2, fsdp=True))
     names = {leaf.path: leaf.names for leaf in trainer.abstract_leaves}
