@@ -1,8 +1,8 @@
 """The Llama family: Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5 and Qwen3 decoders.
 
 RMSNorm, rotary embeddings (``rope_theta``, optionally Llama 3.1's frequency-dependent scaling),
-grouped-query attention, optionally over a sliding window on every layer (Mistral) or on some
-(Qwen2's ``use_sliding_window``/``max_window_layers``), a SwiGLU MLP, a tied or untied head, optional q/k/v biases (Qwen2) and
+grouped-query attention (over a sliding window on every layer, Mistral, or on some, Qwen2's
+``use_sliding_window``), a SwiGLU MLP, a tied or untied head, optional q/k/v biases (Qwen2) and
 optional per-head q/k RMSNorm with its own ``head_dim`` (Qwen3). Weights are stored as Hugging
 Face stores them, ``(d_out, d_in)``, stacked along ``n_layer``, and q/k keep Hugging Face's head
 layout, so checkpoints import and export without permuting anything.
@@ -20,6 +20,7 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from theseus.config import Section
+from theseus.model import windows as sliding
 from theseus.model.decoder import CachedDecoder, DecoderModel, LayerInputs, Paths, Skeleton
 from theseus.model.family import Context, Family, HFSpec, HFTensor, Matmuls, whole
 from theseus.model.parts import Norm, Stack, StackedProjection, norm, param, project
@@ -51,9 +52,6 @@ LLAMA_PLAN = ShardingPlan(
 
 def _field(default: Any, description: str, **limits: Any) -> Any:
     return pydantic.Field(default, description=description, **limits)
-
-
-LayerType = Literal["full_attention", "sliding_attention"]
 
 
 class LlamaConfig(Section):
@@ -94,7 +92,7 @@ class LlamaConfig(Section):
     sliding_window: pydantic.StrictInt | None = _field(
         None, "attention window of the sliding layers; None: whole context", gt=0
     )
-    layer_types: tuple[LayerType, ...] | None = _field(
+    layer_types: tuple[sliding.LayerType, ...] | None = _field(
         None, "each layer's attention; None: every layer slides when sliding_window is set"
     )
 
@@ -112,16 +110,8 @@ class LlamaConfig(Section):
             )
         if self.dim_per_head % 2:
             raise ValueError(f"LlamaConfig: head_dim={self.dim_per_head} must be even (rotary).")
-        if self.layer_types is not None and len(self.layer_types) != self.num_layers:
-            raise ValueError(
-                f"LlamaConfig.layer_types has {len(self.layer_types)} entries for "
-                f"num_layers={self.num_layers}; give one per layer."
-            )
-        if self.layer_types is not None and self.sliding_window is None:
-            raise ValueError(
-                "LlamaConfig.layer_types is set but sliding_window is not: set the window of "
-                "the sliding layers, or drop layer_types."
-            )
+        window, layers = self.sliding_window, self.num_layers
+        sliding.check_layer_types("LlamaConfig", self.layer_types, layers, window)
         return self
 
     @property
@@ -131,8 +121,7 @@ class LlamaConfig(Section):
     @property
     def windows(self) -> tuple[int | None, ...]:
         """Each layer's attention window (None: the whole context)."""
-        types = self.layer_types or ("sliding_attention",) * self.num_layers
-        return tuple(self.sliding_window if t == "sliding_attention" else None for t in types)
+        return sliding.layer_windows(self.layer_types, self.num_layers, self.sliding_window)
 
     @property
     def dim_per_head(self) -> int:
@@ -296,33 +285,9 @@ def from_hf(hf: dict[str, Any], model_type: str, where: str) -> dict[str, Any]:
         "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "attention_bias": model_type == "qwen2" or bool(hf.get("attention_bias", False)),
         "qk_norm": model_type == "qwen3",
-        **windows_from_hf(hf, model_type, where),
+        **sliding.windows_from_hf(hf, model_type, where),
         **rope_from_hf(hf, where),
     }
-
-
-def windows_from_hf(hf: dict[str, Any], model_type: str, where: str) -> dict[str, Any]:
-    """``sliding_window`` and ``layer_types`` as transformers reads them: Mistral's window on
-    every layer; Qwen2's and Qwen3's when ``use_sliding_window``, on the layers ``layer_types``
-    names or else on those from ``max_window_layers`` on; none for Llama."""
-    window = hf.get("sliding_window")
-    if model_type == "mistral" or window is None:
-        return {"sliding_window": window if model_type == "mistral" else None}
-    if model_type not in ("qwen2", "qwen3") or not hf.get("use_sliding_window"):
-        return {"sliding_window": None}
-    first, num_layers = hf.get("max_window_layers", 28), hf["num_hidden_layers"]
-    kinds = ("full_attention", "sliding_attention")
-    types = hf.get("layer_types") or [kinds[i >= first] for i in range(num_layers)]
-    unknown = sorted(set(types) - set(kinds))
-    if unknown:
-        raise ValueError(
-            f"{where}: layer_types holds {unknown}; theseus has full_attention and "
-            "sliding_attention layers"
-        )
-    if "sliding_attention" not in types:
-        return {"sliding_window": None}
-    every = all(t == "sliding_attention" for t in types)
-    return {"sliding_window": window, "layer_types": None if every else list(types)}
 
 
 def export_type(model: dict[str, Any], imported: str | None) -> str:
@@ -346,21 +311,6 @@ def export_type(model: dict[str, Any], imported: str | None) -> str:
     return "llama"
 
 
-def windows_to_hf(model: dict[str, Any]) -> dict[str, Any]:
-    """Qwen2's and Qwen3's keys for the model's windows (as :func:`windows_from_hf` reads)."""
-    window, num_layers = model.get("sliding_window"), model["num_layers"]
-    if window is None:
-        return {"use_sliding_window": False, "sliding_window": None}
-    types = model.get("layer_types") or ["sliding_attention"] * num_layers
-    full = [t == "full_attention" for t in types] + [False]
-    return {
-        "use_sliding_window": True,
-        "sliding_window": window,
-        "max_window_layers": full.index(False),  # the leading full layers (transformers 4.x)
-        "layer_types": list(types),
-    }
-
-
 def to_hf(model: dict[str, Any], model_type: str) -> dict[str, Any]:
     config = {
         "vocab_size": model["vocab_size"],
@@ -379,7 +329,7 @@ def to_hf(model: dict[str, Any], model_type: str) -> dict[str, Any]:
     if model_type in ("llama", "qwen3"):
         config["attention_bias"] = model["attention_bias"]
     if model_type in ("qwen2", "qwen3"):
-        config |= windows_to_hf(model)
+        config |= sliding.windows_to_hf(model)
     if model_type == "mistral":
         config["sliding_window"] = model.get("sliding_window")
     return config
