@@ -75,6 +75,15 @@ KINDS = {
     "llama31-4.x": (lambda t: t.LlamaConfig(**COMMON, rope_parameters=LLAMA31), "4.x", "float32"),
     "qwen2": (lambda t: t.Qwen2Config(**COMMON, tie_word_embeddings=True), "4.x", None),
     "qwen3": (lambda t: t.Qwen3Config(**COMMON, head_dim=16), "5.x", "float32"),
+    # Windows of 4 on sequences of 13: on every layer (Mistral), on layer 1 only (Qwen2).
+    "mistral": (lambda t: t.MistralConfig(**COMMON, sliding_window=4), "5.x", "float32"),
+    "qwen2-window": (
+        lambda t: t.Qwen2Config(
+            **COMMON, use_sliding_window=True, sliding_window=4, max_window_layers=1
+        ),
+        "4.x",
+        "float32",
+    ),
     "gpt2": (
         lambda t: t.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=48, n_layer=2, n_head=4),
         "5.x",
@@ -87,8 +96,9 @@ IDS = np.random.RandomState(0).randint(0, VOCAB, (3, 13))
 
 def to_4x_layout(config_file: Path) -> None:
     """Rewrite a transformers 5.x config.json as 4.x wrote it: top-level rope_theta and
-    rope_scaling (None for plain rotary)."""
+    rope_scaling (None for plain rotary), no layer_types (Qwen2: max_window_layers says)."""
     config = json.loads(config_file.read_text())
+    config.pop("layer_types", None)
     rope = dict(config.pop("rope_parameters"))
     config["rope_theta"] = rope.pop("rope_theta")
     config["rope_scaling"] = None if rope["rope_type"] == "default" else rope

@@ -133,27 +133,27 @@ def test_import_in_two_processes_gives_the_one_process_parameters(runs, tmp_path
         assert np.array_equal(np.asarray(mine), np.asarray(theirs)), name
 
 
-def test_mistral_sliding_window_is_carried_and_longer_sequences_refused(runs, tmp_path):
+def test_mistral_sliding_window_is_applied_past_its_length(runs, tmp_path):
     """Mistral's `sliding_window` travels into the run's model config (and back out on export);
-    theseus attends the full context, so a run longer than the window is refused before
-    anything is built, and the default sequence length is the window."""
+    a run four times the window evaluates, and it is applied: with 2 layers of window 4, token 0
+    reaches positions up to 6 and no further."""
     hf = tmp_path / "mistral"
     shutil.copytree(runs / "hf", hf)
     config = json.loads((hf / "config.json").read_text())
     config |= {"model_type": "mistral", "architectures": ["MistralForCausalLM"]}
-    (hf / "config.json").write_text(json.dumps(config | {"sliding_window": 8}))
+    (hf / "config.json").write_text(json.dumps(config | {"sliding_window": 4}))
     run = tmp_path / "run"
     assert invoke("import-hf", hf, run).exit_code == 0
-    longer = invoke("train", "--job", "llama/evaluate", "--out", run, *BATCH, "training.seq_len=9")
-    assert longer.exit_code == 2 and "Traceback" not in longer.output
-    assert "training.seq_len=9 exceeds model.sliding_window=8" in longer.output
-    within = invoke("train", "--job", "llama/evaluate", "--out", run, *BATCH)
-    assert within.exit_code == 0, within.output
+    longer = invoke("train", "--job", "llama/evaluate", "--out", run, *BATCH, "training.seq_len=16")
+    assert longer.exit_code == 0, longer.output
     with quick("llama/evaluate", run) as session:  # the Python API takes the run's config too
-        assert session.config.model.sliding_window == 8
-        assert session.override(*BATCH).create().seq_len == 8
-    with pytest.raises(ValueError, match="exceeds the model's context of 8 positions"):
-        logits(run, [list(range(9))])
+        assert session.config.model.sliding_window == 4
+        assert session.override(*BATCH).create().seq_len == 16  # the context, not the window
+    ids = np.arange(16)[None] + np.array([[0], [1]])  # (2, 16): rows differ at every position
+    ids[1, 1:] = ids[0, 1:]  # now only at position 0
+    scores = logits(run, ids)  # (2, 16, vocab)
+    reached = np.abs(scores[0] - scores[1]).max(axis=-1) > 0  # (16,)
+    assert reached.tolist() == [True] * 7 + [False] * 9
     assert invoke("export-hf", run, tmp_path / "out").exit_code == 0
     exported = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert (exported["model_type"], exported["sliding_window"]) == ("mistral", 8)
+    assert (exported["model_type"], exported["sliding_window"]) == ("mistral", 4)

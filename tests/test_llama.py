@@ -48,6 +48,40 @@ def test_policy_matches_one_device(policy):
     assert_same_numbers(got, one_device_run(trainer.config))
 
 
+def test_sliding_windows_match_one_device():
+    """Windows of 4 on the last two of three layers (sequences of 24): tp=2 + FSDP, which gathers
+    one layer at a time, gives one device's numbers."""
+    model = MODEL.model_copy(
+        update={
+            "sliding_window": 4,
+            "layer_types": ("full_attention",) + ("sliding_attention",) * 2,
+        }
+    )
+    policy = ShardingPolicy(tp=2, fsdp=True)
+    trainer = shared_trainer(policy_config(policy, 1, model), policy)
+    assert trainer.seq_len == 24 and "layers/q_proj/weight" in trainer.per_layer_paths
+    assert_same_numbers(run_steps(trainer), one_device_run(trainer.config))
+
+
+def test_windows_export_as_transformers_reads_them():
+    """Full then sliding layers export as qwen2 (with biases: max_window_layers and layer_types)
+    and import back the same; without biases or q/k norms no type writes them: refused."""
+    types = ("full_attention", "sliding_attention", "sliding_attention")
+    windowed = MODEL.model_copy(
+        update={"sliding_window": 4, "layer_types": types, "qk_norm": False}
+    )
+    model = windowed.model_dump(mode="json")
+    hf_spec = LLAMA_FAMILY.hf
+    assert hf_spec.export_type(model, None) == "qwen2"
+    hf = hf_spec.to_hf(model, "qwen2") | {"num_attention_heads": 8}
+    assert (hf["use_sliding_window"], hf["max_window_layers"]) == (True, 1)
+    for config in (hf, {k: v for k, v in hf.items() if k != "layer_types"}):
+        back = hf_spec.from_hf(config, "qwen2", "config.json")
+        assert (back["sliding_window"], tuple(back["layer_types"])) == (4, types)
+    with pytest.raises(ValueError, match="layer_types mixes sliding and full layers"):
+        hf_spec.export_type(model | {"attention_bias": False}, "mistral")
+
+
 def test_plan_names_and_counts():
     trainer = shared_trainer(config(4), ShardingPolicy(tp=2, fsdp=True))
     names = {leaf.path: leaf.names for leaf in trainer.abstract_leaves}

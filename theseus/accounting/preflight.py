@@ -52,23 +52,12 @@ class BatchPlan:
         )
 
 
-def check_context_length(
-    training: TrainingConfig, context: int, key: str, *, window: int | None = None
-) -> None:
-    """``training.seq_len`` fits the model's context length ``context`` (its config key ``key``)
-    and its sliding attention ``window`` (``model.sliding_window``, Mistral's), which theseus
-    does not apply: beyond it, full attention would give other numbers than the original."""
+def check_context_length(training: TrainingConfig, context: int, key: str) -> None:
+    """``training.seq_len`` fits the model's context length ``context`` (its config key ``key``)."""
     if training.seq_len is not None and training.seq_len > context:
         raise ValueError(
             f"training.seq_len={training.seq_len} exceeds {key}={context}; lower the sequence "
             f"length or raise {key}."
-        )
-    if window is not None and training.seq_len is not None and training.seq_len > window:
-        raise ValueError(
-            f"training.seq_len={training.seq_len} exceeds model.sliding_window={window}: this "
-            f"model attends only the last {window} positions, and theseus attends the whole "
-            f"sequence, so longer sequences would not compute the model that was imported. Set "
-            f"training.seq_len={window} or less (the default is the window)."
         )
 
 

@@ -3,9 +3,10 @@
 Which keys a query reads is data, an :class:`AttentionMask`: the positions of the queries and of
 the keys (training: ``arange`` of the sequence; decoding: the rows' positions and the cache's),
 optionally the segment of each (packed rows: a query reads keys of its own segment only) and a
-window (a query reads the ``window`` latest positions up to its own). The mask is a pytree, so
-its arrays, the window among them, may be traced (e.g. one window per layer through
-:func:`theseus.scan_layers`).
+window (a query reads the ``window`` latest positions up to its own, as Hugging Face's sliding
+window: key ``k`` is read by query ``q`` when ``q - window < k <= q``). The mask is a pytree, so
+its arrays, the window among them, may be traced (one window per layer through
+:func:`theseus.scan_layers`, :data:`NO_WINDOW` for a layer that reads the whole context).
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import jax
 import jax.numpy as jnp
 
 from theseus.model.layers import apply_dropout
+
+#: The window of a layer that attends the whole context (no position is that far back).
+NO_WINDOW = int(jnp.iinfo(jnp.int32).max)
 
 
 @jax.tree_util.register_dataclass

@@ -7,13 +7,14 @@ token table, the stacked layers, the final norm and the untied head. :func:`forw
 training (layers through :func:`theseus.scan_layers`), :class:`CachedDecoder` for ``theseus
 generate``; a layer calls ``inputs.attend(q, k, v)``, which attends within the sequence in
 training and writes the keys and values into the cache and attends over it in decoding, so each
-layer is written once.
+layer is written once. Each layer's attention window (``Skeleton.windows``) travels through the
+layer scan as data, so layers that slide and layers that read the whole context stay one scan.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import DTypeLike
 
-from theseus.model.attention import AttentionMask, attention
+from theseus.model.attention import NO_WINDOW, AttentionMask, attention
 from theseus.model.decode import ROWS, CacheArray
 from theseus.model.layers import dense, dropout, fold_in
 from theseus.model.lora import LoraSpec, add_adapters, scaled
@@ -58,7 +59,9 @@ class Skeleton:
     ``embed(params, tokens, positions, settings)`` gives the float32 stream (batch, seq, n_embd)
     of ``tokens`` at ``positions`` (batch or 1, seq); ``features(positions, settings)`` what every
     layer reads of the positions; ``layer(weights, x, inputs, settings)`` one layer's new stream.
-    ``settings`` holds the family's own constants (a frozen dataclass).
+    ``settings`` holds the family's own constants (a frozen dataclass). ``windows``: each
+    layer's sliding attention window (None: the layer reads the whole context; empty: no layer
+    slides).
     """
 
     embed: Callable[[dict, jax.Array, jax.Array, Any], jax.Array]
@@ -73,6 +76,14 @@ class Skeleton:
     dropout: float = 0.0
     remat: bool | str = False
     lora_scale: float = 0.0  # alpha / rank of the LoRA adapters (0: none)
+    windows: tuple[int | None, ...] = ()
+
+    def layer_windows(self, num_layers: int) -> jax.Array:
+        """The windows as layer-indexed data: int32 (n_layer,), NO_WINDOW for a whole-context
+        layer."""
+        windows = self.windows or (None,) * num_layers
+        assert len(windows) == num_layers, (windows, num_layers)
+        return jnp.array([NO_WINDOW if w is None else w for w in windows], jnp.int32)
 
     def check_length(self, seq: int) -> None:
         if seq > self.context_len:
@@ -150,17 +161,20 @@ def forward(
     features = sk.features(positions, sk.settings)
     mask = AttentionMask.causal(seq)
 
-    def attend(q, k, v, keep=None):
-        return attention(q, k, v, mask, dropout_rate=sk.dropout, keep=keep)
-
     def one_layer(inputs, x):
-        layer, index = inputs
+        layer, index, window = inputs
+        layer_mask = replace(mask, window=window)
+
+        def attend(q, k, v, keep=None):
+            return attention(q, k, v, layer_mask, dropout_rate=sk.dropout, keep=keep)
+
         layer_inputs = LayerInputs(attend, features, fold_in(keys, index + 1))
         return sk.layer(sk.weights(layer), x, layer_inputs, sk.settings)
 
     layers = params[sk.paths.layers]  # arrays of shape (n_layer, ...)
     num_layers = jax.tree.leaves(layers)[0].shape[0]
-    x = scan_layers(one_layer, x, (layers, jnp.arange(num_layers)), remat=sk.remat)
+    per_layer = (layers, jnp.arange(num_layers), sk.layer_windows(num_layers))
+    x = scan_layers(one_layer, x, per_layer, remat=sk.remat)
     return head(params, x, sk)
 
 
@@ -209,7 +223,8 @@ class CachedDecoder:
         mask = AttentionMask.cached(query_positions, cache_len)
 
         def layer_step(x, inputs):
-            layer, k_cache, v_cache = inputs  # caches (rows, cache_len, kv_width)
+            layer, k_cache, v_cache, window = inputs  # caches (rows, cache_len, kv_width)
+            layer_mask = replace(mask, window=window)
             written = []
 
             def attend(q, k, v, keep=None):
@@ -220,12 +235,13 @@ class CachedDecoder:
                 ]
                 written.extend(new)
                 keys, values = (c.reshape(rows, cache_len, -1, self.head_dim) for c in new)
-                return attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask)
+                return attention(q, keys.astype(q.dtype), values.astype(q.dtype), layer_mask)
 
             x = sk.layer(sk.weights(layer), x, LayerInputs(attend, features, None), sk.settings)
             return x, tuple(written)
 
-        layers = (params[sk.paths.layers], cache["k"], cache["v"])
+        windows = sk.layer_windows(self.num_layers)
+        layers = (params[sk.paths.layers], cache["k"], cache["v"], windows)
         x, (k, v) = jax.lax.scan(layer_step, x, layers)
         return head(params, x, sk), {"k": k, "v": v}  # (rows, n, vocab)
 

@@ -82,17 +82,10 @@ class Matmuls:
 
 @dataclass(frozen=True)
 class Context:
-    """How long a model's sequences may be: ``length`` (set by config ``key``) and an attention
-    ``window`` that theseus does not apply (None: none), which also bounds them."""
+    """How long a model's sequences may be: ``length`` positions (set by config ``key``)."""
 
     length: int
     key: str
-    window: int | None = None
-
-    @property
-    def default(self) -> int:
-        """The longest sequence computed exactly: the context, or the window if smaller."""
-        return min(self.length, self.window or self.length)
 
 
 @dataclass(frozen=True, eq=False)

@@ -26,7 +26,7 @@ class FamilyTrainer(BaseTrainer):
 
     def __init__(self, config: TrainerConfig, policy, topology=None):
         context = self.family.context(config.model)
-        check_context_length(config.training, context.length, context.key, window=context.window)
+        check_context_length(config.training, context.length, context.key)
         super().__init__(config, policy, topology)
 
     def build_model(self, rngs: nnx.Rngs) -> nnx.Module:
@@ -50,7 +50,7 @@ class FamilyTrainer(BaseTrainer):
         return next_token_loss(logits, tokens[:, 1:])
 
     def default_seq_len(self) -> int:
-        return self.family.context(self.config.model).default
+        return self.family.context(self.config.model).length
 
     def flops_per_token(self) -> float:
         return flops_per_token(self.family.matmuls(self.config.model), seq_len=self.seq_len)

@@ -1,7 +1,8 @@
 """The Llama family: Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5 and Qwen3 decoders.
 
 RMSNorm, rotary embeddings (``rope_theta``, optionally Llama 3.1's frequency-dependent scaling),
-grouped-query attention, a SwiGLU MLP, a tied or untied head, optional q/k/v biases (Qwen2) and
+grouped-query attention (over a sliding window on every layer, Mistral, or on some, Qwen2's
+``use_sliding_window``), a SwiGLU MLP, a tied or untied head, optional q/k/v biases (Qwen2) and
 optional per-head q/k RMSNorm with its own ``head_dim`` (Qwen3). Weights are stored as Hugging
 Face stores them, ``(d_out, d_in)``, stacked along ``n_layer``, and q/k keep Hugging Face's head
 layout, so checkpoints import and export without permuting anything.
@@ -19,6 +20,7 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from theseus.config import Section
+from theseus.model import windows as sliding
 from theseus.model.decoder import CachedDecoder, DecoderModel, LayerInputs, Paths, Skeleton
 from theseus.model.family import Context, Family, HFSpec, HFTensor, Matmuls, whole
 from theseus.model.parts import Norm, Stack, StackedProjection, norm, param, project
@@ -57,9 +59,10 @@ class LlamaConfig(Section):
 
     ``head_dim`` None means hidden_size / num_heads (Qwen3 sets its own). rope_type ``llama3``
     scales the rotary frequencies as Llama 3.1 does with the ``rope_*`` factors.
-    ``sliding_window``: Mistral's attention window, carried from an import; theseus attends the
-    full context, which equals the window's attention only up to the window's length, so longer
-    sequences are refused (see ``context_len``).
+    ``sliding_window``: the attention window of the layers that slide (a query reads the
+    ``sliding_window`` latest positions up to its own); ``layer_types`` says which layers do
+    (Hugging Face's names; None: every layer, as Mistral's). Sequences may be longer than the
+    window, in training and in decoding.
     """
 
     vocab_size: pydantic.StrictInt = _field(256, "token ids", gt=0)
@@ -87,7 +90,10 @@ class LlamaConfig(Section):
     attention_bias: bool = _field(False, "q/k/v projection biases")
     qk_norm: bool = _field(False, "per-head q/k RMSNorm")
     sliding_window: pydantic.StrictInt | None = _field(
-        None, "Mistral's attention window (longer sequences refused)", gt=0
+        None, "attention window of the sliding layers; None: whole context", gt=0
+    )
+    layer_types: tuple[sliding.LayerType, ...] | None = _field(
+        None, "each layer's attention; None: every layer slides when sliding_window is set"
     )
 
     @pydantic.model_validator(mode="after")
@@ -104,18 +110,18 @@ class LlamaConfig(Section):
             )
         if self.dim_per_head % 2:
             raise ValueError(f"LlamaConfig: head_dim={self.dim_per_head} must be even (rotary).")
+        window, layers = self.sliding_window, self.num_layers
+        sliding.check_layer_types("LlamaConfig", self.layer_types, layers, window)
         return self
 
     @property
     def context(self) -> Context:
-        return Context(
-            self.max_position_embeddings, "model.max_position_embeddings", self.sliding_window
-        )
+        return Context(self.max_position_embeddings, "model.max_position_embeddings")
 
     @property
-    def context_len(self) -> int:
-        """The longest sequence computed exactly: the context, or the sliding window if smaller."""
-        return self.context.default
+    def windows(self) -> tuple[int | None, ...]:
+        """Each layer's attention window (None: the whole context)."""
+        return sliding.layer_windows(self.layer_types, self.num_layers, self.sliding_window)
 
     @property
     def dim_per_head(self) -> int:
@@ -175,7 +181,6 @@ def skeleton(c: LlamaConfig, compute_dtype: DTypeLike, remat: bool | str = False
     inv_freq = tuple(float(f) for f in inverse_frequencies(c.dim_per_head, dict(c)))
     settings = Settings(c.dim_per_head, c.rms_norm_eps, inv_freq, dtype)
     paths = Paths(embed="embed_tokens", layers="layers", final_norm="norm", head="lm_head")
-    what = "model.max_position_embeddings, or model.sliding_window if smaller"
     return Skeleton(
         embed=embed,
         features=features,
@@ -184,10 +189,11 @@ def skeleton(c: LlamaConfig, compute_dtype: DTypeLike, remat: bool | str = False
         paths=paths,
         eps=c.rms_norm_eps,
         compute_dtype=dtype,
-        context_len=c.context_len,
-        context_key=what,
+        context_len=c.max_position_embeddings,
+        context_key="model.max_position_embeddings",
         remat=remat,
         lora_scale=lora_scale,
+        windows=c.windows,
     )
 
 
@@ -264,10 +270,6 @@ def from_hf(hf: dict[str, Any], model_type: str, where: str) -> dict[str, Any]:
         raise ValueError(
             f"{where}: mlp_bias=true is not supported (no Llama-family release uses it)"
         )
-    if model_type == "qwen2" and hf.get("use_sliding_window"):
-        raise ValueError(
-            f"{where}: use_sliding_window=true is not supported: theseus attends the full context"
-        )
     heads = hf["num_attention_heads"]
     default_head_dim = 128 if model_type == "qwen3" else hf["hidden_size"] // heads
     return {
@@ -283,21 +285,29 @@ def from_hf(hf: dict[str, Any], model_type: str, where: str) -> dict[str, Any]:
         "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "attention_bias": model_type == "qwen2" or bool(hf.get("attention_bias", False)),
         "qk_norm": model_type == "qwen3",
-        # Mistral's window is carried, and sequences longer than it are refused (see LlamaConfig).
-        "sliding_window": hf.get("sliding_window") if model_type == "mistral" else None,
+        **sliding.windows_from_hf(hf, model_type, where),
         **rope_from_hf(hf, where),
     }
 
 
 def export_type(model: dict[str, Any], imported: str | None) -> str:
     """The imported type when it can express the model, else the plainest that can (llama,
-    qwen2 for biases, qwen3 for q/k norms)."""
+    mistral for a window on every layer, qwen2 for biases, qwen3 for q/k norms)."""
     if model["qk_norm"]:
         return "qwen3"
     if imported == "qwen2" and model["attention_bias"]:
         return "qwen2"
-    if imported == "mistral" and not model["attention_bias"]:
+    windowed = model.get("sliding_window") is not None
+    every_layer = model.get("layer_types") is None
+    if (imported == "mistral" or windowed) and every_layer and not model["attention_bias"]:
         return "mistral"
+    if windowed and model["attention_bias"]:
+        return "qwen2"
+    if windowed:
+        raise ValueError(
+            "model.layer_types mixes sliding and full layers, which only qwen2 (with "
+            "attention_bias) and qwen3 (with qk_norm) write; this model has neither"
+        )
     return "llama"
 
 
@@ -318,8 +328,8 @@ def to_hf(model: dict[str, Any], model_type: str) -> dict[str, Any]:
     }
     if model_type in ("llama", "qwen3"):
         config["attention_bias"] = model["attention_bias"]
-    if model_type == "qwen2":
-        config["use_sliding_window"] = False
+    if model_type in ("qwen2", "qwen3"):
+        config |= sliding.windows_to_hf(model)
     if model_type == "mistral":
         config["sliding_window"] = model.get("sliding_window")
     return config
