@@ -191,3 +191,10 @@ def test_only_the_registry_imports_a_family_module():
     tests = PACKAGE.parent / "tests"
     users = sorted(p.name for p in tests.glob("*.py") if f"theseus.{FAMILIES}." in p.read_text())
     assert not users, f"tests reach families through theseus.families(): {users}"
+
+
+def test_a_family_module_is_at_most_400_lines():
+    """A family is what makes it different, its Hugging Face mapping included, and no more."""
+    family_modules = {n: p for n, p in MODULES.items() if within(n, FAMILIES) and n != FAMILIES}
+    long = {n: len(p.read_text().splitlines()) for n, p in family_modules.items()}
+    assert family_modules and all(lines <= 400 for lines in long.values()), long
