@@ -125,7 +125,9 @@ class DecoderModel(nnx.Module):
             add_adapters(self, lora, rngs=rngs)
 
     def build(self, config: Any, rngs: nnx.Rngs) -> None:
-        raise NotImplementedError
+        """Create the family's parameters (each family's model defines it; an abstract method,
+        without ``abc`` because nnx modules have their own metaclass)."""
+        raise NotImplementedError(f"{type(self).__name__} must define build(config, rngs)")
 
     def __call__(
         self, tokens: jax.Array, keys: jax.Array | None = None, *, deterministic: bool = True
