@@ -72,9 +72,16 @@ def attention(
     """Multi-head attention of queries ``q`` (batch, q_len, n_heads, head_dim) over keys and
     values ``k``, ``v`` (batch, k_len, n_kv_heads, head_dim), grouped-query when n_kv_heads
     divides n_heads (query head ``h`` reads key/value head ``h // (n_heads / n_kv_heads)``).
-    Float32 scores and softmax, probabilities and output in ``q.dtype``. With a ``keep`` mask
-    (batch, n_heads, q_len, k_len) the probabilities are dropped out at ``dropout_rate``.
-    Returns (batch, q_len, n_heads, head_dim)."""
+    Float32 scores and softmax, probabilities and output in ``q.dtype``. Returns (batch, q_len,
+    n_heads, head_dim).
+
+    Without dropout it is :func:`jax.nn.dot_product_attention` with the mask as its boolean
+    ``mask`` argument, so the backend's fused kernel can serve it where it supports one. With a
+    ``keep`` mask (batch, n_heads, q_len, k_len) the probabilities are dropped out at
+    ``dropout_rate``, which the fused function does not do: the same product is written out.
+    """
+    if keep is None:
+        return jax.nn.dot_product_attention(q, k, v, mask=mask.visible())
     batch, q_len, n_heads, head_dim = q.shape
     k_len, n_kv = k.shape[1], k.shape[2]
     group = n_heads // n_kv
@@ -83,8 +90,7 @@ def attention(
     scores = scores / jnp.sqrt(jnp.float32(head_dim))  # (batch, n_kv, group, q_len, k_len)
     scores = jnp.where(mask.visible()[:, :, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)  # (batch, n_kv, group, q, k)
-    if keep is not None:
-        keep = keep.reshape(batch, n_kv, group, q_len, k_len)
+    keep = keep.reshape(batch, n_kv, group, q_len, k_len)
     probs = apply_dropout(probs, keep, dropout_rate)
     out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(batch, q_len, n_heads, head_dim).astype(q.dtype)
