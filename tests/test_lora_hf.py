@@ -9,15 +9,17 @@ its worker for the same reason (tests/conftest.py).
 import json
 import shutil
 
+import jax
 import numpy as np
 import pytest
 from hf_reference import IDS, Reference, greedy_reference, libraries, reference_logits
-from support import LlamaTrainer, LlamaTrainerConfig, invoke
+from support import FAMILIES, LlamaTrainer, LlamaTrainerConfig, invoke
 
 import theseus
 from theseus.config import apply_overrides, load_yaml
 from theseus.hf.importer import import_hf
 from theseus.sharding.axis import ShardingPolicy
+from theseus.sharding.topology import Topology
 from theseus.training.run.loop import train
 from theseus.training.run.mode import RunMode
 
@@ -107,3 +109,31 @@ def test_adapters_of_a_run_without_them_and_a_changed_base(lora_run, tmp_path):
     finally:
         shutil.rmtree(base)
         shutil.move(saved, base)
+
+
+def test_olmo2_peft_adapters_load_in_peft(tmp_path):
+    """OLMo 2's peft target names: two LoRA steps on an imported OLMo 2 (one device) exports
+    adapters that peft puts on every targeted projection, with the run's logits within 1e-4."""
+    lib = libraries()
+    torch, transformers, peft = lib.torch, lib.transformers, lib.peft
+    reference = Reference("olmo2", tmp_path / "hf")
+    import_hf(reference.directory, tmp_path / "base")
+    trainer_class = FAMILIES["olmo2"].trainer_class
+    model = load_yaml(trainer_class.config_class, tmp_path / "base" / "config.yaml").model
+    steps = ["training.steps=2", "training.per_device_batch_size=16", "checkpointing.interval=2"]
+    steps.append("training.validation_interval=2")  # the first step's learning rate is 0 (warmup)
+    config = apply_overrides(trainer_class.config_class(model=model), [*LORA_RUN, *steps])
+    one_device = Topology.new(ShardingPolicy(), jax.devices()[:1])
+    train(trainer_class(config, ShardingPolicy(), one_device), tmp_path / "run",
+          mode=RunMode(init_from=tmp_path / "base"))  # fmt: skip
+    logits = theseus.logits(tmp_path / "run", IDS, devices=jax.devices()[:1])
+    assert np.abs(logits - reference.logits).max() > 1e-3  # the adapters changed the model
+    result = invoke("export-hf", tmp_path / "run", tmp_path / "adapters", "--adapters")
+    assert result.exit_code == 0, result.output
+    base = transformers.AutoModelForCausalLM.from_pretrained(
+        reference.directory, dtype=torch.float32
+    )
+    with_adapters = peft.PeftModel.from_pretrained(base, tmp_path / "adapters").eval()
+    names = {n for n, _ in with_adapters.named_parameters() if "lora_A" in n}
+    assert len(names) == 2 * 7  # 2 layers × q, k, v, o, gate, up, down
+    np.testing.assert_allclose(reference_logits(with_adapters, IDS), logits, atol=1e-4, rtol=0)
