@@ -93,3 +93,13 @@ def test_plan_olmo2_7b_on_64_devices(tmp_path):
     assert plan["num_params"] == 7_298_617_344
     assert plan["mesh"] == {"batch": 8, "shard": 8}
     assert all(not row["problems"] for row in plan["rows"])
+
+
+def test_an_unsupported_olmo2_setting_names_the_key(tmp_path):
+    """attention_bias=true (biases on all four attention projections, in no OLMo 2 release):
+    exit 2, one paragraph naming the key and the file."""
+    (tmp_path / "config.json").write_text(json.dumps(OLMO2_7B | {"attention_bias": True}))
+    result = invoke("plan", "--hf", tmp_path, "--devices", "8")
+    assert result.exit_code == 2, result.output
+    assert "attention_bias=true is not supported" in result.output
+    assert str(tmp_path / "config.json") in result.output and "Traceback" not in result.output
