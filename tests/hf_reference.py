@@ -84,6 +84,8 @@ KINDS = {
         "4.x",
         "float32",
     ),
+    # OLMo 2: q/k norms as wide as all heads (n_q 64, n_kv 32), apart from hidden_size (48).
+    "olmo2": (lambda t: t.Olmo2Config(**COMMON, head_dim=16, eos_token_id=None), "5.x", "float32"),
     "gpt2": (
         lambda t: t.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=48, n_layer=2, n_head=4),
         "5.x",

@@ -72,7 +72,7 @@ def test_logits_match_transformers(kind, references, imported, caplog):
 
 
 @pytest.mark.parametrize(
-    "kind", ["llama31-4.x", "qwen2", "qwen2-window", "qwen3", "gpt2", "llama-bf16"]
+    "kind", ["llama31-4.x", "qwen2", "qwen2-window", "qwen3", "olmo2", "gpt2", "llama-bf16"]
 )
 def test_export_loads_back_bit_identical(kind, references, imported, tmp_path):
     """import → export writes every tensor bit for bit; transformers loads it with no missing or
@@ -102,7 +102,7 @@ def test_export_loads_back_bit_identical(kind, references, imported, tmp_path):
     np.testing.assert_allclose(got, reference.logits, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["llama31", "qwen2", "qwen3", "mistral", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama31", "qwen2", "qwen3", "mistral", "olmo2", "gpt2"])
 def test_greedy_generation_matches_transformers(kind, references, imported):
     """Greedy tokens equal transformers' (Mistral: prompts and generation past its window)."""
     prompts = [[5, 17, 200, 3], [99, 1, 250, 42, 7, 64]]

@@ -8,16 +8,19 @@ its worker for the same reason (tests/conftest.py).
 
 import json
 import shutil
+from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from hf_reference import IDS, Reference, greedy_reference, libraries, reference_logits
-from support import LlamaTrainer, LlamaTrainerConfig, invoke
+from support import FAMILIES, LlamaTrainer, LlamaTrainerConfig, invoke
 
 import theseus
 from theseus.config import apply_overrides, load_yaml
 from theseus.hf.importer import import_hf
 from theseus.sharding.axis import ShardingPolicy
+from theseus.sharding.topology import Topology
 from theseus.training.run.loop import train
 from theseus.training.run.mode import RunMode
 
@@ -35,6 +38,19 @@ LORA_RUN = [
     "checkpointing.interval=3",
     "logging.progress_bar=false",
 ]
+
+
+def peft_logits(reference: Reference, adapters: Path) -> np.ndarray:
+    """transformers' float32 logits of IDS from the reference model with peft's adapters from
+    ``adapters``, which must adapt every targeted projection of its 2 layers."""
+    lib = libraries()
+    base = lib.transformers.AutoModelForCausalLM.from_pretrained(
+        reference.directory, dtype=lib.torch.float32
+    )
+    with_adapters = lib.peft.PeftModel.from_pretrained(base, adapters).eval()
+    names = {n for n, _ in with_adapters.named_parameters() if "lora_A" in n}
+    assert len(names) == 2 * 7  # 2 layers × q, k, v, o, gate, up, down
+    return reference_logits(with_adapters, IDS)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +77,7 @@ def test_merged_and_peft_exports_give_the_runs_logits(lora_run, tmp_path):
     assert np.abs(logits - reference.logits).max() > 1e-3  # the adapters changed the model
 
     lib = libraries()
-    torch, transformers, peft = lib.torch, lib.transformers, lib.peft
+    torch, transformers = lib.torch, lib.transformers
     merged = invoke("export-hf", run, tmp_path / "merged")
     assert merged.exit_code == 0, merged.output
     model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -74,13 +90,8 @@ def test_merged_and_peft_exports_give_the_runs_logits(lora_run, tmp_path):
     config = json.loads((tmp_path / "adapters" / "adapter_config.json").read_text())
     assert config["r"] == 8 and config["lora_alpha"] == 16
     assert config["base_model_name_or_path"] == str(reference.directory.absolute())
-    base = transformers.AutoModelForCausalLM.from_pretrained(
-        reference.directory, dtype=torch.float32
-    )
-    with_adapters = peft.PeftModel.from_pretrained(base, tmp_path / "adapters").eval()
-    names = {n for n, _ in with_adapters.named_parameters() if "lora_A" in n}
-    assert len(names) == 2 * 7  # 2 layers × q, k, v, o, gate, up, down
-    np.testing.assert_allclose(reference_logits(with_adapters, IDS), logits, atol=1e-4, rtol=0)
+    got = peft_logits(reference, tmp_path / "adapters")
+    np.testing.assert_allclose(got, logits, atol=1e-4, rtol=0)
 
     prompt = [int(i) for i in IDS[0, :5]]
     result = theseus.generate(
@@ -107,3 +118,24 @@ def test_adapters_of_a_run_without_them_and_a_changed_base(lora_run, tmp_path):
     finally:
         shutil.rmtree(base)
         shutil.move(saved, base)
+
+
+def test_olmo2_peft_adapters_load_in_peft(tmp_path):
+    """OLMo 2's peft target names: two LoRA steps on an imported OLMo 2 (one device) exports
+    adapters that peft puts on every targeted projection, with the run's logits within 1e-4."""
+    reference = Reference("olmo2", tmp_path / "hf")
+    import_hf(reference.directory, tmp_path / "base")
+    trainer_class = FAMILIES["olmo2"].trainer_class
+    model = load_yaml(trainer_class.config_class, tmp_path / "base" / "config.yaml").model
+    steps = ["training.steps=2", "training.per_device_batch_size=16", "checkpointing.interval=2"]
+    steps.append("training.validation_interval=2")  # the first step's learning rate is 0 (warmup)
+    config = apply_overrides(trainer_class.config_class(model=model), [*LORA_RUN, *steps])
+    one_device = Topology.new(ShardingPolicy(), jax.devices()[:1])
+    train(trainer_class(config, ShardingPolicy(), one_device), tmp_path / "run",
+          mode=RunMode(init_from=tmp_path / "base"))  # fmt: skip
+    logits = theseus.logits(tmp_path / "run", IDS, devices=jax.devices()[:1])
+    assert np.abs(logits - reference.logits).max() > 1e-3  # the adapters changed the model
+    result = invoke("export-hf", tmp_path / "run", tmp_path / "adapters", "--adapters")
+    assert result.exit_code == 0, result.output
+    got = peft_logits(reference, tmp_path / "adapters")
+    np.testing.assert_allclose(got, logits, atol=1e-4, rtol=0)
