@@ -120,16 +120,24 @@ def test_adapters_of_a_run_without_them_and_a_changed_base(lora_run, tmp_path):
         shutil.move(saved, base)
 
 
-def test_olmo2_peft_adapters_load_in_peft(tmp_path):
-    """OLMo 2's peft target names: two LoRA steps on an imported OLMo 2 (one device) exports
+# One LoRA step from the imported model: no warmup (its first step's learning rate would be 0),
+# short rows, one device.
+ONE_STEP = [
+    "training.steps=1", "optimization.warmup_steps=0", "training.seq_len=8",
+    "training.batch_size=8", "training.per_device_batch_size=8", "checkpointing.interval=1",
+    "training.validation_interval=1",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["olmo2"])
+def test_peft_adapters_of_other_families_load_in_peft(kind, tmp_path):
+    """Each family's peft target names: one LoRA step on an imported model (one device) exports
     adapters that peft puts on every targeted projection, with the run's logits within 1e-4."""
-    reference = Reference("olmo2", tmp_path / "hf")
+    reference = Reference(kind, tmp_path / "hf")
     import_hf(reference.directory, tmp_path / "base")
-    trainer_class = FAMILIES["olmo2"].trainer_class
+    trainer_class = FAMILIES[kind].trainer_class
     model = load_yaml(trainer_class.config_class, tmp_path / "base" / "config.yaml").model
-    steps = ["training.steps=2", "training.per_device_batch_size=16", "checkpointing.interval=2"]
-    steps.append("training.validation_interval=2")  # the first step's learning rate is 0 (warmup)
-    config = apply_overrides(trainer_class.config_class(model=model), [*LORA_RUN, *steps])
+    config = apply_overrides(trainer_class.config_class(model=model), [*LORA_RUN, *ONE_STEP])
     one_device = Topology.new(ShardingPolicy(), jax.devices()[:1])
     train(trainer_class(config, ShardingPolicy(), one_device), tmp_path / "run",
           mode=RunMode(init_from=tmp_path / "base"))  # fmt: skip

@@ -5,6 +5,7 @@ export and generation against transformers: tests/test_hf.py, kind ``olmo2``.)""
 import json
 
 from support import (
+    EQUIVALENCE_LLAMA,
     FAMILIES,
     assert_same_numbers,
     equivalence_config,
@@ -19,17 +20,10 @@ from theseus.sharding.axis import ShardingPolicy
 from theseus.training.flops import xla_flops_per_token
 
 OLMO2_FAMILY = FAMILIES["olmo2"].family
-# Grouped-query attention (8 query heads, 2 key/value heads) with a head_dim (8) apart from
-# hidden_size / num_heads (5): q/k norms 64 and 16 wide. The widths and vocabulary divide by 8.
+# The Llama equivalence model's shapes (GQA 8/2, head_dim 8 apart from hidden_size / num_heads,
+# Llama 3.1 rotary scaling, untied head): q/k norms 64 and 16 wide. Widths divide by 8.
 MODEL = OLMO2_FAMILY.config_class(
-    vocab_size=256,
-    hidden_size=40,
-    intermediate_size=48,
-    num_layers=3,
-    num_heads=8,
-    num_kv_heads=2,
-    head_dim=8,
-    max_position_embeddings=24,
+    **EQUIVALENCE_LLAMA.model_dump(include=set(OLMO2_FAMILY.config_class.model_fields))
 )
 
 
