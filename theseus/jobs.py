@@ -142,6 +142,7 @@ BUILTIN_FAMILIES = (
     "theseus.model.families.gpt",
     "theseus.model.families.llama",
     "theseus.model.families.olmo2",
+    "theseus.model.families.gemma",
 )
 _FAMILY_JOBS: tuple[tuple[str, Action], ...] = (
     ("train/pretrain", "train"),

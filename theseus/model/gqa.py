@@ -261,8 +261,9 @@ def cached_decoder(
 
 
 def check_key(hf: dict[str, Any], key: str, supported: Any, default: Any, where: str) -> None:
-    """Refuse a ``config.json`` whose ``key`` (absent: ``default``) is not ``supported``."""
-    value = hf.get(key, default)
+    """Refuse a ``config.json`` whose ``key`` (absent or null: ``default``) is not
+    ``supported``."""
+    value = default if hf.get(key) is None else hf[key]
     if value != supported:
         raise ValueError(
             f"{where}: {key}={json.dumps(value)} is not supported; theseus reproduces "
