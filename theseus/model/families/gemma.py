@@ -48,7 +48,9 @@ class GemmaConfig(GQAConfig):
     they rotate as the global ones. ``sliding_window`` and ``layer_types`` as Llama's."""
 
     tie_word_embeddings: bool = field(True, "output head = embedding")
-    query_pre_attn_scalar: float = field(256.0, "attention scores × its -1/2 power", gt=0)
+    query_pre_attn_scalar: pydantic.StrictInt = field(
+        256, "attention scores × its -1/2 power", gt=0
+    )
     attn_logit_softcapping: float | None = field(None, "attention score cap; None: none", gt=0)
     final_logit_softcapping: float | None = field(None, "logit cap; None: none", gt=0)
     qk_norm: bool = field(False, "per-head q/k RMSNorm (Gemma 3)")
@@ -219,7 +221,7 @@ def from_hf(hf: dict[str, Any], model_type: str, where: str) -> dict[str, Any]:
     model = gqa.from_hf_common(hf, 256, 1e-6) | {
         "max_position_embeddings": hf.get("max_position_embeddings", defaults["max_position_embeddings"]),
         "tie_word_embeddings": bool(hf.get("tie_word_embeddings", True)),
-        "query_pre_attn_scalar": float(hf.get("query_pre_attn_scalar", 256)),
+        "query_pre_attn_scalar": int(hf.get("query_pre_attn_scalar", 256)),
         "attn_logit_softcapping": hf.get("attn_logit_softcapping", defaults["attn_logit_softcapping"]),
         "final_logit_softcapping": hf.get("final_logit_softcapping", defaults["final_logit_softcapping"]),
         "qk_norm": model_type == "gemma3_text",
