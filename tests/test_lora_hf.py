@@ -129,13 +129,13 @@ ONE_STEP = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("kind", ["olmo2"])
-def test_peft_adapters_of_other_families_load_in_peft(kind, tmp_path):
+@pytest.mark.parametrize(("kind", "family"), [("olmo2", "olmo2"), ("gemma3", "gemma")])
+def test_peft_adapters_of_other_families_load_in_peft(kind, family, tmp_path):
     """Each family's peft target names: one LoRA step on an imported model (one device) exports
     adapters that peft puts on every targeted projection, with the run's logits within 1e-4."""
     reference = Reference(kind, tmp_path / "hf")
     import_hf(reference.directory, tmp_path / "base")
-    trainer_class = FAMILIES[kind].trainer_class
+    trainer_class = FAMILIES[family].trainer_class
     model = load_yaml(trainer_class.config_class, tmp_path / "base" / "config.yaml").model
     config = apply_overrides(trainer_class.config_class(model=model), [*LORA_RUN, *ONE_STEP])
     one_device = Topology.new(ShardingPolicy(), jax.devices()[:1])
