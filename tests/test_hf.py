@@ -280,6 +280,27 @@ def test_init_from_imported_model_under_tp2_fsdp(imported, tmp_path):
     assert sharded[-1] < sharded[0]
 
 
+def test_mistral_trains_at_four_times_its_window(references, imported, tmp_path):
+    """training.seq_len=16, four times Mistral's window of 4: the first step's loss is
+    transformers' windowed loss on that batch (1e-5 relative)."""
+    run = imported("mistral")
+    model = load_yaml(LlamaTrainerConfig, run / "config.yaml").model
+    steps = ["training.steps=1", "training.per_device_batch_size=16", "checkpointing.interval=1"]
+    config = apply_overrides(
+        LlamaTrainerConfig(model=model),
+        [*FINE_TUNE, *steps, "training.validation_interval=1"],
+    )
+    trainer = LlamaTrainer(
+        config, ShardingPolicy(), Topology.new(ShardingPolicy(), jax.devices()[:1])
+    )
+    train(trainer, tmp_path / "run", mode=RunMode(init_from=run))
+    losses = [row["loss"] for row in read_metrics(tmp_path / "run")]
+    batch = Sampler(load_corpus(None).train, 16, seed=0).global_batch(0, 1, 16)[0]  # (16, 17)
+    scores = reference_logits(references("mistral").model, batch[:, :-1])  # (16, 16, vocab)
+    expected = float(next_token_loss(scores, batch[:, 1:]))
+    np.testing.assert_allclose(losses[0], expected, rtol=1e-5)
+
+
 def test_init_from_another_model_names_the_fields(imported, tmp_path):
     """--init-from takes the base's model: an override that contradicts it is refused, naming
     each field with both values, before anything is restored or written."""
