@@ -14,6 +14,7 @@ from support import (
     equivalence_config,
     invoke,
     one_device_run,
+    plan_on_64_devices,
     policy_config,
     run_steps,
     shared_trainer,
@@ -104,19 +105,8 @@ def test_plan_gemma2_9b_on_64_devices(tmp_path):
     """The planner sizes Gemma 2 9B abstractly on 64 devices: 9,241,705,984 parameters (42
     layers of 198,195,200, the tied table of 917,504,000 and the final norm's 3,584), its 21
     sliding layers among them, and no problems."""
-    (tmp_path / "config.json").write_text(json.dumps(GEMMA2_9B))
-    training = [
-        "training.seq_len=8192", "training.batch_size=64", "training.dtype=bfloat16",
-        "training.per_device_batch_size=1",
-    ]  # fmt: skip
-    result = invoke(
-        "plan", "--hf", tmp_path, "--devices", "64", "--tp", "8", "--fsdp", "--json", *training
-    )
-    assert result.exit_code == 0, result.output
-    plan = json.loads(result.output)
+    plan = plan_on_64_devices(tmp_path, GEMMA2_9B, 8192)
     assert plan["num_params"] == 9_241_705_984
-    assert plan["mesh"] == {"batch": 8, "shard": 8}
-    assert all(not row["problems"] for row in plan["rows"])
 
 
 GEMMA3_TEXT = {

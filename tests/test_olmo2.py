@@ -11,6 +11,7 @@ from support import (
     equivalence_config,
     invoke,
     one_device_run,
+    plan_on_64_devices,
     policy_config,
     run_steps,
     shared_trainer,
@@ -74,19 +75,8 @@ def test_plan_olmo2_7b_on_64_devices(tmp_path):
     """The planner sizes OLMo 2 7B (allenai/OLMo-2-1124-7B's config.json, 4.x layout)
     abstractly on 64 devices: 7,298,617,344 parameters (transformers' count for that config),
     and no problems."""
-    (tmp_path / "config.json").write_text(json.dumps(OLMO2_7B))
-    training = [
-        "training.seq_len=4096", "training.batch_size=64", "training.dtype=bfloat16",
-        "training.per_device_batch_size=1",
-    ]  # fmt: skip
-    result = invoke(
-        "plan", "--hf", tmp_path, "--devices", "64", "--tp", "8", "--fsdp", "--json", *training
-    )
-    assert result.exit_code == 0, result.output
-    plan = json.loads(result.output)
+    plan = plan_on_64_devices(tmp_path, OLMO2_7B, 4096)
     assert plan["num_params"] == 7_298_617_344
-    assert plan["mesh"] == {"batch": 8, "shard": 8}
-    assert all(not row["problems"] for row in plan["rows"])
 
 
 def test_an_unsupported_olmo2_setting_names_the_key(tmp_path):

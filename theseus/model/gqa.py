@@ -18,10 +18,11 @@ import pydantic
 from flax import nnx
 
 from theseus.config import Section
-from theseus.model.decoder import CachedDecoder, DecoderModel, Paths, Skeleton
+from theseus.model import windows as sliding
+from theseus.model.decoder import CachedDecoder, DecoderModel, LayerInputs, Paths, Skeleton
 from theseus.model.family import Context, Family, HFSpec, HFTensor, Matmuls, whole
-from theseus.model.parts import StackedProjection, param
-from theseus.model.rotary import inverse_frequencies, rotary
+from theseus.model.parts import StackedProjection, param, project
+from theseus.model.rotary import apply_rotary, inverse_frequencies, rotary
 from theseus.sharding.axis import Axis, ShardingPlan
 
 # TP splits the query heads (n_q = num_heads × head_dim), the key/value heads (n_kv) and the MLP
@@ -131,6 +132,31 @@ class GQAConfig(Section):
         return e * (2 * self.n_q + 2 * self.n_kv) + 3 * e * self.intermediate_size
 
 
+class WindowedConfig(GQAConfig):
+    """A :class:`GQAConfig` whose layers may slide: ``sliding_window`` is the attention window
+    of the layers that do (a query reads the ``sliding_window`` latest positions up to its own);
+    ``layer_types`` says which (Hugging Face's names; None: every layer when there is a window).
+    Sequences may be longer than the window, in training and in decoding."""
+
+    sliding_window: pydantic.StrictInt | None = field(
+        None, "attention window of the sliding layers; None: whole context", gt=0
+    )
+    layer_types: tuple[sliding.LayerType, ...] | None = field(
+        None, "each layer's attention; None: every layer slides when sliding_window is set"
+    )
+
+    @pydantic.model_validator(mode="after")
+    def _windows_fit(self) -> WindowedConfig:
+        window, layers = self.sliding_window, self.num_layers
+        sliding.check_layer_types(type(self).__name__, self.layer_types, layers, window)
+        return self
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """Each layer's attention window (None: the whole context)."""
+        return sliding.layer_windows(self.layer_types, self.num_layers, self.sliding_window)
+
+
 @dataclass(frozen=True)
 class Settings:
     """What a plain rotary layer reads besides its weights (Llama, OLMo 2)."""
@@ -215,6 +241,30 @@ def add_head(model: nnx.Module, c: GQAConfig, final_norm: nnx.Module, rngs: nnx.
     model.norm = final_norm
     if not c.tie_word_embeddings:
         model.lm_head = token_table(c, rngs)
+
+
+def self_attention(
+    layer: dict,
+    h: jax.Array,
+    inputs: LayerInputs,
+    rotation: tuple[jax.Array, jax.Array],
+    head_dim: int,
+    head_norm: Callable[[jax.Array, dict], jax.Array],
+) -> jax.Array:
+    """Grouped-query self-attention of the normed stream ``h`` (batch, seq, n_embd): q, k, v
+    heads, ``head_norm(heads, params)`` of q and k per head when the layer has ``q_norm`` and
+    ``k_norm``, the rotary ``rotation`` (cos, sin), ``inputs.attend``, then ``o_proj``.
+    Returns (batch, seq, n_embd) in ``h``'s dtype."""
+    batch, seq, _ = h.shape
+    cos, sin = rotation
+    q, k, v = (
+        project(h, layer[name]).reshape(batch, seq, -1, head_dim)
+        for name in ("q_proj", "k_proj", "v_proj")
+    )  # q (batch, seq, heads, head_dim); k, v (batch, seq, kv_heads, head_dim)
+    if "q_norm" in layer:
+        q, k = head_norm(q, layer["q_norm"]), head_norm(k, layer["k_norm"])
+    attended = inputs.attend(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
+    return project(attended.reshape(batch, seq, -1), layer["o_proj"])  # (batch, seq, n_embd)
 
 
 def matmuls(c: GQAConfig) -> Matmuls:

@@ -28,11 +28,10 @@ from theseus.model import gqa
 from theseus.model import windows as sliding
 from theseus.model.decoder import DecoderModel, LayerInputs
 from theseus.model.family import HFSpec, HFTensor
-from theseus.model.gqa import GQAConfig, field
+from theseus.model.gqa import WindowedConfig, field
 from theseus.model.layers import rms_norm
 from theseus.model.parts import Stack, param, project
 from theseus.model.rotary import (
-    apply_rotary,
     inverse_frequencies,
     rope_from_hf,
     rope_settings,
@@ -41,11 +40,11 @@ from theseus.model.rotary import (
 )
 
 
-class GemmaConfig(GQAConfig):
+class GemmaConfig(WindowedConfig):
     """Hyperparameters of a Gemma 2 or Gemma 3 text decoder (the names of Hugging Face's
     configs; see :class:`~theseus.model.gqa.GQAConfig`). ``rope_theta`` and the rotary scaling
     are the global layers'; ``rope_local_base_freq`` (Gemma 3) the sliding layers' base, None:
-    they rotate as the global ones. ``sliding_window`` and ``layer_types`` as Llama's."""
+    they rotate as the global ones. Windows as :class:`~theseus.model.gqa.WindowedConfig`."""
 
     tie_word_embeddings: bool = field(True, "output head = embedding")
     query_pre_attn_scalar: pydantic.StrictInt = field(
@@ -57,22 +56,6 @@ class GemmaConfig(GQAConfig):
     rope_local_base_freq: float | None = field(
         None, "rotary base of the sliding layers (unscaled); None: as the global layers", gt=0
     )
-    sliding_window: pydantic.StrictInt | None = field(
-        None, "attention window of the sliding layers; None: whole context", gt=0
-    )
-    layer_types: tuple[sliding.LayerType, ...] | None = field(
-        None, "each layer's attention; None: every layer slides when sliding_window is set"
-    )
-
-    @pydantic.model_validator(mode="after")
-    def _windows_fit(self) -> GemmaConfig:
-        window, layers = self.sliding_window, self.num_layers
-        sliding.check_layer_types("GemmaConfig", self.layer_types, layers, window)
-        return self
-
-    @property
-    def windows(self) -> tuple[int | None, ...]:
-        return sliding.layer_windows(self.layer_types, self.num_layers, self.sliding_window)
 
     @property
     def inv_freqs(self) -> tuple[tuple[float, ...], ...]:
@@ -114,18 +97,13 @@ def block(layer: dict, x: jax.Array, inputs: LayerInputs, s: Settings) -> jax.Ar
     """One layer on the float32 stream ``x`` (batch, seq, n_embd): normed attention (per-head
     q/k norms when the layer has them, the layer's rotary angles), its output normed and added;
     the GeGLU MLP likewise."""
-    batch, seq, _ = x.shape
-    cos, sin = rotary(inputs.features, inputs.inv_freq)  # (batch or 1, seq, head_dim)
+    rotation = rotary(inputs.features, inputs.inv_freq)  # cos, sin (batch or 1, seq, head_dim)
     h = gemma_norm(x, layer["input_layernorm"], s.eps, s.compute_dtype)  # (batch, seq, n_embd)
-    q, k, v = (
-        project(h, layer[name]).reshape(batch, seq, -1, s.head_dim)
-        for name in ("q_proj", "k_proj", "v_proj")
-    )  # q (batch, seq, heads, head_dim); k, v (batch, seq, kv_heads, head_dim)
-    if "q_norm" in layer:
-        q = gemma_norm(q, layer["q_norm"], s.eps, q.dtype)
-        k = gemma_norm(k, layer["k_norm"], s.eps, k.dtype)
-    attended = inputs.attend(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
-    out = project(attended.reshape(batch, seq, -1), layer["o_proj"])  # (batch, seq, n_embd)
+
+    def head_norm(heads, params):
+        return gemma_norm(heads, params, s.eps, heads.dtype)
+
+    out = gqa.self_attention(layer, h, inputs, rotation, s.head_dim, head_norm)
     x = x + gemma_norm(out, layer["post_attention_layernorm"], s.eps, jnp.float32)
     h = gemma_norm(x, layer["pre_feedforward_layernorm"], s.eps, s.compute_dtype)
     gate = jax.nn.gelu(project(h, layer["gate_proj"]), approximate=True)  # (.., n_mlp)

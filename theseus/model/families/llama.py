@@ -15,7 +15,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import pydantic
 from flax import nnx
 from jax.typing import DTypeLike
 
@@ -23,58 +22,31 @@ from theseus.model import gqa
 from theseus.model import windows as sliding
 from theseus.model.decoder import DecoderModel, LayerInputs
 from theseus.model.family import HFSpec, HFTensor, whole
-from theseus.model.gqa import GQAConfig, Settings, field
+from theseus.model.gqa import Settings, WindowedConfig, field
 from theseus.model.parts import Norm, Stack, norm, project
-from theseus.model.rotary import apply_rotary, rope_from_hf, rope_to_hf
+from theseus.model.rotary import rope_from_hf, rope_to_hf
 
 
-class LlamaConfig(GQAConfig):
+class LlamaConfig(WindowedConfig):
     """Hyperparameters of a Llama-family decoder (the names of Hugging Face's configs).
 
-    ``head_dim`` None means hidden_size / num_heads (Qwen3 sets its own). rope_type ``llama3``
-    scales the rotary frequencies as Llama 3.1 does with the ``rope_*`` factors.
-    ``sliding_window``: the attention window of the layers that slide (a query reads the
-    ``sliding_window`` latest positions up to its own); ``layer_types`` says which layers do
-    (Hugging Face's names; None: every layer, as Mistral's). Sequences may be longer than the
-    window, in training and in decoding.
+    ``head_dim`` None means hidden_size / num_heads (Qwen3 sets its own). Windows as
+    :class:`~theseus.model.gqa.WindowedConfig` (Mistral: every layer; Qwen2/3: some).
     """
 
     attention_bias: bool = field(False, "q/k/v projection biases")
     qk_norm: bool = field(False, "per-head q/k RMSNorm")
-    sliding_window: pydantic.StrictInt | None = field(
-        None, "attention window of the sliding layers; None: whole context", gt=0
-    )
-    layer_types: tuple[sliding.LayerType, ...] | None = field(
-        None, "each layer's attention; None: every layer slides when sliding_window is set"
-    )
-
-    @pydantic.model_validator(mode="after")
-    def _windows_fit(self) -> LlamaConfig:
-        window, layers = self.sliding_window, self.num_layers
-        sliding.check_layer_types("LlamaConfig", self.layer_types, layers, window)
-        return self
-
-    @property
-    def windows(self) -> tuple[int | None, ...]:
-        """Each layer's attention window (None: the whole context)."""
-        return sliding.layer_windows(self.layer_types, self.num_layers, self.sliding_window)
 
 
 def block(layer: dict, x: jax.Array, inputs: LayerInputs, s: Settings) -> jax.Array:
     """One pre-RMSNorm layer on the float32 stream ``x`` (batch, seq, n_embd): attention with
     per-head q/k norms (when the layer has them) and rotary q/k, then the SwiGLU MLP."""
-    batch, seq, _ = x.shape
-    cos, sin = inputs.features
     h = norm(x, layer["input_layernorm"], s.eps, s.compute_dtype)  # (batch, seq, n_embd)
-    q, k, v = (
-        project(h, layer[name]).reshape(batch, seq, -1, s.head_dim)
-        for name in ("q_proj", "k_proj", "v_proj")
-    )  # q (batch, seq, heads, head_dim); k, v (batch, seq, kv_heads, head_dim)
-    if "q_norm" in layer:
-        q = norm(q, layer["q_norm"], s.eps, q.dtype)
-        k = norm(k, layer["k_norm"], s.eps, k.dtype)
-    attended = inputs.attend(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
-    out = project(attended.reshape(batch, seq, -1), layer["o_proj"])  # (batch, seq, n_embd)
+
+    def head_norm(heads, params):
+        return norm(heads, params, s.eps, heads.dtype)
+
+    out = gqa.self_attention(layer, h, inputs, inputs.features, s.head_dim, head_norm)
     x = x + out.astype(jnp.float32)
     h = norm(x, layer["post_attention_layernorm"], s.eps, s.compute_dtype)
     gated = jax.nn.silu(project(h, layer["gate_proj"])) * project(h, layer["up_proj"])  # n_mlp
