@@ -109,6 +109,26 @@ def test_plan_gemma2_9b_on_64_devices(tmp_path):
     assert plan["num_params"] == 9_241_705_984
 
 
+# google/gemma-3-4b-pt's config.json (transformers 4.50), its vision_config left out: a text_config
+# that leaves most keys to transformers' defaults, linear rotary scaling on the global layers.
+GEMMA3_4B = {
+    "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+    "eos_token_id": [1, 106], "mm_tokens_per_image": 256, "torch_dtype": "bfloat16",
+    "text_config": {
+        "hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+        "num_attention_heads": 8, "num_hidden_layers": 34, "num_key_value_heads": 4,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024,
+    },
+}  # fmt: skip
+
+
+def test_plan_of_a_gemma3_folder_reads_its_text_config(tmp_path):
+    """Gemma 3 4B's language model: 3,880,263,168 parameters (34 layers of 94,382,592, the tied
+    table of 262,208 × 2,560 and the final norm), read from the folder's sparse text_config."""
+    plan = plan_on_64_devices(tmp_path, GEMMA3_4B, 8192)
+    assert plan["num_params"] == 3_880_263_168
+
+
 GEMMA3_TEXT = {
     "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 256,
     "hidden_size": 48, "intermediate_size": 56, "num_hidden_layers": 2,

@@ -169,12 +169,27 @@ def num_params(c: GemmaConfig) -> int:
 
 # --- Hugging Face: Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration's text -
 
-_DEFAULTS = {  # what transformers assumes where a key is absent, by model type
-    "gemma2": {"max_position_embeddings": 8192, "attn_logit_softcapping": 50.0,
-               "final_logit_softcapping": 30.0, "pattern": 2},
-    "gemma3_text": {"max_position_embeddings": 131072, "attn_logit_softcapping": None,
-                    "final_logit_softcapping": None, "pattern": 6},
+# What transformers assumes where a key is absent (its config classes' defaults): published
+# gemma3 folders leave most of text_config to them.
+_SHAPES = dict(
+    hidden_size=2304,
+    intermediate_size=9216,
+    num_hidden_layers=26,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=256,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    query_pre_attn_scalar=256,
+    sliding_window=4096,
+)
+_HF_DEFAULTS = {
+    "gemma2": _SHAPES | dict(vocab_size=256000, max_position_embeddings=8192,
+                             attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+    "gemma3_text": _SHAPES | dict(vocab_size=262208, max_position_embeddings=131072,
+                                  attn_logit_softcapping=None, final_logit_softcapping=None),
 }  # fmt: skip
+_PATTERN = {"gemma2": 2, "gemma3_text": 6}  # 4.x: every pattern-th layer is global
 
 
 def from_hf(hf: dict[str, Any], model_type: str, where: str) -> dict[str, Any]:
@@ -182,11 +197,11 @@ def from_hf(hf: dict[str, Any], model_type: str, where: str) -> dict[str, Any]:
     ``text_config``)."""
     if model_type == "gemma3":
         hf, model_type, where = hf["text_config"], "gemma3_text", f"{where} (text_config)"
-    defaults = _DEFAULTS[model_type]
+    hf = _HF_DEFAULTS[model_type] | hf
     gqa.check_key(hf, "hidden_activation", "gelu_pytorch_tanh", "gelu_pytorch_tanh", where)
     gqa.check_key(hf, "attention_bias", False, False, where)
     gqa.check_key(hf, "use_bidirectional_attention", False, False, where)
-    pattern = hf.get("sliding_window_pattern") or defaults["pattern"]  # 4.x: every pattern-th full
+    pattern = hf.get("sliding_window_pattern") or _PATTERN[model_type]
     every = range(hf["num_hidden_layers"])
     types = hf.get("layer_types") or [sliding.KINDS[(i + 1) % pattern > 0] for i in every]
     unknown = sorted(set(types) - set(sliding.KINDS))
@@ -195,17 +210,15 @@ def from_hf(hf: dict[str, Any], model_type: str, where: str) -> dict[str, Any]:
             f"{where}: layer_types holds {unknown}; theseus has full_attention and "
             "sliding_attention layers"
         )
-    window = hf.get("sliding_window", 4096) if "sliding_attention" in types else None
-    model = gqa.from_hf_common(hf, 256, 1e-6) | {
-        "max_position_embeddings": hf.get("max_position_embeddings", defaults["max_position_embeddings"]),
-        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", True)),
-        "query_pre_attn_scalar": int(hf.get("query_pre_attn_scalar", 256)),
-        "attn_logit_softcapping": hf.get("attn_logit_softcapping", defaults["attn_logit_softcapping"]),
-        "final_logit_softcapping": hf.get("final_logit_softcapping", defaults["final_logit_softcapping"]),
+    window = hf["sliding_window"] if "sliding_attention" in types else None
+    model = gqa.from_hf_common(hf, None, 1e-6) | {
+        "query_pre_attn_scalar": int(hf["query_pre_attn_scalar"]),
+        "attn_logit_softcapping": hf["attn_logit_softcapping"],
+        "final_logit_softcapping": hf["final_logit_softcapping"],
         "qk_norm": model_type == "gemma3_text",
         "sliding_window": window,
         "layer_types": list(types) if window is not None else None,
-    }  # fmt: skip
+    }
     return model | (rope_from_hf(hf, where) if model_type == "gemma2" else _gemma3_rope(hf, where))
 
 
@@ -244,11 +257,9 @@ def to_hf(model: dict[str, Any], model_type: str) -> dict[str, Any]:
     window, rope = model.get("sliding_window"), rope_to_hf(model)
     types = model.get("layer_types") or [sliding.KINDS[window is not None]] * model["num_layers"]
     if model_type == "gemma3_text":
-        local = model.get("rope_local_base_freq") or model["rope_theta"]
-        rope = {
-            "full_attention": rope,
-            "sliding_attention": {"rope_type": "default", "rope_theta": local},
-        }
+        local = model.get("rope_local_base_freq")  # None: the sliding layers rotate as global
+        unscaled = {"rope_type": "default", "rope_theta": local}
+        rope = {"full_attention": rope, "sliding_attention": rope if local is None else unscaled}
     return gqa.to_hf_common(model) | {
         "hidden_activation": "gelu_pytorch_tanh",
         "attention_bias": False,
