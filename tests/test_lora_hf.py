@@ -18,7 +18,7 @@ from support import FAMILIES, LlamaTrainer, LlamaTrainerConfig, invoke
 
 import theseus
 from theseus.config import apply_overrides, load_yaml
-from theseus.hf.importer import import_hf
+from theseus.hf.importer import IMPORTED_FROM, import_hf
 from theseus.sharding.axis import ShardingPolicy
 from theseus.sharding.topology import Topology
 from theseus.training.run.loop import train
@@ -129,21 +129,56 @@ ONE_STEP = [
 ]  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def one_step_runs(tmp_path_factory):
+    """``get(kind, family)``: an imported ``kind`` reference and one LoRA step on it (one
+    device), made once: (reference, the run's folder)."""
+    cache: dict[str, tuple[Reference, Path]] = {}
+
+    def get(kind: str, family: str) -> tuple[Reference, Path]:
+        if kind not in cache:
+            root = tmp_path_factory.mktemp(f"lora-{kind}")
+            reference = Reference(kind, root / "hf")
+            import_hf(reference.directory, root / "base")
+            trainer_class = FAMILIES[family].trainer_class
+            model = load_yaml(trainer_class.config_class, root / "base" / "config.yaml").model
+            overrides = [*LORA_RUN, *ONE_STEP]
+            config = apply_overrides(trainer_class.config_class(model=model), overrides)
+            one_device = Topology.new(ShardingPolicy(), jax.devices()[:1])
+            train(trainer_class(config, ShardingPolicy(), one_device), root / "run",
+                  mode=RunMode(init_from=root / "base"))  # fmt: skip
+            cache[kind] = (reference, root / "run")
+        return cache[kind]
+
+    return get
+
+
 @pytest.mark.parametrize(("kind", "family"), [("olmo2", "olmo2"), ("gemma3", "gemma")])
-def test_peft_adapters_of_other_families_load_in_peft(kind, family, tmp_path):
+def test_peft_adapters_of_other_families_load_in_peft(kind, family, one_step_runs, tmp_path):
     """Each family's peft target names: one LoRA step on an imported model (one device) exports
     adapters that peft puts on every targeted projection, with the run's logits within 1e-4."""
-    reference = Reference(kind, tmp_path / "hf")
-    import_hf(reference.directory, tmp_path / "base")
-    trainer_class = FAMILIES[family].trainer_class
-    model = load_yaml(trainer_class.config_class, tmp_path / "base" / "config.yaml").model
-    config = apply_overrides(trainer_class.config_class(model=model), [*LORA_RUN, *ONE_STEP])
-    one_device = Topology.new(ShardingPolicy(), jax.devices()[:1])
-    train(trainer_class(config, ShardingPolicy(), one_device), tmp_path / "run",
-          mode=RunMode(init_from=tmp_path / "base"))  # fmt: skip
-    logits = theseus.logits(tmp_path / "run", IDS, devices=jax.devices()[:1])
+    reference, run = one_step_runs(kind, family)
+    logits = theseus.logits(run, IDS, devices=jax.devices()[:1])
     assert np.abs(logits - reference.logits).max() > 1e-3  # the adapters changed the model
-    result = invoke("export-hf", tmp_path / "run", tmp_path / "adapters", "--adapters")
+    result = invoke("export-hf", run, tmp_path / "adapters", "--adapters")
     assert result.exit_code == 0, result.output
     got = peft_logits(reference, tmp_path / "adapters")
     np.testing.assert_allclose(got, logits, atol=1e-4, rtol=0)
+
+
+def test_adapters_on_a_base_of_another_model_type_are_refused(one_step_runs, tmp_path):
+    """A base imported as another model type than theseus writes (a gemma3 folder's language
+    model exports as gemma3_text, whose modules peft names otherwise): --adapters is refused,
+    exit 2, nothing written."""
+    _, run = one_step_runs("gemma3", "gemma")
+    base_record = run.parent / "base" / "run.json"
+    record = json.loads(base_record.read_text())
+    saved = dict(record[IMPORTED_FROM])
+    record[IMPORTED_FROM]["model_type"] = "gemma3"
+    base_record.write_text(json.dumps(record))
+    try:
+        result = invoke("export-hf", run, tmp_path / "refused", "--adapters")
+    finally:
+        base_record.write_text(json.dumps(record | {IMPORTED_FROM: saved}))
+    assert result.exit_code == 2 and "imported as gemma3" in result.output, result.output
+    assert "Traceback" not in result.output and not (tmp_path / "refused").exists()
