@@ -72,6 +72,8 @@ class GemmaConfig(WindowedConfig):
 
 @dataclass(frozen=True)
 class Settings:
+    """What a Gemma layer and its embedding read besides their weights."""
+
     head_dim: int
     eps: float
     embed_scale: float  # sqrt(hidden_size) rounded to the compute dtype
@@ -88,9 +90,10 @@ def features(positions: jax.Array, s: Settings) -> jax.Array:
     return positions  # each layer rotates with its own frequencies
 
 
-def gemma_norm(x: jax.Array, weight: dict, eps: float, dtype: DTypeLike) -> jax.Array:
-    """Gemma's RMSNorm: float32 statistics, scaled by ``1 + weight``, cast to ``dtype``."""
-    return rms_norm(x, 1.0 + weight["weight"], eps, dtype)
+def gemma_norm(x: jax.Array, params: dict, eps: float, dtype: DTypeLike) -> jax.Array:
+    """Gemma's RMSNorm of ``x`` over its last axis: float32 statistics, scaled by ``1 +
+    params["weight"]`` in float32 (as transformers does), cast to ``dtype``."""
+    return rms_norm(x, 1.0 + params["weight"], eps, dtype)
 
 
 def block(layer: dict, x: jax.Array, inputs: LayerInputs, s: Settings) -> jax.Array:
