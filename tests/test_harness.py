@@ -1,0 +1,226 @@
+"""lm-evaluation-harness on a theseus run, offline: three tasks defined here (multiple choice,
+rolling perplexity, generation with stop sequences) over local JSON files, a tiny Llama made with
+transformers and a byte tokenizer made here. theseus's backend gives the harness's own Hugging
+Face backend's numbers on the export of the same run, under any layout, and `theseus evaluate
+--tasks` writes and prints them as the harness does; bad input exits 2 and writes nothing.
+
+Part of the Hugging Face group (tests/conftest.py): torch, transformers and lm_eval load in one
+worker; without them the tests skip, except under CI, where they fail."""
+
+import json
+import os
+from pathlib import Path
+
+import jax
+import pytest
+import tokenizers
+from hf_reference import libraries
+from support import invoke
+
+EOT = "<|endoftext|>"
+VOCAB = 264  # 256 bytes and the end-of-text token, padded to divide over 8 devices
+CONTEXT = 64
+# (name, output type, data rows, task settings)
+CHOICE_DOCS = [
+    {"question": q, "choices": c, "answer": a}
+    for q, c, a in [
+        ("The sky is", [" blue", " green", " loud"], 0),
+        ("Two plus two is", [" four", " five"], 0),
+        ("Water is", [" wet", " dry", " sharp", " heavy"], 0),
+        ("Fire is", [" hot", " cold"], 0),
+        ("A cat says", [" meow", " woof", " moo"], 0),
+    ]
+]
+TEXT_DOCS = [
+    {"text": "Beautiful is better than ugly."},
+    {"text": "Explicit is better than implicit. Simple is better than complex. " * 3},
+    {"text": "Flat is better than nested."},
+]
+QA_DOCS = [
+    {"question": q, "answer": a}
+    for q, a in [("Name a color", "blue"), ("Say hi", "hi"), ("Count", "one two"), ("Why", "so")]
+]
+TASKS = {
+    "tiny_choice": (
+        CHOICE_DOCS,
+        {
+            "output_type": "multiple_choice",
+            "doc_to_text": "{{question}}",
+            "doc_to_choice": "{{choices}}",
+            "doc_to_target": "{{answer}}",
+            "metric_list": [
+                {"metric": m, "aggregation": "mean", "higher_is_better": True}
+                for m in ("acc", "acc_norm")
+            ],
+        },
+    ),
+    "tiny_text": (
+        TEXT_DOCS,
+        {
+            "output_type": "loglikelihood_rolling",
+            "doc_to_text": "",
+            "doc_to_target": "{{text}}",
+            "metric_list": [
+                {"metric": "word_perplexity", "aggregation": "weighted_perplexity"},
+                {"metric": "byte_perplexity", "aggregation": "weighted_perplexity"},
+                {"metric": "bits_per_byte", "aggregation": "bits_per_byte"},
+            ],
+        },
+    ),
+    "tiny_qa": (
+        QA_DOCS,
+        {
+            "output_type": "generate_until",
+            "doc_to_text": "Q: {{question}}\nA:",
+            "doc_to_target": " {{answer}}",
+            "generation_kwargs": {"until": ["\n", "e"], "max_gen_toks": 12, "do_sample": False},
+            "metric_list": [
+                {"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}
+            ],
+        },
+    ),
+}
+
+
+def lm_eval_module():
+    """lm_eval, or a skip (a failure under CI) without the ``eval`` extra."""
+    try:
+        import lm_eval
+    except ImportError:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip("needs lm-evaluation-harness: pip install -c constraints.txt -e '.[eval]'")
+    return lm_eval
+
+
+def write_tasks(folder: Path) -> Path:
+    """The three tasks as harness YAML files over JSON files in ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, (docs, settings) in TASKS.items():
+        data = folder / f"{name}.json"
+        data.write_text(json.dumps(docs))
+        config = {
+            "task": name,
+            "dataset_path": "json",
+            "dataset_kwargs": {"data_files": {"test": str(data)}},
+            "test_split": "test",
+            **settings,
+        }
+        (folder / f"{name}.yaml").write_text(json.dumps(config))  # YAML reads JSON
+    return folder
+
+
+def write_model(folder: Path) -> Path:
+    """A random tiny Llama with a byte-level tokenizer that ends text with ``EOT``."""
+    lib = libraries()
+    torch, transformers = lib.torch, lib.transformers
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=48,
+        intermediate_size=56,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=CONTEXT,
+        bos_token_id=256,
+        eos_token_id=256,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.2)
+    model.save_pretrained(folder)
+    alphabet = sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = tokenizers.Tokenizer(
+        tokenizers.models.BPE({c: i for i, c in enumerate(alphabet)}, [])
+    )
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = tokenizers.decoders.ByteLevel()
+    tokenizer.add_special_tokens([EOT])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    settings = {"eos_token": EOT, "tokenizer_class": "PreTrainedTokenizerFast"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """The tasks, the run imported from the tiny model, and the run's export."""
+    root = tmp_path_factory.mktemp("harness")
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+            patch.setenv(name, "1")
+        patch.setenv("HF_DATASETS_CACHE", str(root / "datasets-cache"))
+        lm_eval = lm_eval_module()
+        source = write_model(root / "source")
+        assert invoke("import-hf", source, root / "run").exit_code == 0
+        result = invoke("export-hf", root / "run", root / "export")
+        assert result.exit_code == 0, result.output
+        yield lm_eval, write_tasks(root / "tasks"), root
+
+
+def evaluate(lm_eval, tasks: Path, model, model_args) -> dict:
+    from lm_eval.tasks import TaskManager
+
+    return lm_eval.simple_evaluate(
+        model=model,
+        model_args=model_args,
+        tasks=list(TASKS),
+        task_manager=TaskManager(include_path=str(tasks)),
+        log_samples=True,
+        bootstrap_iters=0,
+    )
+
+
+def responses(results: dict) -> dict[str, list]:
+    """Each task's raw responses, request by request, in document order."""
+    return {
+        task: [r for sample in sorted(samples, key=lambda s: s["doc_id"]) for r in sample["resps"]]
+        for task, samples in results["samples"].items()
+    }
+
+
+def assert_same_results(mine: dict, theirs: dict) -> None:
+    """Per request: log-likelihoods within 1e-4, greedy flags and generations identical; the
+    tasks' metrics equal (perplexities to the log-likelihoods' tolerance)."""
+    ours, reference = responses(mine), responses(theirs)
+    assert ours.keys() == reference.keys() == set(TASKS)
+    for task in TASKS:
+        assert len(ours[task]) == len(reference[task]) > 0, task
+        for got, want in zip(ours[task], reference[task], strict=True):
+            if task == "tiny_qa":
+                assert got == want
+            elif task == "tiny_choice":
+                (logprob, greedy), (ref_logprob, ref_greedy) = got[0], want[0]
+                assert abs(logprob - ref_logprob) < 1e-4 and greedy == ref_greedy
+            else:
+                assert abs(got[0] - want[0]) < 1e-4
+    for task in TASKS:
+        got, want = mine["results"][task], theirs["results"][task]
+        for metric in [k for k in want if k.endswith(",none") and "stderr" not in k]:
+            assert got[metric] == pytest.approx(want[metric], rel=1e-5), (task, metric)
+
+
+def test_scores_equal_the_harness_hugging_face_backend_on_every_layout(setup):
+    """Every task's requests on the export through `model="hf"` (float32) and on the run through
+    `model="theseus"`: on one device, and under tp=2 + FSDP on 8 devices; scoring compiles one
+    program a batch width."""
+    lm_eval, tasks, root = setup
+    from theseus.inference.harness import TheseusLM, load_harness_model
+
+    reference = evaluate(
+        lm_eval,
+        tasks,
+        "hf",
+        {"pretrained": str(root / "export"), "dtype": "float32", "device": "cpu"},
+    )
+    one_device = TheseusLM.of(load_harness_model(root / "run", devices=jax.devices()[:1]))
+    assert_same_results(evaluate(lm_eval, tasks, one_device, None), reference)
+    assert one_device.scorer.num_programs <= len(one_device.scorer.widths) == 2
+    sharded = evaluate(lm_eval, tasks, "theseus", f"run={root / 'run'},tp=2,fsdp=True")
+    assert (
+        sharded["config"]["policy"].startswith("tp=2")
+        and "fsdp=True" in sharded["config"]["policy"]
+    )
+    assert_same_results(sharded, reference)
