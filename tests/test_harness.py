@@ -9,6 +9,7 @@ worker; without them the tests skip, except under CI, where they fail."""
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import jax
@@ -167,7 +168,7 @@ def evaluate(lm_eval, tasks: Path, model, model_args) -> dict:
         model=model,
         model_args=model_args,
         tasks=list(TASKS),
-        task_manager=TaskManager(include_path=str(tasks)),
+        task_manager=TaskManager(include_path=str(tasks), include_defaults=False),
         log_samples=True,
         bootstrap_iters=0,
     )
@@ -224,3 +225,57 @@ def test_scores_equal_the_harness_hugging_face_backend_on_every_layout(setup):
         and "fsdp=True" in sharded["config"]["policy"]
     )
     assert_same_results(sharded, reference)
+
+
+def test_cli_writes_and_prints_results_as_the_harness_does(setup):
+    """`theseus evaluate RUN --tasks ... --include-path DIR --limit N --log-samples --tp 2`
+    prints the harness's table and writes its results and samples under RUN/harness/step<N>/."""
+    _, tasks, root = setup
+    run = root / "run"
+    result = invoke(
+        "evaluate", run, "--tasks", "tiny_choice,tiny_qa", "--include-path", tasks,
+        "--limit", 3, "--log-samples", "--tp", 2,
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "|tiny_choice|" in result.stdout and "|exact_match|" in result.stdout
+    folder = run / "harness" / "step0"
+    (written,) = folder.glob("results_*.json")
+    results = json.loads(written.read_text())
+    assert results["config"]["policy"].startswith("tp=2")
+    assert results["n-samples"]["tiny_choice"] == {"original": 5, "effective": 3}
+    for task in ("tiny_choice", "tiny_qa"):
+        (samples,) = folder.glob(f"samples_{task}_*.jsonl")
+        assert len(samples.read_text().splitlines()) == 3
+    for task, metric in (("tiny_choice", "acc,none"), ("tiny_qa", "exact_match,none")):
+        assert f"{results['results'][task][metric]:.4f}" in result.stdout
+
+
+def test_bad_input_is_one_paragraph_and_writes_nothing(setup, tmp_path):
+    """An unknown task, a task whose dataset is not available offline, a run without a
+    tokenizer and harness options without --tasks: exit 2, one paragraph, nothing written."""
+    _, tasks, root = setup
+    absent = tmp_path / "absent-tasks"
+    absent.mkdir()
+    config = {"task": "tiny_absent", "dataset_path": "theseus-tests/absent", "test_split": "test"}
+    (absent / "tiny_absent.yaml").write_text(json.dumps(config | TASKS["tiny_qa"][1]))
+    bare = tmp_path / "bare"
+    shutil.copytree(root / "run", bare, ignore=shutil.ignore_patterns("tokenizer*"))
+    run = root / "run"
+    before = {folder: sorted(folder.rglob("*")) for folder in (run, bare)}
+    cases = [
+        ((run, "--tasks", "tiny_choise", "--include-path", tasks), "did you mean tiny_choice"),
+        (
+            (run, "--tasks", "tiny_absent", "--include-path", absent),
+            "task tiny_absent: its dataset",
+        ),
+        ((bare, "--tasks", "tiny_choice", "--include-path", tasks), "has no tokenizer"),
+        ((run, "--limit", 3), "--limit apply to harness tasks"),
+        ((run, "--tasks", "tiny_choice", "training.seq_len=8"), "config overrides"),
+    ]
+    for args, fragment in cases:
+        result = invoke("evaluate", *args)
+        assert result.exit_code == 2, result.output
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and fragment in errors[0], result.stderr
+        assert "Traceback" not in result.output
+    assert {folder: sorted(folder.rglob("*")) for folder in (run, bare)} == before
