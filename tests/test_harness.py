@@ -279,3 +279,83 @@ def test_bad_input_is_one_paragraph_and_writes_nothing(setup, tmp_path):
         assert len(errors) == 1 and fragment in errors[0], result.stderr
         assert "Traceback" not in result.output
     assert {folder: sorted(folder.rglob("*")) for folder in (run, bare)} == before
+
+
+TRAINING = (
+    "training.batch_size=8",
+    "training.per_device_batch_size=1",
+    "training.validation_batches=1",
+    "training.validation_interval=2",
+    "checkpointing.interval=1",
+    "logging.progress_bar=false",
+)
+
+
+def train_from(run: Path, out: Path, steps: int, *overrides: str):
+    """`theseus train` of the run's model on the built-in corpus for ``steps`` steps."""
+    return invoke(
+        "train", "--job", "llama/train/pretrain", "--init-from", run, "--out", out,
+        "--steps", steps, *TRAINING, *overrides,
+    )  # fmt: skip
+
+
+def test_task_scores_during_training(setup, tmp_path):
+    """With evaluation.tasks, each scored step's row holds the scores, which equal `theseus
+    evaluate --tasks` on that step's checkpoint; the losses are bit-identical to a run without
+    them; a failing evaluation is reported and the training goes on."""
+    _, tasks, root = setup
+    scored = (
+        "evaluation.tasks=[tiny_choice,tiny_qa]",
+        f"evaluation.include_path={tasks}",
+        "evaluation.interval=1",
+        "evaluation.limit=3",
+    )
+    result = train_from(root / "run", tmp_path / "scored", 2, *scored)
+    assert result.exit_code == 0, result.output
+    plain = train_from(root / "run", tmp_path / "plain", 2)
+    assert plain.exit_code == 0, plain.output
+    rows, plain_rows = (
+        [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        for name in ("scored", "plain")
+    )
+    assert [r["loss"] for r in rows] == [r["loss"] for r in plain_rows]
+    assert [sorted(r["tasks"]) for r in rows] == [
+        ["tiny_choice/acc", "tiny_choice/acc_norm", "tiny_qa/exact_match"]
+    ] * 2
+    assert "tasks" not in plain_rows[-1]
+    evaluated = invoke(
+        "evaluate", tmp_path / "scored", "--tasks", "tiny_choice,tiny_qa", "--include-path", tasks,
+        "--limit", 3, "--output-path", tmp_path / "results",
+    )  # fmt: skip
+    assert evaluated.exit_code == 0, evaluated.output
+    (written,) = (tmp_path / "results" / "step2").glob("results_*.json")
+    results = json.loads(written.read_text())["results"]
+    assert rows[-1]["tasks"] == {
+        "tiny_choice/acc": results["tiny_choice"]["acc,none"],
+        "tiny_choice/acc_norm": results["tiny_choice"]["acc_norm,none"],
+        "tiny_qa/exact_match": results["tiny_qa"]["exact_match,none"],
+    }
+    broken = tasks.parent / "broken-tasks"
+    broken.mkdir(exist_ok=True)
+    docs, settings = TASKS["tiny_qa"]
+    (broken / "tiny_qa.json").write_text(json.dumps(docs))
+    kwargs = settings["generation_kwargs"] | {"num_beams": 2}  # theseus's decoder has no beams
+    config = {
+        "task": "tiny_broken",
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(broken / "tiny_qa.json")}},
+        "test_split": "test",
+    }
+    (broken / "tiny_broken.yaml").write_text(
+        json.dumps(config | settings | {"generation_kwargs": kwargs})
+    )
+    failing = train_from(
+        root / "run", tmp_path / "failing", 1, "evaluation.tasks=[tiny_broken]",
+        f"evaluation.include_path={broken}",
+    )  # fmt: skip
+    assert failing.exit_code == 0, failing.output
+    assert (
+        "scoring evaluation.tasks at step 1 failed (ValueError: generation settings num_beams"
+        in failing.output
+    )
+    assert (tmp_path / "failing" / "checkpoints").is_dir()

@@ -191,6 +191,14 @@ class TheseusLM(TemplateLM):
         self.model = model
         self.scorer = Scorer(model.trainer, model.params, rows_per_replica=per_replica)
         self.codec = model.tokenizer
+        self.decoding: Generator | None = None  # made at the first generation, then kept
+
+    def use(self, model: HarnessModel) -> None:
+        """Score ``model`` from now on: other parameters of the same trainer (a training run's
+        at another step), so the compiled programs are kept."""
+        assert model.trainer is self.model.trainer, "use() takes parameters of the same trainer"
+        self.model = model
+        self.scorer.params = model.params
 
     # The harness's tokenization, as its Hugging Face backend does it.
 
@@ -267,22 +275,27 @@ class TheseusLM(TemplateLM):
             groups.setdefault(json.dumps(request.args[1], sort_keys=True), []).append(index)
         results: list[str] = [""] * len(requests)
         generator = self._generator()
-        for indices in groups.values():
-            settings = requests[indices[0]].args[1]
-            contexts = [requests[i].args[0] for i in indices]
-            for index, text in zip(
-                indices, self._generate(generator, contexts, settings), strict=True
-            ):
-                results[index] = text
-                self.cache_hook.add_partial("generate_until", requests[index].args, text)
+        try:
+            for indices in groups.values():
+                settings = requests[indices[0]].args[1]
+                contexts = [requests[i].args[0] for i in indices]
+                texts = self._generate(generator, contexts, settings)
+                for index, text in zip(indices, texts, strict=True):
+                    results[index] = text
+                    self.cache_hook.add_partial("generate_until", requests[index].args, text)
+        finally:
+            generator.params = None  # the compute-layout copy lives for this call only
         return results
 
     def _generator(self) -> Generator:
-        """A generator over the parameters in the compute layout (the KV-cache decoder reads
-        whole layers); made for each ``generate_until`` call and dropped after it."""
+        """The generator (its compiled steps kept from call to call) over the parameters in
+        the compute layout: the KV-cache decoder reads whole layers."""
         trainer = self.model.trainer
         params = jax.device_put(self.model.params, trainer.layouts.compute)
-        return Generator(trainer, params)
+        if self.decoding is None:
+            self.decoding = Generator(trainer, params)
+        self.decoding.params = params
+        return self.decoding
 
     def _generate(self, generator: Generator, contexts: list[str], settings: dict) -> list[str]:
         kwargs = dict(normalize_gen_kwargs(settings, MAX_GEN_TOKS))

@@ -11,18 +11,21 @@ from __future__ import annotations
 
 import difflib
 import logging
+import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import lm_eval
+import numpy as np
 from lm_eval.loggers import EvaluationTracker
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import make_table, sanitize_model_name
 
 from theseus.distributed.join import is_main_process
-from theseus.inference.harness import TheseusLM
+from theseus.inference.harness import HarnessModel, TheseusLM, find_tokenizer
+from theseus.training.trainer import BaseTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -121,15 +124,15 @@ def evaluate_tasks(
     check_datasets(manager, tasks)
     lm = TheseusLM(run_dir, job=job, base=base, batch_size=batch_size, **(policy_changes or {}))
     tracker = EvaluationTracker(output_path=str(output_path or run_dir / RESULTS_DIR))
-    results = lm_eval.simple_evaluate(
-        model=lm,
+    results = run_harness(
+        lm,
+        tasks,
+        manager,
         model_args={"run": str(run_dir), **(policy_changes or {})},
-        tasks=tasks,
         num_fewshot=num_fewshot,
         limit=limit,
         log_samples=log_samples,
         evaluation_tracker=tracker,
-        task_manager=manager,
     )
     if results is None or not is_main_process():
         return TaskScores({}, "", [])
@@ -153,3 +156,58 @@ def evaluate_tasks(
     if "groups" in results:
         table += "\n" + make_table(results, "groups")
     return TaskScores(results, table, files)
+
+
+def run_harness(lm: TheseusLM, tasks: Sequence[str], manager: TaskManager, **options: Any) -> Any:
+    """``lm_eval.simple_evaluate`` of ``lm`` on ``tasks`` with the harness's default seeds,
+    leaving the process's own random states as they were (a training run's go on unchanged);
+    torch, which theseus does not use, is neither imported nor seeded."""
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    try:
+        return lm_eval.simple_evaluate(
+            model=lm, tasks=list(tasks), task_manager=manager, torch_random_seed=None, **options
+        )
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+
+
+def task_scores(results: dict[str, Any]) -> dict[str, float]:
+    """The harness's metrics as ``task/metric`` (``task/metric,filter`` for a filter other than
+    ``none``), without standard errors and sample counts."""
+    scores = {}
+    for task, values in results["results"].items():
+        for key, value in values.items():
+            metric, comma, kind = key.partition(",")  # a metric's key names its filter
+            if not comma or "_stderr" in metric or not isinstance(value, int | float):
+                continue
+            scores[f"{task}/{metric}" + ("" if kind == "none" else f",{kind}")] = value
+    return scores
+
+
+class TrainingEvaluation:
+    """Scores ``evaluation.tasks`` on a training run's live parameters (storage layout, on the
+    training mesh: no second copy of the model for scoring): the tasks and the tokenizer are
+    checked when it is made, before training starts; each call scores one step."""
+
+    def __init__(self, trainer: BaseTrainer, out_dir: Path, *, base_dir: Path | None = None):
+        settings = trainer.config.evaluation
+        self.tasks = list(settings.tasks)
+        self.limit = settings.limit
+        self.manager = task_manager(self.tasks, settings.include_path)
+        check_datasets(self.manager, self.tasks)
+        run_dirs = [Path(out_dir), *([Path(base_dir)] if base_dir else [])]
+        tokenizer = find_tokenizer(run_dirs, trainer.config.data.path)
+        info = {"run": str(out_dir), "policy": trainer.policy.describe()}
+        self.lm = TheseusLM.of(HarnessModel(trainer, None, tokenizer, info))
+
+    def __call__(self, params: Any, step: int) -> dict[str, float]:
+        model = self.lm.model
+        self.lm.use(replace(model, params=params, info=model.info | {"step": step}))
+        try:
+            results = run_harness(
+                self.lm, self.tasks, self.manager, limit=self.limit, bootstrap_iters=0
+            )
+        finally:
+            self.lm.use(replace(model, params=None))  # the step's parameters are not kept
+        return task_scores(results)
