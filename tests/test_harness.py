@@ -288,7 +288,9 @@ TRAINING = (
     "training.validation_interval=2",
     "checkpointing.interval=1",
     "logging.progress_bar=false",
+    "finetune.lora_rank=2",
 )
+PERPLEXITIES = ("bits_per_byte", "byte_perplexity", "word_perplexity")
 
 
 def train_from(run: Path, out: Path, steps: int, *overrides: str):
@@ -300,12 +302,13 @@ def train_from(run: Path, out: Path, steps: int, *overrides: str):
 
 
 def test_task_scores_during_training(setup, tmp_path):
-    """With evaluation.tasks, each scored step's row holds the scores, which equal `theseus
-    evaluate --tasks` on that step's checkpoint; the losses are bit-identical to a run without
-    them; a failing evaluation is reported and the training goes on."""
+    """With evaluation.tasks, each scored step's row of a LoRA fine-tune holds the scores of the
+    live parameters (adapters applied), which equal `theseus evaluate --tasks` on that step's
+    checkpoint (adapters joined with the base's frozen parameters); the losses are bit-identical
+    to a run without them; a failing evaluation is reported and the training goes on."""
     _, tasks, root = setup
     scored = (
-        "evaluation.tasks=[tiny_choice,tiny_qa]",
+        "evaluation.tasks=[tiny_text,tiny_qa]",
         f"evaluation.include_path={tasks}",
         "evaluation.interval=1",
         "evaluation.limit=3",
@@ -319,21 +322,19 @@ def test_task_scores_during_training(setup, tmp_path):
         for name in ("scored", "plain")
     )
     assert [r["loss"] for r in rows] == [r["loss"] for r in plain_rows]
-    assert [sorted(r["tasks"]) for r in rows] == [
-        ["tiny_choice/acc", "tiny_choice/acc_norm", "tiny_qa/exact_match"]
-    ] * 2
+    names = ["tiny_qa/exact_match", *(f"tiny_text/{m}" for m in PERPLEXITIES)]
+    assert [sorted(r["tasks"]) for r in rows] == [names] * 2
     assert "tasks" not in plain_rows[-1]
     evaluated = invoke(
-        "evaluate", tmp_path / "scored", "--tasks", "tiny_choice,tiny_qa", "--include-path", tasks,
+        "evaluate", tmp_path / "scored", "--tasks", "tiny_text,tiny_qa", "--include-path", tasks,
         "--limit", 3, "--output-path", tmp_path / "results",
     )  # fmt: skip
     assert evaluated.exit_code == 0, evaluated.output
     (written,) = (tmp_path / "results" / "step2").glob("results_*.json")
     results = json.loads(written.read_text())["results"]
     assert rows[-1]["tasks"] == {
-        "tiny_choice/acc": results["tiny_choice"]["acc,none"],
-        "tiny_choice/acc_norm": results["tiny_choice"]["acc_norm,none"],
         "tiny_qa/exact_match": results["tiny_qa"]["exact_match,none"],
+        **{f"tiny_text/{m}": results["tiny_text"][f"{m},none"] for m in PERPLEXITIES},
     }
     broken = tasks.parent / "broken-tasks"
     broken.mkdir(exist_ok=True)
