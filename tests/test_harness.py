@@ -351,12 +351,12 @@ def test_task_scores_during_training(setup, tmp_path):
         json.dumps(config | settings | {"generation_kwargs": kwargs})
     )
     failing = train_from(
-        root / "run", tmp_path / "failing", 1, "evaluation.tasks=[tiny_broken]",
-        f"evaluation.include_path={broken}",
+        root / "run", tmp_path / "failing", 2, "evaluation.tasks=[tiny_broken]",
+        f"evaluation.include_path={broken}", "evaluation.interval=2",
     )  # fmt: skip
     assert failing.exit_code == 0, failing.output
-    assert (
-        "scoring evaluation.tasks at step 1 failed (ValueError: generation settings num_beams"
-        in failing.output
+    reported = (
+        "scoring evaluation.tasks at step 2 failed (ValueError: generation settings num_beams"
     )
+    assert reported in failing.output
     assert (tmp_path / "failing" / "checkpoints").is_dir()
