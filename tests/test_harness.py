@@ -16,7 +16,7 @@ import jax
 import pytest
 import tokenizers
 from hf_reference import libraries
-from support import invoke
+from support import invoke, read_events
 
 EOT = "<|endoftext|>"
 VOCAB = 264  # 256 bytes and the end-of-text token, padded to divide over 8 devices
@@ -286,7 +286,7 @@ TRAINING = (
     "training.per_device_batch_size=1",
     "training.validation_batches=1",
     "training.validation_interval=2",
-    "checkpointing.interval=1",
+    "checkpointing.interval=2",
     "logging.progress_bar=false",
     "finetune.lora_rank=2",
 )
@@ -312,6 +312,7 @@ def test_task_scores_during_training(setup, tmp_path):
         f"evaluation.include_path={tasks}",
         "evaluation.interval=1",
         "evaluation.limit=3",
+        "logging.tensorboard=true",
     )
     result = train_from(root / "run", tmp_path / "scored", 2, *scored)
     assert result.exit_code == 0, result.output
@@ -325,6 +326,8 @@ def test_task_scores_during_training(setup, tmp_path):
     names = ["tiny_qa/exact_match", *(f"tiny_text/{m}" for m in PERPLEXITIES)]
     assert [sorted(r["tasks"]) for r in rows] == [names] * 2
     assert "tasks" not in plain_rows[-1]
+    events = read_events(tmp_path / "scored" / "tensorboard")
+    assert events["tasks/tiny_qa/exact_match"].keys() == {1, 2}
     evaluated = invoke(
         "evaluate", tmp_path / "scored", "--tasks", "tiny_text,tiny_qa", "--include-path", tasks,
         "--limit", 3, "--output-path", tmp_path / "results",
