@@ -62,9 +62,12 @@ TASKS = {
             "doc_to_text": "",
             "doc_to_target": "{{text}}",
             "metric_list": [
-                {"metric": "word_perplexity", "aggregation": "weighted_perplexity"},
-                {"metric": "byte_perplexity", "aggregation": "weighted_perplexity"},
-                {"metric": "bits_per_byte", "aggregation": "bits_per_byte"},
+                {"metric": m, "aggregation": a, "higher_is_better": False}
+                for m, a in (
+                    ("word_perplexity", "weighted_perplexity"),
+                    ("byte_perplexity", "weighted_perplexity"),
+                    ("bits_per_byte", "bits_per_byte"),
+                )
             ],
         },
     ),
