@@ -206,7 +206,12 @@ class TrainingEvaluation:
         self.lm.use(replace(model, params=params, info=model.info | {"step": step}))
         try:
             results = run_harness(
-                self.lm, self.tasks, self.manager, limit=self.limit, bootstrap_iters=0
+                self.lm,
+                self.tasks,
+                self.manager,
+                limit=self.limit,
+                bootstrap_iters=0,  # the scores alone: no standard errors, no samples kept
+                log_samples=False,
             )
         finally:
             self.lm.use(replace(model, params=None))  # the step's parameters are not kept
