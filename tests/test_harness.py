@@ -18,6 +18,8 @@ import tokenizers
 from hf_reference import libraries
 from support import invoke, read_events
 
+from theseus.plot import plot_losses
+
 EOT = "<|endoftext|>"
 VOCAB = 264  # 256 bytes and the end-of-text token, padded to divide over 8 devices
 CONTEXT = 64
@@ -331,6 +333,7 @@ def test_task_scores_during_training(setup, tmp_path):
     assert "tasks" not in plain_rows[-1]
     events = read_events(tmp_path / "scored" / "tensorboard")
     assert events["tasks/tiny_qa/exact_match"].keys() == {1, 2}
+    assert plot_losses(tmp_path / "scored").is_file()  # with a panel of the scores
     evaluated = invoke(
         "evaluate", tmp_path / "scored", "--tasks", "tiny_text,tiny_qa", "--include-path", tasks,
         "--limit", 3, "--output-path", tmp_path / "results",
