@@ -14,8 +14,7 @@ from pathlib import Path
 
 import jax
 import pytest
-import tokenizers
-from hf_reference import libraries
+from hf_reference import COMMON, byte_tokenizer, libraries
 from support import invoke, read_events
 
 from theseus.plot import plot_losses
@@ -117,32 +116,19 @@ def write_tasks(folder: Path) -> Path:
 
 
 def write_model(folder: Path) -> Path:
-    """A random tiny Llama with a byte-level tokenizer that ends text with ``EOT``."""
+    """A random tiny Llama (the reference models' shape, context ``CONTEXT``) with a byte-level
+    tokenizer that ends text with ``EOT``."""
     lib = libraries()
     torch, transformers = lib.torch, lib.transformers
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=48,
-        intermediate_size=56,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=CONTEXT,
-        bos_token_id=256,
-        eos_token_id=256,
-    )
+    shape = COMMON | {"vocab_size": VOCAB, "max_position_embeddings": CONTEXT}
+    config = transformers.LlamaConfig(**shape, bos_token_id=256, eos_token_id=256)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0.0, 0.2)
     model.save_pretrained(folder)
-    alphabet = sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet())
-    tokenizer = tokenizers.Tokenizer(
-        tokenizers.models.BPE({c: i for i, c in enumerate(alphabet)}, [])
-    )
-    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = tokenizers.decoders.ByteLevel()
+    tokenizer = byte_tokenizer()
     tokenizer.add_special_tokens([EOT])
     tokenizer.save(str(folder / "tokenizer.json"))
     settings = {"eos_token": EOT, "tokenizer_class": "PreTrainedTokenizerFast"}
