@@ -88,6 +88,7 @@ SHARED_GROUPS = {
     "test_hf": "huggingface",
     "test_lora_hf": "huggingface",
     "test_chat_data": "huggingface",
+    "test_harness": "huggingface",
 }
 FIRST = ("test_multiprocess", "test_readme", "huggingface", "test_llama", "test_trainer")
 

@@ -3,8 +3,12 @@
 ``theseus.chain``, ``theseus.quick``, ``theseus.register``, ``theseus.families``,
 ``theseus.BaseTrainer``, ``theseus.tokenize``, ``theseus.generate``, ``theseus.logits``,
 ``theseus.evaluate``, ``theseus.import_hf`` and ``theseus.export_hf`` load the training stack on first use, so
-``import theseus`` (and the command line) stay light.
+``import theseus`` (and the command line) stay light. Where lm-evaluation-harness is installed (the
+``eval`` extra), ``import theseus`` registers ``theseus.inference.harness.TheseusLM`` as its model
+``theseus`` by name only: the module loads when the harness first asks for it.
 """
+
+import importlib.util
 
 from theseus.sharding.axis import Axis, ShardingPlan, ShardingPolicy, partition_spec
 from theseus.sharding.topology import Topology
@@ -40,3 +44,18 @@ def __getattr__(name: str):
 
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'theseus' has no attribute {name!r}")
+
+
+def _register_with_the_harness() -> None:
+    """Name ``TheseusLM`` in lm-evaluation-harness's model registry (``model="theseus"``). Its
+    registry is filled with the harness's own models first: it adds them only when empty."""
+    if importlib.util.find_spec("lm_eval") is None:
+        return
+    import lm_eval.models  # noqa: F401 - registers the harness's own models
+    from lm_eval.api.registry import model_registry
+
+    if "theseus" not in model_registry:
+        model_registry.register("theseus", target="theseus.inference.harness:TheseusLM")
+
+
+_register_with_the_harness()

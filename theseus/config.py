@@ -201,6 +201,24 @@ class LoggingConfig(Section):
     )
 
 
+class EvaluationConfig(Section):
+    """lm-evaluation-harness tasks scored on the live parameters while training (needs the
+    ``eval`` extra and a tokenizer): each score goes to the step's row of metrics.jsonl."""
+
+    tasks: list[str] = pydantic.Field(
+        default_factory=list, description="harness task names to score; empty: none"
+    )
+    interval: int = pydantic.Field(
+        100, gt=0, description="score the tasks every this many steps (and at the last step)"
+    )
+    include_path: str | None = pydantic.Field(
+        None, description="a folder of your own task YAML files"
+    )
+    limit: int | None = pydantic.Field(
+        None, gt=0, description="score at most this many documents a task; None: all"
+    )
+
+
 class CheckpointingConfig(Section):
     """Orbax checkpoints of the whole training state, saved asynchronously."""
 

@@ -7,6 +7,7 @@ and must be called before a job is created, since the policy fixes the mesh and 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -53,8 +54,24 @@ def run_trainer(
     from theseus.training.run.loop import train
 
     if job.action == "train":
-        return train(trainer, out_dir, mode=mode)
+        return train(trainer, out_dir, mode=mode, evaluator=task_evaluator(trainer, out_dir, mode))
     return evaluate(trainer, out_dir, source_dir=source_dir)
+
+
+def task_evaluator(trainer: BaseTrainer, out_dir: str | Path, mode: RunMode) -> Any:
+    """What scores ``evaluation.tasks`` during training (None when there are none); made, and
+    so checked, before training starts."""
+    if not trainer.config.evaluation.tasks:
+        return None
+    if importlib.util.find_spec("lm_eval") is None:
+        raise ValueError(
+            "evaluation.tasks are scored by lm-evaluation-harness, which is not installed; "
+            "install it with pip install -c constraints.txt -e '.[eval]', or set "
+            "evaluation.tasks=[]"
+        )
+    from theseus.inference.tasks import TrainingEvaluation
+
+    return TrainingEvaluation(trainer, Path(out_dir), base_dir=mode.init_from)
 
 
 def run_job(

@@ -1,5 +1,6 @@
-"""``theseus plot RUN_DIR``: training and validation loss against step and tokens, and the
-throughput (tokens/s, and MFU when recorded) against step."""
+"""``theseus plot RUN_DIR``: training and validation loss against step and tokens, the
+throughput (tokens/s, and MFU when recorded) and the task scores (``evaluation.tasks``) against
+step."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def plot_losses(run_dir: str | Path, out: str | Path | None = None) -> Path:
     rows = read_metrics(run_dir)
     validation = [r for r in rows if "val_loss" in r]
     timed = [r for r in rows if r.get("tokens_per_s") is not None]
-    panels = 3 if timed else 2
+    scored = [r for r in rows if r.get("tasks")]
+    panels = 2 + bool(timed) + bool(scored)
     figure, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4), constrained_layout=True)
     for ax, x_key, label in ((axes[0], "step", "step"), (axes[1], "tokens", "tokens seen")):
         ax.plot([r[x_key] for r in rows], [r["loss"] for r in rows], label="train", lw=1)
@@ -62,6 +64,8 @@ def plot_losses(run_dir: str | Path, out: str | Path | None = None) -> Path:
         ax.legend()
     if timed:
         plot_throughput(axes[2], timed)
+    if scored:
+        plot_scores(axes[-1], scored)
     figure.suptitle(f"theseus run {Path(run_dir).resolve().name}")
     out = Path(out) if out is not None else Path(run_dir) / "loss.png"
     figure.savefig(out, dpi=110)
@@ -91,3 +95,19 @@ def plot_throughput(ax, rows: list[dict]) -> None:
         lines += mfu_axis.plot([r["step"] for r in with_mfu], mfu, "--", lw=1, color="tab:red")
         mfu_axis.set_ylabel("MFU (%)", color="tab:red")
     ax.legend(lines, ["tokens/s", "MFU"][: len(lines)])
+
+
+def plot_scores(ax, rows: list[dict]) -> None:
+    """Each task score (``evaluation.tasks``) by step, on one symmetric-log axis: accuracies
+    near 1 and perplexities in the thousands stay readable together."""
+    names: dict[str, None] = {}
+    for row in rows:
+        names |= dict.fromkeys(row["tasks"])
+    for name in names:
+        with_score = [r for r in rows if name in r["tasks"]]
+        ax.plot([r["step"] for r in with_score], [r["tasks"][name] for r in with_score], "o-")
+    ax.set_yscale("symlog", linthresh=1.0)
+    ax.set_xlabel("step")
+    ax.set_ylabel("task score")
+    ax.grid(alpha=0.3)
+    ax.legend(list(names), fontsize="small")

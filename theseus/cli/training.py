@@ -121,22 +121,88 @@ def run(
 def evaluate(
     run_dir: Annotated[Path, typer.Argument(help="run directory (trained or imported)")],
     overrides: Overrides = None,
+    tasks: Annotated[
+        str | None,
+        typer.Option(
+            help="lm-evaluation-harness tasks, comma-separated (e.g. arc_easy,hellaswag): score "
+            "them instead of the validation loss (needs the eval extra)"
+        ),
+    ] = None,
+    limit: Annotated[
+        int | None, typer.Option(help="with --tasks: at most this many documents a task", min=1)
+    ] = None,
+    num_fewshot: Annotated[
+        int | None, typer.Option(help="with --tasks: few-shot examples in each prompt", min=0)
+    ] = None,
+    include_path: Annotated[
+        Path | None, typer.Option(help="with --tasks: a folder of your own task YAML files")
+    ] = None,
+    log_samples: Annotated[
+        bool, typer.Option("--log-samples", help="with --tasks: also write every request")
+    ] = False,
+    output_path: Annotated[
+        Path | None,
+        typer.Option(help="with --tasks: where results go \\[default: RUN_DIR/harness]"),
+    ] = None,
     job: RunJob = None,
     base: BaseRun = None,
     cpu_devices: CPUDevices = None,
     imports: Imports = None,
     sharding: dict[str, Any] | None = None,
 ) -> None:
-    """Score a run's newest good checkpoint on the run's own data and config.
+    """Score a run's newest good checkpoint on the run's own data and config, or on tasks.
 
     The validation loss (overrides on top of the run's config, the model excepted) is written to
-    RUN_DIR/eval.json. The run is read under its own layout where it fits the devices at hand,
-    else under one that does (named), or under --tp/--zero/--fsdp.
+    RUN_DIR/eval.json. With --tasks, lm-evaluation-harness scores the run on its tasks instead,
+    writing results as it does (RUN_DIR/harness/step<N>/results_<date>.json) and printing its
+    table. The run is read under its own layout where it fits the devices at hand, else under
+    one that does (named), or under --tp/--zero/--fsdp.
     """
     log_lines_to_stderr()
     use_cpu_devices(cpu_devices)
+    harness_options = {
+        "--limit": limit,
+        "--num-fewshot": num_fewshot,
+        "--include-path": include_path,
+        "--log-samples": log_samples or None,
+        "--output-path": output_path,
+    }
     with user_errors():
         import_modules(imports)
+        if tasks is not None:
+            if overrides:
+                raise ValueError(
+                    f"config overrides ({' '.join(overrides)}) apply to the validation loss, not "
+                    "to --tasks; drop them, or drop --tasks"
+                )
+            import importlib.util
+
+            if importlib.util.find_spec("lm_eval") is None:
+                raise ValueError(
+                    "--tasks runs lm-evaluation-harness, which is not installed; install it with "
+                    "pip install -c constraints.txt -e '.[eval]'"
+                )
+            from theseus.inference.tasks import evaluate_tasks
+
+            scores = evaluate_tasks(
+                run_dir,
+                tasks.split(","),
+                limit=limit,
+                num_fewshot=num_fewshot,
+                include_path=include_path,
+                log_samples=log_samples,
+                output_path=output_path,
+                policy_changes=sharding,
+                job=job,
+                base=base,
+            )
+            echo_on_main(scores.describe())
+            return
+        given = [flag for flag, value in harness_options.items() if value is not None]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} apply to harness tasks; add --tasks NAMES, or drop them"
+            )
         from theseus.inference.runs import evaluate as evaluate_run
 
         result = evaluate_run(

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,10 @@ from theseus.sharding.layout import abstract_with
 from theseus.training.trainer import BaseTrainer
 
 logger = logging.getLogger(__name__)
+
+#: How often (in new tokens) ``Generator.generate_ids`` asks its ``stop`` whether to end: each
+#: question waits for the device, so it is not asked at every token.
+STOP_EVERY = 8
 
 
 @dataclass(frozen=True)
@@ -102,9 +106,15 @@ class Generator:
         seed: int = 0,
         num_samples: int = 1,
         num_valid: int | None = None,
+        width: int | None = None,
+        stop: Callable[[np.ndarray], bool] | None = None,
     ) -> GeneratedIds:
         """New token ids of every prompt's ``num_samples`` rows, the rate and notes for the
-        user. Ids from ``num_valid`` (default: the whole vocabulary) on are never chosen."""
+        user. Ids from ``num_valid`` (default: the whole vocabulary) on are never chosen.
+        ``width`` right-pads the prompts to that many positions (default: the longest prompt's),
+        so that batches of other prompt lengths share one compiled prefill and step; ``stop``,
+        given the new ids so far (rows, n) every :data:`STOP_EVERY` tokens, ends the generation
+        early when it returns True."""
         lengths = self._check(prompts, max_new_tokens, num_samples)
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
             raise ValueError(f"seed={seed!r} must be an int in [0, 2**32)")
@@ -124,7 +134,12 @@ class Generator:
             notes.append(f"{num_rows} rows on {replicas} replicas: {padded - num_rows} idle row(s)")
         for note in notes:
             logger.info(f"note: {note}")
-        width = max(lengths)
+        width = max(lengths) if width is None else width
+        if not max(lengths) <= width <= context:
+            raise ValueError(
+                f"width={width} must hold the longest prompt ({max(lengths)} tokens) and lie "
+                f"within the model's context of {context} positions"
+            )
         tokens = np.zeros((padded, width), np.int32)  # (rows, width): right-padded prompts
         row_lengths = np.ones(padded, np.int32)
         for row in range(num_rows):
@@ -144,11 +159,17 @@ class Generator:
         token, cache, positions = prefill(self.params, *inputs)
         chosen = [token]
         for _ in range(new - 1):
+            if (
+                stop is not None
+                and len(chosen) % STOP_EVERY == 0
+                and stop(_stacked(chosen, num_rows))
+            ):
+                break
             token, cache, positions = step(self.params, cache, token, positions, *inputs[2:])
             chosen.append(token)
-        ids = np.stack(jax.device_get(chosen), axis=1)[:num_rows]  # (rows, new)
+        ids = _stacked(chosen, num_rows)  # (rows, new tokens)
         seconds = time.perf_counter() - start
-        return GeneratedIds(ids, num_rows * new / seconds, notes)
+        return GeneratedIds(ids, ids.size / seconds, notes)
 
     def _check(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int, num_samples: int
@@ -237,6 +258,11 @@ class Generator:
             compiled_prefill = prefill.lower(abstract, tokens, row_ints, row_ints, controls)
             compiled_step = step.lower(abstract, cache, row_ints, row_ints, row_ints, controls)
         return compiled_prefill.compile(), compiled_step.compile()
+
+
+def _stacked(chosen: list[jax.Array], num_rows: int) -> np.ndarray:
+    """The tokens chosen so far, one (rows,) array a step, as (num_rows, steps) ids."""
+    return np.stack(jax.device_get(chosen), axis=1)[:num_rows]
 
 
 def check_prompt_ids(index: int, ids: Sequence[int], vocab_size: int) -> None:

@@ -22,6 +22,7 @@ from theseus.accounting.preflight import preflight
 from theseus.config import (
     CheckpointingConfig,
     DataConfig,
+    EvaluationConfig,
     LoggingConfig,
     OptimizationConfig,
     Section,
@@ -54,6 +55,7 @@ class TrainerConfig(Section):
     logging: LoggingConfig = pydantic.Field(default_factory=LoggingConfig)
     checkpointing: CheckpointingConfig = pydantic.Field(default_factory=CheckpointingConfig)
     finetune: FinetuneConfig = pydantic.Field(default_factory=FinetuneConfig)
+    evaluation: EvaluationConfig = pydantic.Field(default_factory=EvaluationConfig)
 
 
 def next_token_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import jax
 
@@ -57,13 +58,20 @@ class RunSummary:
         )
 
 
+#: What scores tasks on the live parameters during training (``evaluation.tasks``): given the
+#: parameters (storage layout) and the step, the scores by name (``task/metric``).
+Evaluator = Callable[[Any, int], dict[str, float]]
+
+
 def train(
     trainer: BaseTrainer,
     out_dir: str | Path,
     *,
     mode: RunMode = NEW_RUN,
+    evaluator: Evaluator | None = None,
 ) -> RunSummary:
-    """Train to ``training.steps``, writing run records, metrics and checkpoints to ``out_dir``.
+    """Train to ``training.steps``, writing run records, metrics and checkpoints to ``out_dir``;
+    ``evaluator`` scores the parameters every ``evaluation.interval`` steps and at the last.
 
     With ``mode.resume``, continue from the newest good checkpoint there: same data position,
     RNG and optimizer state, so the losses equal those of an uninterrupted run. Settings that
@@ -145,6 +153,7 @@ def train(
                 checkpointer=checkpointer,
                 metrics=metrics,
                 preemption=preemption,
+                evaluator=evaluator,
             )
         seconds = time.perf_counter() - began
         checkpointer.wait()
@@ -171,6 +180,7 @@ def _steps(
     checkpointer: Checkpointer,
     metrics: MetricsWriter,
     preemption: PreemptionWatch,
+    evaluator: Evaluator | None,
 ) -> None:
     """The hot loop: dispatch step n, record step n - 1 (already computed), then make step
     n + 1's batch while step n runs.
@@ -194,6 +204,9 @@ def _steps(
         if step % training.validation_interval == 0 or last:
             with metrics.paused():
                 metrics.add_validation(*validation.losses(trainer, state.params))
+        if evaluator is not None and (step % trainer.config.evaluation.interval == 0 or last):
+            with metrics.paused():
+                metrics.add_scores(_scores(evaluator, state.params, step))
         preempted = preemption.reached(step)
         if preempted or step % trainer.config.checkpointing.interval == 0 or last:
             with metrics.paused():
@@ -206,6 +219,19 @@ def _steps(
                 f"preempted (SIGTERM): finished step {step} of {training.steps} and saved "
                 f"it in {checkpointer.step_directory(step)}; continue with --resume"
             )
+
+
+def _scores(evaluator: Evaluator, params: Any, step: int) -> dict[str, float] | None:
+    """The evaluator's scores of step ``step``, or None when it fails: a failing evaluation is
+    reported and the training goes on (its checkpoints are not lost)."""
+    try:
+        return evaluator(params, step)
+    except Exception as error:  # noqa: BLE001 - whatever the tasks raise, training goes on
+        logger.warning(
+            f"scoring evaluation.tasks at step {step} failed ({type(error).__name__}: "
+            f"{error}); training goes on without these scores"
+        )
+        return None
 
 
 def _next_move(checkpointer: Checkpointer) -> str:

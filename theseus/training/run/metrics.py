@@ -121,6 +121,11 @@ class MetricsWriter:
             by_source = jax.device_get(by_source)
             row["val_loss_by_source"] = {name: float(v) for name, v in by_source.items()}
 
+    def add_scores(self, scores: dict[str, float] | None) -> None:
+        """Put the held step's task scores (``task/metric``: value) in its row as ``tasks``."""
+        if scores is not None:
+            self._held_row()["tasks"] = dict(scores)
+
     def _held_row(self) -> dict[str, Any]:
         """The held step's row, read from the device the first time it is asked for."""
         assert self._pending is not None, "no step is held"

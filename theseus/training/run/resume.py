@@ -13,10 +13,10 @@ from theseus.checkpoint.meta import CheckpointMeta
 from theseus.config import Section, validate
 
 # Keys (or key prefixes ending in ".") whose change keeps the numbers of the steps: how the same
-# global batch is split over devices, how long to train, what to validate, log and save, what to
-# do about non-finite steps, and which dtype FSDP gathers in. Any other change (optimizer,
-# schedule, data, seed, model, batch size, dtype) makes the resumed run differ from an
-# uninterrupted one.
+# global batch is split over devices, how long to train, what to validate, score, log and save,
+# what to do about non-finite steps, and which dtype FSDP gathers in. Any other change
+# (optimizer, schedule, data, seed, model, batch size, dtype) makes the resumed run differ from
+# an uninterrupted one.
 ACCEPTED = (
     "training.steps",
     "training.per_device_batch_size",
@@ -27,6 +27,7 @@ ACCEPTED = (
     "training.gather_dtype",  # the same values gathered, cast before or after the gather
     "logging.",
     "checkpointing.",
+    "evaluation.",
 )
 # Execution facts saved with a checkpoint that may differ on resume (restored into new layouts).
 EXECUTION_KEYS = ("policy", "mesh_shape", "num_devices", "num_processes")

@@ -1,0 +1,156 @@
+"""Log-likelihoods of continuations, in batches of a few fixed shapes, under any layout.
+
+A request is a context and a continuation, as token ids. Its tokens (the last ``context_len + 1``
+when longer, as the evaluation harness truncates) are scored by one forward pass whose float32
+logits give the continuation's summed log-probability and whether greedy decoding would produce
+it. Requests are sorted by length and cut into batches of ``rows`` (idle rows fill the last);
+each batch is right-padded to the smallest of a few widths (powers of two up to the context), so a
+whole evaluation compiles at most one program a width. The parameters stay in their storage
+layout (each layer gathered inside the layer scan, as in training): under FSDP the model is never
+whole on a device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from theseus.inference.logits import model_logits
+from theseus.sharding.axis import Axis
+from theseus.sharding.layout import abstract_with
+from theseus.training.trainer import BaseTrainer
+
+#: The narrowest batch width; wider ones double up to the model's context.
+MIN_WIDTH = 32
+
+
+@dataclass(frozen=True)
+class Score:
+    """A continuation's summed log-probability and whether greedy decoding produces it."""
+
+    logprob: float
+    is_greedy: bool
+
+
+def bucket_widths(context_len: int) -> list[int]:
+    """The batch widths: powers of two from :data:`MIN_WIDTH`, then the context itself."""
+    widths = [w for w in (MIN_WIDTH * 2**i for i in range(32)) if w < context_len]
+    return [*widths, context_len]
+
+
+def scored_window(context: Sequence[int], continuation: Sequence[int], context_len: int):
+    """The model's input (the tokens before the last, at most ``context_len``) and the
+    continuation's length: the tokens kept are the last ``context_len + 1``."""
+    if not context or not continuation:
+        raise ValueError("a scored request needs at least one context and one continuation token")
+    if len(continuation) > context_len:
+        raise ValueError(
+            f"a continuation of {len(continuation)} tokens is longer than the model's context of "
+            f"{context_len}; it cannot be scored in one pass"
+        )
+    kept = [*context, *continuation][-(context_len + 1) :]
+    return kept, len(continuation)
+
+
+class Scorer:
+    """A trainer's model with storage-layout parameters, scoring requests in fixed shapes."""
+
+    def __init__(self, trainer: BaseTrainer, params: Any, *, rows_per_replica: int = 4):
+        if isinstance(rows_per_replica, bool) or not isinstance(rows_per_replica, int):
+            raise TypeError(f"rows_per_replica={rows_per_replica!r} must be an int")
+        if rows_per_replica < 1:
+            raise ValueError(f"rows_per_replica={rows_per_replica} must be at least 1")
+        self.trainer = trainer
+        self.params = params
+        decoder = trainer.decoder()
+        if decoder is None:
+            raise TypeError(
+                f"{type(trainer).__name__} cannot be scored: its decoder() returns None, so its "
+                "context length is unknown; override it (theseus.model.decode.Decoder)"
+            )
+        self.context_len = decoder.context_len
+        self.vocab_size = trainer.config.model.vocab_size
+        self.rows = rows_per_replica * trainer.topology.replicas
+        self.widths = bucket_widths(self.context_len)
+        self._programs: dict[int, Any] = {}  # by width
+
+    @property
+    def num_programs(self) -> int:
+        """Programs compiled so far (one a batch width used)."""
+        return len(self._programs)
+
+    def score(self, requests: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[Score]:
+        """One :class:`Score` a (context ids, continuation ids) request, in request order."""
+        windows = [scored_window(c, t, self.context_len) for c, t in requests]
+        for kept, _ in windows:
+            outside = [i for i in kept if not 0 <= i < self.vocab_size]
+            if outside:
+                raise ValueError(
+                    f"token id {outside[0]} lies outside the model's vocabulary of "
+                    f"{self.vocab_size}; the tokenizer does not match the run"
+                )
+        order = sorted(range(len(windows)), key=lambda i: -len(windows[i][0]))
+        scores: list[Score | None] = [None] * len(windows)
+        for start in range(0, len(order), self.rows):
+            chunk = order[start : start + self.rows]
+            logprobs, greedy = self._run([windows[i] for i in chunk])
+            for row, index in enumerate(chunk):
+                scores[index] = Score(float(logprobs[row]), bool(greedy[row]))
+        return scores  # type: ignore[return-value]
+
+    def _run(self, windows: list[tuple[list[int], int]]) -> tuple[np.ndarray, np.ndarray]:
+        longest = max(len(kept) - 1 for kept, _ in windows)
+        width = next(w for w in self.widths if w >= longest)
+        tokens = np.zeros((self.rows, width), np.int32)  # (rows, width) inputs
+        targets = np.zeros((self.rows, width), np.int32)  # (rows, width): the next tokens
+        scored = np.zeros((self.rows, width), bool)  # (rows, width): continuation positions
+        for row, (kept, num_scored) in enumerate(windows):
+            length = len(kept) - 1
+            tokens[row, :length] = kept[:-1]
+            targets[row, :length] = kept[1:]
+            scored[row, length - num_scored : length] = True
+        program = self._program(width)
+        sharding = NamedSharding(self.trainer.mesh, P(Axis.BATCH, None))
+        inputs = [
+            jax.make_array_from_callback(a.shape, sharding, lambda index, a=a: a[index])
+            for a in (tokens, targets, scored)
+        ]
+        logprobs, greedy = program(self.params, *inputs)
+        return np.asarray(jax.device_get(logprobs)), np.asarray(jax.device_get(greedy))
+
+    def _program(self, width: int) -> Any:
+        if width not in self._programs:
+            self._programs[width] = self._compile(width)
+        return self._programs[width]
+
+    def _compile(self, width: int) -> Any:
+        trainer = self.trainer
+        mesh = trainer.mesh
+
+        def score(params, tokens, targets, scored):
+            logits = model_logits(trainer, params, tokens)  # (rows, width, vocab) float32
+            logprobs = jax.nn.log_softmax(logits, axis=-1)
+            picked = jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]
+            greedy = jnp.argmax(logits, axis=-1) == targets  # (rows, width)
+            total = jnp.sum(jnp.where(scored, picked, 0.0), axis=-1)  # (rows,)
+            return total, jnp.all(greedy | ~scored, axis=-1)
+
+        rows = NamedSharding(mesh, P(Axis.BATCH, None))
+        replicated = NamedSharding(mesh, P())
+        with jax.set_mesh(mesh):
+            program = jax.jit(
+                score,
+                in_shardings=(trainer.layouts.storage, rows, rows, rows),
+                out_shardings=(replicated, replicated),
+            )
+            params = abstract_with(trainer.abstract_state.params, trainer.layouts.storage)
+            ints = jax.ShapeDtypeStruct((self.rows, width), jnp.int32, sharding=rows)
+            flags = jax.ShapeDtypeStruct((self.rows, width), jnp.bool_, sharding=rows)
+            return program.lower(params, ints, ints, flags).compile()
