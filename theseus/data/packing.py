@@ -194,6 +194,18 @@ class PackedSampler(IndexedExamples):
         return self._permutation
 
 
+class DocumentRows(IndexedExamples):
+    """A window sampler's windows as segmented rows (:func:`document_rows`)."""
+
+    def __init__(self, windows: IndexedExamples, eos_id: int | None):
+        self.windows = windows
+        self.eos_id = eos_id
+        self.num_windows = windows.num_windows
+
+    def gather(self, indices: np.ndarray) -> np.ndarray:
+        return document_rows(self.windows.gather(indices), self.eos_id)
+
+
 def document_rows(windows: np.ndarray, eos_id: int | None) -> np.ndarray:
     """Plain windows (..., seq_len + 1) as segmented rows (..., ROW_FIELDS, seq_len + 1), every
     token trained: one segment per window when ``eos_id`` is None, else a new segment after each
