@@ -19,6 +19,7 @@ from support import GPT_FAMILY, LlamaTrainer, LlamaTrainerConfig, invoke
 import theseus
 from theseus.config import apply_overrides, load_yaml
 from theseus.data import Sampler, load_corpus
+from theseus.data.packing import MaskedExamples, build_rows, pack
 from theseus.hf.exporter import export_hf, tensor_blocks
 from theseus.hf.importer import import_hf
 from theseus.inference.logits import load_run
@@ -284,3 +285,29 @@ def test_init_from_contradictions(imported, tmp_path):
         RunMode(init_from=tmp_path)
     result = invoke("train", "--init-from", tmp_path, "--out", tmp_path / "run")
     assert result.exit_code == 2 and "--init-from" in result.output, result.output
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_packed_loss_is_the_token_weighted_mean_of_transformers_losses(kind, references, imported):
+    """Conversations of random ids with masked spans, packed into rows: theseus's loss over the
+    trained tokens equals transformers' per-example losses (labels -100 outside the mask, each
+    example alone, float32) weighted by their trained tokens."""
+    torch = libraries().torch
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(6, 30, 9)  # (examples,)
+    ids = [rng.integers(0, VOCAB, n) for n in lengths]
+    masks = [(rng.random(n) < 0.5).astype(np.uint8) for n in lengths]
+    data = MaskedExamples(np.concatenate(ids), np.concatenate(masks), lengths.astype(np.int64))
+    packing = pack(data.lengths, 48, seed=0, overlong="error", where="test")
+    rows = build_rows(data, packing, np.arange(packing.num_rows))  # (rows, 3, 48)
+    assert packing.num_rows < len(lengths)  # rows hold several examples
+    loaded = load_run(imported(kind), layout="storage", devices=jax.devices()[:1])
+    got = float(loaded.trainer.validation_step(loaded.params, rows[None]))
+    model, total, count = references(kind).model, 0.0, 0
+    for example, mask in zip(ids, masks, strict=True):
+        labels = np.where(mask == 1, example, -100)
+        with torch.no_grad():
+            out = model(torch.tensor(example[None]), labels=torch.tensor(labels[None]))
+        trained = int(mask[1:].sum())  # the first token is no target
+        total, count = total + float(out.loss) * trained, count + trained
+    np.testing.assert_allclose(got, total / count, rtol=1e-5)
