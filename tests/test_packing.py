@@ -266,3 +266,13 @@ def test_a_masked_corpus_trains_from_the_command_line(tmp_path):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert all(0 < r["trained_tokens"] < 16 * 16 for r in rows)
     assert all(r["trained_tokens_per_s"] < r["tokens_per_s"] for r in rows)
+
+
+def test_document_masking_needs_an_end_of_text_token():
+    from theseus.config import DataConfig
+    from theseus.data import load_mixture
+
+    with pytest.raises(ValueError, match="document_masking=true splits documents at the end"):
+        load_mixture(DataConfig(document_masking=True))
+    plain = load_mixture(DataConfig())
+    assert not plain.segmented and plain.row_shape(16) == (17,)

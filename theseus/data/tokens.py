@@ -58,7 +58,8 @@ def load_corpus(
     - a directory written by ``theseus tokenize`` (it holds the ``tokens.json`` manifest): its
       shards, memory-mapped, split when it was tokenized, with its vocabulary size and
       ``tokenizer.json``. Any of its shards names the whole folder. A folder that tokenize has
-      not finished is refused.
+      not finished is refused. A chat folder's examples (tokens, loss mask and lengths) come
+      with it (``Corpus.examples``), packed into rows by the sampler.
     - any other directory: the bytes of its documents (every non-hidden regular file below it is
       one, or a JSON Lines or Parquet file's records' ``text_field``), split by document as
       :mod:`theseus.data.split` says (a tail split when it holds a single text file).

@@ -6,6 +6,12 @@ int32 ``(ROW_FIELDS, seq_len + 1)``: tokens, loss mask (1 where the token trains
 segment ids (1, 2, ... for the examples in order, 0 for padding). Token ``i + 1`` is the target of
 input ``i`` and trains when its mask is 1 and it is in the segment of input ``i`` (never padding,
 never the first token of the next example). Positions restart at 0 at each segment's first token.
+
+Document masking (``data.document_masking=true``) makes the same rows of a pretraining stream:
+a document ends with its end-of-text token, which stays in its segment and trains as the target
+of the document's last token; the next document starts a new segment at position 0, as a packed
+example does, so the first token of a document is no target (it would be predicted across the
+boundary). Every other token trains.
 """
 
 from __future__ import annotations

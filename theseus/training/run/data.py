@@ -95,9 +95,8 @@ def data_facts(trainer: BaseTrainer, mixture: Mixture) -> dict:
     if not mixture.segmented:
         return {"segmented_rows": False}
     seq_len, seed = trainer.batch_plan.seq_len, trainer.config.training.seed
-    return {
-        "segmented_rows": True,
-        "document_masking": mixture.document_masking,
-        "overlong": mixture.overlong,
-        "packing": mixture.packing_facts(seq_len, seed),
-    }
+    facts = {"segmented_rows": True, "document_masking": mixture.document_masking}
+    packing = mixture.packing_facts(seq_len, seed)
+    if packing is not None:
+        facts |= {"overlong": mixture.overlong, "packing": packing}
+    return facts
