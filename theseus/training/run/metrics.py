@@ -136,9 +136,8 @@ class MetricsWriter:
         row |= {k: bool(v) if v.dtype == bool else float(v) for k, v in metrics.items()}
         row |= self.speed.rates(self._clock.lap())  # device_get returned when the step finished
         row["tokens"] = pending.step * self.speed.tokens_per_step
-        if "trained_tokens" in row:  # the step's targets that trained (masked data: fewer)
-            row["trained_tokens"] = int(row["trained_tokens"])
-            row["trained_tokens_per_s"] = row["trained_tokens"] / row["step_time_s"]
+        row["trained_tokens"] = int(row["trained_tokens"])  # targets that trained (masked: fewer)
+        row["trained_tokens_per_s"] = row["trained_tokens"] / row["step_time_s"]
         return row
 
     def flush(self) -> None:
