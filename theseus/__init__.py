@@ -1,9 +1,9 @@
 """theseus: annotate a model once with logical axis names, train it under DP, TP, ZeRO or FSDP.
 
 ``theseus.chain``, ``theseus.quick``, ``theseus.register``, ``theseus.families``,
-``theseus.BaseTrainer``, ``theseus.tokenize``, ``theseus.generate``, ``theseus.logits``,
-``theseus.evaluate``, ``theseus.import_hf`` and ``theseus.export_hf`` load the training stack on first use, so
-``import theseus`` (and the command line) stay light.
+``theseus.BaseTrainer``, ``theseus.tokenize``, ``theseus.generate``, ``theseus.generate_chat``,
+``theseus.logits``, ``theseus.evaluate``, ``theseus.import_hf`` and ``theseus.export_hf`` load
+the training stack on first use, so ``import theseus`` (and the command line) stay light.
 """
 
 from theseus.sharding.axis import Axis, ShardingPlan, ShardingPolicy, partition_spec
@@ -21,6 +21,7 @@ _LAZY = {
     "TrainerConfig": "theseus.training.trainer",
     "scan_layers": "theseus.sharding.layer_scan",
     "generate": "theseus.inference",
+    "generate_chat": "theseus.inference.chat",
     "logits": "theseus.inference.logits",
     "evaluate": "theseus.inference.runs",
     "import_hf": "theseus.hf.importer",
