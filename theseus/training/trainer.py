@@ -123,7 +123,8 @@ class BaseTrainer(TrainerState, TrainerStep, abc.ABC):
     def loss(self, model: nnx.Module, tokens: jax.Array, keys: Keys, *, train: bool) -> jax.Array:
         """The mean loss of ``model`` on ``tokens`` (examples, seq_len + 1): next-token prediction
         unless a subclass overrides it; ``keys`` are the examples' random keys, ``train`` is False
-        in validation. The one loss of a trainer: the step, validation and FLOP counting call it."""
+        in validation. The one loss of a trainer on plain token rows: the step and validation
+        call it through :meth:`token_loss`, FLOP counting directly."""
         del keys, train
         return next_token_loss(model(tokens[:, :-1]), tokens[:, 1:])
 
