@@ -226,36 +226,73 @@ def test_uneven_trained_tokens_give_the_one_device_numbers(policy, accumulation)
     assert_same_numbers(got, one_device_run(config, batches=masked_batch))
 
 
-def test_overlong_examples_stop_the_command_line_before_anything_is_written(tmp_path):
-    """A chat-like tokenized folder (tokens, masks, lengths) with examples longer than a row:
-    exit 2, one paragraph naming data.overlong, no run directory. (tests/test_lora_hf.py trains
-    a chat corpus from the command line.)"""
+def write_tokenized(folder, data: MaskedExamples, *, masked: bool, train: int) -> str:
+    """A tokenized folder of ``data``'s first ``train`` examples and the rest as validation: a
+    chat folder (tokens, masks, lengths) when ``masked``, else a pretraining stream (end-of-text
+    id 0). Returns the folder as a string."""
     from theseus.data.shards import FORMAT
 
-    data = examples(600, seed=4, longest=24)  # rows of TINY_GPT's 16 + 1 tokens
-    folder = tmp_path / "chat"
     folder.mkdir()
-    cut = int(data.lengths[:480].sum())
+    cut = int(data.lengths[:train].sum())
     splits = {}
     for name, part, lengths in (
-        ("train", slice(0, cut), data.lengths[:480]),
-        ("validation", slice(cut, None), data.lengths[480:]),
+        ("train", slice(0, cut), data.lengths[:train]),
+        ("validation", slice(cut, None), data.lengths[train:]),
     ):
         data.tokens[part].tofile(folder / f"{name}-00000.bin")
-        data.mask[part].tofile(folder / f"{name}-00000.mask")
-        lengths.astype(np.uint32).tofile(folder / f"{name}-00000.docs")
-        shard = {"name": f"{name}-00000.bin", "mask": f"{name}-00000.mask"}
-        shard |= {"docs": f"{name}-00000.docs", "tokens": int(lengths.sum())}
+        shard = {"name": f"{name}-00000.bin", "tokens": int(lengths.sum())}
+        if masked:
+            data.mask[part].tofile(folder / f"{name}-00000.mask")
+            lengths.astype(np.uint32).tofile(folder / f"{name}-00000.docs")
+            shard |= {"mask": f"{name}-00000.mask", "docs": f"{name}-00000.docs"}
         splits[name] = {"shards": [shard]}
     manifest = {"format": FORMAT, "vocab_size": 256, "token_dtype": "uint16", "eos_id": 0}
-    (folder / "tokens.json").write_text(
-        json.dumps({**manifest, "loss_mask": True, "splits": splits})
-    )
+    manifest |= {"loss_mask": masked, "splits": splits}
+    (folder / "tokens.json").write_text(json.dumps(manifest))
     (folder / "tokenizer.json").write_text("{}")
+    return str(folder)
+
+
+def test_overlong_examples_stop_the_command_line_before_anything_is_written(tmp_path):
+    """A chat-like tokenized folder with examples longer than a row: exit 2, one paragraph
+    naming data.overlong, no run directory. (tests/test_lora_hf.py trains a chat corpus from
+    the command line.)"""
+    data = examples(600, seed=4, longest=24)  # rows of TINY_GPT's 16 + 1 tokens
+    folder = write_tokenized(tmp_path / "chat", data, masked=True, train=480)
     run = tmp_path / "run"
     refused = invoke("train", f"data.path={folder}", *TINY_GPT, "--out", run)
     assert refused.exit_code == 2 and "data.overlong=truncate" in refused.output
     assert "Traceback" not in refused.output and not run.exists()
+
+
+def test_a_mixture_of_chat_and_pretraining_gives_one_row_format(tmp_path):
+    """data.sources mixing a chat folder with a pretraining folder: every row is segmented;
+    the stream's rows train every target, one segment each (or, with document masking, a
+    segment per document)."""
+    from theseus.config import DataConfig
+    from theseus.data import load_mixture
+
+    chat = write_tokenized(tmp_path / "chat", examples(300, seed=5), masked=True, train=250)
+    stream = write_tokenized(tmp_path / "web", examples(300, seed=6), masked=False, train=250)
+    for masking in (False, True):
+        config = DataConfig(
+            sources=f"{chat}:0.5,{stream}:0.5", overlong="truncate", document_masking=masking
+        )
+        mixture = load_mixture(config)
+        sampler = mixture.sampler(15, seed=0)
+        batch = sampler.global_batch(0, 2, 16).reshape(32, 3, 16)  # (rows, fields, 16)
+        from_stream = sampler.sources(np.arange(32)) == 1
+        assert 0 < from_stream.sum() < 32
+        assert (batch[from_stream, MASK] == 1).all()
+        segments = batch[from_stream, SEGMENTS]  # (stream rows, 16)
+        tokens = batch[from_stream, TOKENS]
+        if masking:  # a new segment after each end-of-text (id 0)
+            ends = np.cumsum(tokens == 0, axis=1) - (tokens == 0)
+            np.testing.assert_array_equal(segments, 1 + ends)
+        else:
+            assert (segments == 1).all()
+        assert (batch[~from_stream, SEGMENTS].max(axis=1) > 1).any()  # packed examples
+        assert set(mixture.validation(mixture.sources[0], 15, 1, 4).shape) == {1, 4, 3, 16}
 
 
 def test_document_masking_needs_an_end_of_text_token():
