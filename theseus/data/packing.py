@@ -19,6 +19,7 @@ permutes windows, so the data position is one integer and a resumed run reads th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal
 
 import numpy as np
@@ -42,8 +43,9 @@ class MaskedExamples:
     mask: np.ndarray
     lengths: np.ndarray  # (examples,) int64
 
-    @property
+    @cached_property
     def starts(self) -> np.ndarray:
+        """Where each example begins: (examples,) int64."""
         return np.concatenate([[0], np.cumsum(self.lengths)[:-1]]).astype(np.int64)
 
 
