@@ -68,6 +68,11 @@ LLAMA31 = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 16,  # below the test's positions: every band is scaled
 }
+GEMMA = dict(COMMON, head_dim=16, sliding_window=4, query_pre_attn_scalar=24)
+GEMMA3_ROPE = {
+    "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 50000.0},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+}
 # kind: (transformers config from the transformers module, config.json layout, saved dtype)
 KINDS = {
     "llama": (lambda t: t.LlamaConfig(**COMMON), "5.x", "float32"),
@@ -82,6 +87,26 @@ KINDS = {
             **COMMON, use_sliding_window=True, sliding_window=4, max_window_layers=1
         ),
         "4.x",
+        "float32",
+    ),
+    # OLMo 2: q/k norms as wide as all heads (n_q 64, n_kv 32), apart from hidden_size (48).
+    "olmo2": (lambda t: t.Olmo2Config(**COMMON, head_dim=16, eos_token_id=None), "5.x", "float32"),
+    # Gemma 2 (4.x layout: layers alternate, sliding first) and Gemma 3 text: windows of 4 on
+    # sequences of 13, a sliding and a global layer, a head_dim (16) apart from the width (48) and
+    # the attention scale (query_pre_attn_scalar 24); caps low enough to bite; Gemma 3's layers
+    # rotate with their own bases, the global one linearly scaled.
+    "gemma2": (
+        lambda t: t.Gemma2Config(**GEMMA, attn_logit_softcapping=2.0, final_logit_softcapping=3.0),
+        "4.x",
+        "float32",
+    ),
+    "gemma3": (
+        lambda t: t.Gemma3TextConfig(
+            **GEMMA,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters=GEMMA3_ROPE,
+        ),
+        "5.x",
         "float32",
     ),
     "gpt2": (

@@ -341,6 +341,24 @@ def assert_same_numbers(
         np.testing.assert_allclose(got.val_loss, want.val_loss, rtol=loss_rtol)
 
 
+def plan_on_64_devices(folder: Path, hf_config: dict, seq_len: int) -> dict:
+    """``theseus plan --hf`` of ``hf_config`` (written to ``folder``) on 64 devices, tp=8 with
+    FSDP, a batch of 64 rows of ``seq_len`` in bfloat16: the JSON plan, checked to have the
+    8 × 8 mesh and no problems."""
+    (folder / "config.json").write_text(json.dumps(hf_config))
+    training = [
+        f"training.seq_len={seq_len}", "training.batch_size=64", "training.dtype=bfloat16",
+        "training.per_device_batch_size=1",
+    ]  # fmt: skip
+    flags = ("--devices", "64", "--tp", "8", "--fsdp", "--json")
+    result = invoke("plan", "--hf", folder, *flags, *training)
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.output)
+    assert plan["mesh"] == {"batch": 8, "shard": 8}
+    assert all(not row["problems"] for row in plan["rows"])
+    return plan
+
+
 class _Lines(logging.Handler):
     def __init__(self, on_line: Callable[[str], None]):
         super().__init__(logging.INFO)

@@ -41,6 +41,9 @@ def test_visible_gpus_without_a_plugin_warn():
     (warning,) = report.warnings
     assert "NVIDIA GPUs (/dev/nvidia0) but JAX runs on the CPU: no CUDA plugin" in warning
     assert "'.[cuda12]'" in warning and not report.healthy
+    # Simulated CPU devices on the same node are the user's choice: no plugin warning.
+    simulated = environment_report(system, Membership("slurm", 4, 2), simulated_cpu_devices=8)
+    assert [w for w in simulated.warnings if "NVIDIA" in w] == []
 
 
 def test_the_tested_jax_is_the_pinned_one():

@@ -17,16 +17,18 @@ from theseus.sharding.topology import Topology
 
 def test_families_are_registered_with_their_jobs():
     found = theseus.families()
-    assert sorted(found) == ["gpt", "llama"]
+    assert sorted(found) == ["gemma", "gpt", "llama", "olmo2"]
     for name, family in found.items():
         assert family.name == name
         assert family.jobs == (f"{name}/train/pretrain", f"{name}/evaluate")
         assert family.module in theseus.jobs.BUILTIN_FAMILIES
         assert family.module.rpartition(".")[2] == name
         assert all(get_job(job).trainer_class is family.trainer_class for job in family.jobs)
-    assert [found[n].trainer_class.__name__ for n in ("gpt", "llama")] == [
+    assert [found[n].trainer_class.__name__ for n in ("gpt", "llama", "olmo2", "gemma")] == [
         "GPTTrainer",
         "LlamaTrainer",
+        "Olmo2Trainer",
+        "GemmaTrainer",
     ]
     listed = invoke("jobs").output
     assert all(job in listed for family in found.values() for job in family.jobs)

@@ -82,7 +82,18 @@ def test_logits_match_transformers(kind, references, imported, caplog):
 
 
 @pytest.mark.parametrize(
-    "kind", ["llama31-4.x", "qwen2", "qwen2-window", "qwen3", "gpt2", "llama-bf16"]
+    "kind",
+    [
+        "llama31-4.x",
+        "qwen2",
+        "qwen2-window",
+        "qwen3",
+        "olmo2",
+        "gemma2",
+        "gemma3",
+        "gpt2",
+        "llama-bf16",
+    ],
 )
 def test_export_loads_back_bit_identical(kind, references, imported, tmp_path):
     """import → export writes every tensor bit for bit; transformers loads it with no missing or
@@ -112,7 +123,7 @@ def test_export_loads_back_bit_identical(kind, references, imported, tmp_path):
     np.testing.assert_allclose(got, reference.logits, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["llama31", "qwen2", "qwen3", "mistral", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama31", "qwen2", "qwen3", "mistral", "olmo2", "gpt2"])
 def test_greedy_generation_matches_transformers(kind, references, imported):
     """Greedy tokens equal transformers' (Mistral: prompts and generation past its window)."""
     prompts = [[5, 17, 200, 3], [99, 1, 250, 42, 7, 64]]
@@ -127,6 +138,39 @@ def test_greedy_generation_matches_transformers(kind, references, imported):
     for prompt, completion in zip(prompts, result.completions, strict=True):
         assert completion.prompt_ids == prompt
         assert completion.token_ids == greedy_reference(model, prompt, 6)
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+def test_gemma_generates_past_its_window(kind, references, imported):
+    """16 greedy tokens past a prompt of 6 (the window is 4) under tp=2 equal transformers'."""
+    prompt = [99, 1, 250, 42, 7, 64]
+    result = theseus.generate(
+        imported(kind), [prompt], max_new_tokens=16, temperature=0.0, policy_changes={"tp": 2}
+    )
+    assert result.completions[0].token_ids == greedy_reference(references(kind).model, prompt, 16)
+
+
+def test_text_weights_of_a_gemma3_folder(tmp_path):
+    """A Gemma3ForConditionalGeneration folder (with its vision tower, as transformers saves it)
+    imports as its language model: theseus.logits equals transformers' on text within 1e-4."""
+    lib = libraries()
+    torch, transformers = lib.torch, lib.transformers
+    text = KINDS["gemma3"][0](transformers).to_dict()
+    vision = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)  # fmt: skip
+    config = transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4
+    )
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.2)
+    model.save_pretrained(tmp_path / "hf")
+    result = invoke("import-hf", tmp_path / "hf", tmp_path / "run")
+    assert result.exit_code == 0 and "gemma3" in result.output, result.output
+    got = theseus.logits(tmp_path / "run", IDS, devices=jax.devices()[:1])
+    np.testing.assert_allclose(got, reference_logits(model, IDS), atol=1e-4, rtol=0)
 
 
 def test_generate_cli_reads_the_job_from_the_run(imported):
@@ -244,6 +288,27 @@ def test_init_from_imported_model_under_tp2_fsdp(imported, tmp_path):
     scores = theseus.logits(run, batch[:, :-1], devices=jax.devices()[:1])
     np.testing.assert_allclose(one[0], float(next_token_loss(scores, batch[:, 1:])), rtol=1e-5)
     assert sharded[-1] < sharded[0]
+
+
+def test_mistral_trains_at_four_times_its_window(references, imported, tmp_path):
+    """training.seq_len=16, four times Mistral's window of 4: the first step's loss is
+    transformers' windowed loss on that batch (1e-5 relative)."""
+    run = imported("mistral")
+    model = load_yaml(LlamaTrainerConfig, run / "config.yaml").model
+    steps = ["training.steps=1", "training.per_device_batch_size=16", "checkpointing.interval=1"]
+    config = apply_overrides(
+        LlamaTrainerConfig(model=model),
+        [*FINE_TUNE, *steps, "training.validation_interval=1"],
+    )
+    trainer = LlamaTrainer(
+        config, ShardingPolicy(), Topology.new(ShardingPolicy(), jax.devices()[:1])
+    )
+    train(trainer, tmp_path / "run", mode=RunMode(init_from=run))
+    losses = [row["loss"] for row in read_metrics(tmp_path / "run")]
+    batch = Sampler(load_corpus(None).train, 16, seed=0).global_batch(0, 1, 16)[0]  # (16, 17)
+    scores = reference_logits(references("mistral").model, batch[:, :-1])  # (16, 16, vocab)
+    expected = float(next_token_loss(scores, batch[:, 1:]))
+    np.testing.assert_allclose(losses[0], expected, rtol=1e-5)
 
 
 def test_init_from_another_model_names_the_fields(imported, tmp_path):

@@ -138,7 +138,12 @@ class RegisteredFamily:
 
 _FAMILIES: dict[str, RegisteredFamily] = {}
 #: The families theseus ships, by module; the registry is the only importer of these modules.
-BUILTIN_FAMILIES = ("theseus.model.families.gpt", "theseus.model.families.llama")
+BUILTIN_FAMILIES = (
+    "theseus.model.families.gpt",
+    "theseus.model.families.llama",
+    "theseus.model.families.olmo2",
+    "theseus.model.families.gemma",
+)
 _FAMILY_JOBS: tuple[tuple[str, Action], ...] = (
     ("train/pretrain", "train"),
     ("evaluate", "evaluate"),

@@ -202,6 +202,15 @@ def export_hf(
     model_type = export_model_type(family, model, imported.get("model_type"))
     tensors = family.family.hf.tensors(model)
     if adapters:
+        base_type = imported.get("model_type")
+        if base_type not in (None, model_type):
+            raise ValueError(
+                f"--adapters: {run_dir} fine-tunes a model imported as {base_type}, and theseus "
+                f"writes its weights as {model_type} (a gemma3 folder's language model as "
+                f"gemma3_text), whose modules peft names otherwise than {base_type}'s; adapters "
+                "named for one would not load on the other. Export the merged weights (without "
+                f"--adapters), or fine-tune an import of the {model_type} export."
+            )
         found = adapter_tensors(family, tensors, loaded.params)
         return _export_adapters(loaded, found, out_dir, np_dtype, base_dir, imported)
     params = merged_run_params(loaded.trainer, loaded.params)

@@ -60,27 +60,47 @@ class AttentionMask:
         return visible[:, None]  # (batch, 1, q_len, k_len)
 
 
+def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
+    """``cap · tanh(x / cap)``: ``x`` squashed into (-cap, cap) (Gemma 2's soft-capping); None:
+    ``x`` as it is."""
+    return x if cap is None else jnp.tanh(x / cap) * cap
+
+
 def attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
     mask: AttentionMask,
     *,
+    scale: float | None = None,
+    softcap: float | None = None,
     dropout_rate: float = 0.0,
     keep: jax.Array | None = None,
 ) -> jax.Array:
     """Multi-head attention of queries ``q`` (batch, q_len, n_heads, head_dim) over keys and
     values ``k``, ``v`` (batch, k_len, n_kv_heads, head_dim), grouped-query when n_kv_heads
     divides n_heads (query head ``h`` reads key/value head ``h // (n_heads / n_kv_heads)``).
-    Float32 scores and softmax, probabilities and output in ``q.dtype``. With a ``keep`` mask
-    (batch, n_heads, q_len, k_len) the probabilities are dropped out at ``dropout_rate``.
-    Returns (batch, q_len, n_heads, head_dim)."""
+    Float32 scores times ``scale`` (None: 1 / sqrt(head_dim)), soft-capped at ``softcap`` (None:
+    not), and softmax; probabilities and output in ``q.dtype``. Returns (batch, q_len, n_heads,
+    head_dim).
+
+    Without soft-capping and dropout it is :func:`jax.nn.dot_product_attention` with the mask as
+    its boolean ``mask`` argument, so the backend's fused kernel can serve it where it supports
+    one. A soft cap, or a ``keep`` mask (batch, n_heads, q_len, k_len) dropping probabilities out
+    at ``dropout_rate``, is what the fused function does not do: the same product is written out.
+    """
+    if keep is None and softcap is None:
+        return jax.nn.dot_product_attention(q, k, v, mask=mask.visible(), scale=scale)
     batch, q_len, n_heads, head_dim = q.shape
     k_len, n_kv = k.shape[1], k.shape[2]
     group = n_heads // n_kv
     q = q.reshape(batch, q_len, n_kv, group, head_dim)
     scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32)
-    scores = scores / jnp.sqrt(jnp.float32(head_dim))  # (batch, n_kv, group, q_len, k_len)
+    if scale is None:
+        scores = scores / jnp.sqrt(jnp.float32(head_dim))  # (batch, n_kv, group, q_len, k_len)
+    else:
+        scores = scores * jnp.float32(scale)
+    scores = soft_cap(scores, softcap)  # (batch, n_kv, group, q_len, k_len)
     scores = jnp.where(mask.visible()[:, :, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)  # (batch, n_kv, group, q, k)
     if keep is not None:

@@ -7,8 +7,9 @@ token table, the stacked layers, the final norm and the untied head. :func:`forw
 training (layers through :func:`theseus.scan_layers`), :class:`CachedDecoder` for ``theseus
 generate``; a layer calls ``inputs.attend(q, k, v)``, which attends within the sequence in
 training and writes the keys and values into the cache and attends over it in decoding, so each
-layer is written once. Each layer's attention window (``Skeleton.windows``) travels through the
-layer scan as data, so layers that slide and layers that read the whole context stay one scan.
+layer is written once. Each layer's attention window (``Skeleton.windows``) and rotary frequencies
+(``Skeleton.inv_freqs``) travel through the layer scan as data, so layers that slide and layers
+that read the whole context, with their own rotary bases, stay one scan.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import DTypeLike
 
-from theseus.model.attention import NO_WINDOW, AttentionMask, attention
+from theseus.model.attention import NO_WINDOW, AttentionMask, attention, soft_cap
 from theseus.model.decode import ROWS, CacheArray
 from theseus.model.layers import dense, dropout, fold_in
 from theseus.model.lora import LoraSpec, add_adapters, scaled
@@ -34,11 +35,13 @@ from theseus.sharding.layer_scan import scan_layers
 class LayerInputs:
     """What one layer reads besides its weights and the residual stream: ``attend(q, k, v,
     keep=None)`` (heads (batch, seq, heads, head_dim) in, the same shape out), the position
-    ``features`` and the layer's per-example dropout ``keys`` (None: no dropout)."""
+    ``features``, the layer's per-example dropout ``keys`` (None: no dropout) and its rotary
+    inverse frequencies ``inv_freq`` (head_dim / 2,) (None: the skeleton has no per-layer ones)."""
 
     attend: Callable[..., jax.Array]
     features: Any
     keys: jax.Array | None
+    inv_freq: jax.Array | None = None
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,11 @@ class Skeleton:
     layer reads of the positions; ``layer(weights, x, inputs, settings)`` one layer's new stream.
     ``settings`` holds the family's own constants (a frozen dataclass). ``windows``: each
     layer's sliding attention window (None: the layer reads the whole context; empty: no layer
-    slides).
+    slides). ``inv_freqs``: each layer's rotary inverse frequencies (empty: none per layer).
+    ``attention_scale`` multiplies the attention scores (None: 1 / sqrt(head_dim));
+    ``attention_softcap`` and ``logit_softcap`` cap the scores and the logits at ``±cap`` with
+    ``cap · tanh(x / cap)`` (None: uncapped). ``final_norm(x, params, eps, dtype)``: the norm
+    before the head.
     """
 
     embed: Callable[[dict, jax.Array, jax.Array, Any], jax.Array]
@@ -77,6 +84,23 @@ class Skeleton:
     remat: bool | str = False
     lora_scale: float = 0.0  # alpha / rank of the LoRA adapters (0: none)
     windows: tuple[int | None, ...] = ()
+    inv_freqs: tuple[tuple[float, ...], ...] = ()
+    attention_scale: float | None = None
+    attention_softcap: float | None = None
+    logit_softcap: float | None = None
+    final_norm: Callable[[jax.Array, dict, float, Any], jax.Array] = norm
+
+    def layer_inv_freqs(self) -> jax.Array | None:
+        """The rotary inverse frequencies as layer-indexed data: float32 (n_layer, head_dim / 2),
+        or None when the skeleton has none per layer."""
+        return jnp.array(self.inv_freqs, jnp.float32) if self.inv_freqs else None
+
+    def attend(
+        self, q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask, **dropout: Any
+    ) -> jax.Array:
+        """:func:`attention` with the skeleton's scale and soft-capping."""
+        scale, cap = self.attention_scale, self.attention_softcap
+        return attention(q, k, v, mask, scale=scale, softcap=cap, **dropout)
 
     def layer_windows(self, num_layers: int) -> jax.Array:
         """The windows as layer-indexed data: int32 (n_layer,), NO_WINDOW for a whole-context
@@ -181,29 +205,30 @@ def forward(
     mask = AttentionMask(positions, positions, segments, segments)
 
     def one_layer(inputs, x):
-        layer, index, window = inputs
+        layer, index, window, inv_freq = inputs
         layer_mask = replace(mask, window=window)
 
         def attend(q, k, v, keep=None):
-            return attention(q, k, v, layer_mask, dropout_rate=sk.dropout, keep=keep)
+            return sk.attend(q, k, v, layer_mask, dropout_rate=sk.dropout, keep=keep)
 
-        layer_inputs = LayerInputs(attend, features, fold_in(keys, index + 1))
+        layer_inputs = LayerInputs(attend, features, fold_in(keys, index + 1), inv_freq)
         return sk.layer(sk.weights(layer), x, layer_inputs, sk.settings)
 
     layers = params[sk.paths.layers]  # arrays of shape (n_layer, ...)
     num_layers = jax.tree.leaves(layers)[0].shape[0]
-    per_layer = (layers, jnp.arange(num_layers), sk.layer_windows(num_layers))
+    windows, inv_freqs = sk.layer_windows(num_layers), sk.layer_inv_freqs()
+    per_layer = (layers, jnp.arange(num_layers), windows, inv_freqs)
     x = scan_layers(one_layer, x, per_layer, remat=sk.remat)
     return head(params, x, sk)
 
 
 def head(params: dict, x: jax.Array, skeleton: Skeleton) -> jax.Array:
     """Logits (batch, seq, vocab) float32 of the stream ``x``: the final norm, then the untied
-    head when the parameters have one, else the token table."""
+    head when the parameters have one, else the token table; soft-capped when the skeleton says."""
     paths = skeleton.paths
-    h = norm(x, params[paths.final_norm], skeleton.eps, skeleton.compute_dtype)  # (.., n_embd)
+    h = skeleton.final_norm(x, params[paths.final_norm], skeleton.eps, skeleton.compute_dtype)
     table = params.get(paths.head, params[paths.embed])  # (vocab, n_embd)
-    return dense(h, table, jnp.float32, transposed=True)
+    return soft_cap(dense(h, table, jnp.float32, transposed=True), skeleton.logit_softcap)
 
 
 @dataclass(frozen=True)
@@ -242,7 +267,7 @@ class CachedDecoder:
         mask = AttentionMask.cached(query_positions, cache_len)
 
         def layer_step(x, inputs):
-            layer, k_cache, v_cache, window = inputs  # caches (rows, cache_len, kv_width)
+            layer, k_cache, v_cache, window, inv_freq = inputs  # caches (rows, cache_len, kv)
             layer_mask = replace(mask, window=window)
             written = []
 
@@ -254,13 +279,14 @@ class CachedDecoder:
                 ]
                 written.extend(new)
                 keys, values = (c.reshape(rows, cache_len, -1, self.head_dim) for c in new)
-                return attention(q, keys.astype(q.dtype), values.astype(q.dtype), layer_mask)
+                return sk.attend(q, keys.astype(q.dtype), values.astype(q.dtype), layer_mask)
 
-            x = sk.layer(sk.weights(layer), x, LayerInputs(attend, features, None), sk.settings)
+            layer_inputs = LayerInputs(attend, features, None, inv_freq)
+            x = sk.layer(sk.weights(layer), x, layer_inputs, sk.settings)
             return x, tuple(written)
 
-        windows = sk.layer_windows(self.num_layers)
-        layers = (params[sk.paths.layers], cache["k"], cache["v"], windows)
+        windows, inv_freqs = sk.layer_windows(self.num_layers), sk.layer_inv_freqs()
+        layers = (params[sk.paths.layers], cache["k"], cache["v"], windows, inv_freqs)
         x, (k, v) = jax.lax.scan(layer_step, x, layers)
         return head(params, x, sk), {"k": k, "v": v}  # (rows, n, vocab)
 

@@ -2,9 +2,9 @@
 Llama 3.1's frequency-dependent scaling) as transformers computes them, the rotation of heads in
 Hugging Face's layout, and the ``config.json`` rotary keys in both directions.
 
-A family's model section names its rotary settings ``rope_theta``, ``rope_type`` (``default`` or
-``llama3``) and, for ``llama3``, ``rope_factor``, ``rope_low_freq_factor``,
-``rope_high_freq_factor`` and ``rope_original_max_position_embeddings``.
+A family's model section names its rotary settings ``rope_theta``, ``rope_type`` (``default``,
+``linear`` or ``llama3``), for ``linear`` and ``llama3`` ``rope_factor``, and for ``llama3``
+``rope_low_freq_factor``, ``rope_high_freq_factor`` and ``rope_original_max_position_embeddings``.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ def inverse_frequencies(head_dim: int, rope: dict[str, Any]) -> np.ndarray:
     inv = (np.float32(1.0) / np.power(np.float32(rope["rope_theta"]), exponents)).astype(np.float32)
     if rope["rope_type"] == "default":
         return inv
+    if rope["rope_type"] == "linear":
+        return (inv / np.float32(rope["rope_factor"])).astype(np.float32)
     factor, low, high = (
         rope["rope_factor"],
         rope["rope_low_freq_factor"],
@@ -45,9 +47,12 @@ def inverse_frequencies(head_dim: int, rope: dict[str, Any]) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def rotary(positions: jax.Array, inv_freq: tuple[float, ...]) -> tuple[jax.Array, jax.Array]:
-    """cos and sin ``(..., head_dim)`` float32 of integer ``positions`` (...)."""
-    inv = jnp.asarray(np.asarray(inv_freq, np.float32))
+def rotary(
+    positions: jax.Array, inv_freq: tuple[float, ...] | jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """cos and sin ``(..., head_dim)`` float32 of integer ``positions`` (...) and the inverse
+    frequencies ``inv_freq`` (head_dim / 2,) (a tuple, or a layer's row of layer-indexed data)."""
+    inv = jnp.asarray(inv_freq, jnp.float32)
     freqs = positions.astype(jnp.float32)[..., None] * inv  # (..., head_dim / 2)
     angles = jnp.concatenate([freqs, freqs], axis=-1)  # (..., head_dim)
     return jnp.cos(angles), jnp.sin(angles)
@@ -67,16 +72,22 @@ def rope_from_hf(hf: dict[str, Any], where: str) -> dict[str, Any]:
     (top-level ``rope_theta`` and ``rope_scaling``); other scalings are refused."""
     params = hf.get("rope_parameters")
     if isinstance(params, dict) and "rope_theta" in params:  # transformers 5.x
-        scaling, theta = params, params["rope_theta"]
-    else:  # transformers 4.x
-        scaling, theta = hf.get("rope_scaling") or {}, hf.get("rope_theta", 10000.0)
+        return rope_settings(params, params["rope_theta"], where)
+    return rope_settings(hf.get("rope_scaling") or {}, hf.get("rope_theta", 10000.0), where)
+
+
+def rope_settings(scaling: dict[str, Any], theta: float, where: str) -> dict[str, Any]:
+    """The rotary settings of a rotary base ``theta`` and a Hugging Face scaling dict (its
+    ``rope_type``, or 4.x's ``type``); scalings theseus does not reproduce are refused."""
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
+    if rope_type not in ("default", "linear", "llama3"):
         raise ValueError(
-            f"{where}: rotary scaling {rope_type!r} is not supported; theseus reproduces "
-            "'default' and 'llama3' (Llama 3.1)"
+            f"{where}: rotary scaling rope_type={rope_type!r} is not supported; theseus "
+            "reproduces 'default', 'linear' and 'llama3' (Llama 3.1)"
         )
     out: dict[str, Any] = {"rope_theta": float(theta), "rope_type": rope_type}
+    if rope_type == "linear":
+        out["rope_factor"] = float(scaling["factor"])
     if rope_type == "llama3":
         out |= {f"rope_{k}": f(scaling[k]) for k, f in zip(_SCALING_KEYS, _CASTS, strict=True)}
     return out
@@ -85,6 +96,8 @@ def rope_from_hf(hf: dict[str, Any], where: str) -> dict[str, Any]:
 def rope_to_hf(model: dict[str, Any]) -> dict[str, Any]:
     """transformers 5.x ``rope_parameters`` of a model section."""
     rope = {"rope_type": model["rope_type"], "rope_theta": model["rope_theta"]}
+    if model["rope_type"] == "linear":
+        rope["factor"] = model["rope_factor"]
     if model["rope_type"] == "llama3":
         rope |= {k: model[f"rope_{k}"] for k in _SCALING_KEYS}
     return rope

@@ -217,7 +217,9 @@ def warnings(
     """What a user can act on: accelerators JAX does not use, simulated devices, an untested jax."""
     found = []
     plugins = [name for name in system.packages if name.startswith(("jax-cuda", "jax-rocm"))]
-    if system.visible_gpus and backend == "cpu":
+    # Simulated CPU devices were asked for: the CPU is the user's choice, not a failed plugin.
+    unused_accelerators = backend == "cpu" and simulated_cpu_devices is None
+    if system.visible_gpus and unused_accelerators:
         why = (
             f"the installed plugin(s) {plugins} did not start (see JAX's log above)"
             if plugins
@@ -228,7 +230,7 @@ def warnings(
             f"the CPU: {why}; install theseus with `pip install -c constraints.txt -e '.[cuda12]'` "
             "(or '.[cuda13]' for CUDA 13 drivers) and check again"
         )
-    if system.visible_tpus and backend == "cpu":
+    if system.visible_tpus and unused_accelerators:
         found.append(
             f"the system shows TPU devices ({', '.join(system.visible_tpus)}) but JAX runs on the "
             "CPU: libtpu is missing or did not start; install theseus with "
