@@ -12,7 +12,10 @@ import numpy as np
 import pytest
 from flax import nnx
 from support import (
+    EQUIVALENCE_LLAMA,
     EQUIVALENCE_MODEL,
+    FAMILIES,
+    GPT_FAMILY,
     LLAMA_FAMILY,
     TINY_GPT,
     Sampler,
@@ -158,7 +161,7 @@ def test_document_rows_start_a_segment_after_each_end_of_text():
     np.testing.assert_array_equal(positions[0], [0, 1, 2, 0, 1, 0])
 
 
-@pytest.mark.parametrize("family", ["gpt", "llama"])
+@pytest.mark.parametrize("family", ["gpt", "llama", "gemma"])
 def test_a_packed_row_reads_no_other_example(family):
     """Each example's logits in a packed row equal its logits alone (no cross-segment
     attention; positions, learned or rotary, restart)."""
@@ -183,11 +186,17 @@ def test_a_packed_row_reads_no_other_example(family):
 
 
 def support_model(family: str):
-    from support import EQUIVALENCE_LLAMA, GPT_FAMILY
-
+    """A family's model class and a small config: GPT (learned positions), Llama (rotary, every
+    feature on), Gemma (sliding windows of 4 on two of three layers, per-layer rotary)."""
     if family == "gpt":
         return GPT_FAMILY.model_class, EQUIVALENCE_MODEL.model_copy(update={"dropout": 0.0})
-    return LLAMA_FAMILY.model_class, EQUIVALENCE_LLAMA
+    if family == "llama":
+        return LLAMA_FAMILY.model_class, EQUIVALENCE_LLAMA
+    gemma = FAMILIES["gemma"].family
+    fields = EQUIVALENCE_LLAMA.model_dump(include=set(gemma.config_class.model_fields))
+    windows = ("sliding_attention", "full_attention", "sliding_attention")
+    config = gemma.config_class(**fields | dict(sliding_window=4, layer_types=windows))
+    return gemma.model_class, config
 
 
 def masked_batch(trainer, index: int) -> jax.Array:
