@@ -16,6 +16,10 @@ its own process under ``/usr/bin/time -v`` (wall time and maximum resident set):
   masks need) in batches of 4 MiB of text; only the encoding is timed, so the ratios are lower
   bounds for theseus.
 
+Then the train split's examples are packed into rows of ``--seq-len`` + 1 tokens (longer ones
+truncated) as a training run packs them (:func:`theseus.data.packing.pack`, first-fit decreasing
+over buffers of 1,024 shuffled examples): the non-padding fraction and the seconds it took.
+
 Prints one table; asserts nothing. Throughput is MB of rendered text per second.
 """
 
@@ -28,13 +32,18 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+
+import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from theseus.data.chat_records import parse_record  # noqa: E402
 from theseus.data.chat_template import ChatTemplate  # noqa: E402
+from theseus.data.packing import pack  # noqa: E402
+from theseus.data.shards import example_lengths, read_manifest  # noqa: E402
 from theseus.data.tokens import builtin_files  # noqa: E402
 
 CHATML = (
@@ -139,6 +148,7 @@ def main() -> None:
     parser.add_argument("--size-mb", type=int, default=20)
     parser.add_argument("--template", choices=("chatml", "generation"), default="chatml")
     parser.add_argument("--work", type=Path, default=None)
+    parser.add_argument("--seq-len", type=int, default=2048)
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="theseus-chat-bench-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -184,6 +194,16 @@ def main() -> None:
             f"{'tokenizers ' + name + ' (encode only)':34} {figures['seconds']:8.1f} "
             f"{rate:7.2f} {library_peak:8.0f} {megabytes / wall / rate:6.2f}"
         )
+
+    lengths = example_lengths(out, read_manifest(out), "train")  # (examples,)
+    began = time.perf_counter()
+    packing = pack(lengths, args.seq_len + 1, 0, "truncate", "bench")
+    seconds = time.perf_counter() - began
+    print(
+        f"packing {lengths.size:,} examples (median {np.median(lengths):.0f}, max {lengths.max()} "
+        f"tokens) into {packing.num_rows:,} rows of seq_len + 1 = {args.seq_len + 1}: "
+        f"{packing.efficiency:.1%} non-padding, {packing.truncated} truncated, {seconds:.2f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -278,11 +278,13 @@ def run_steps(
     *,
     validation: int = 0,
     compiler_options: dict[str, Any] | None = None,
+    batches: Callable[[BaseTrainer, int], jax.Array] = step_batch,
 ) -> Run:
-    """``steps`` steps from the trainer's initial state on the built-in corpus (and the mean
-    validation loss of ``validation`` batches after them), the step compiled with XLA's
-    ``compiler_options`` when given; memoised per trainer."""
-    key = (trainer, steps, validation, tuple(sorted((compiler_options or {}).items())))
+    """``steps`` steps from the trainer's initial state on ``batches(trainer, index)`` (default:
+    the built-in corpus's; and the mean validation loss of ``validation`` batches after them),
+    the step compiled with XLA's ``compiler_options`` when given; memoised per trainer."""
+    options = tuple(sorted((compiler_options or {}).items()))
+    key = (trainer, steps, validation, options, batches)
     if key in _RUNS:
         return _RUNS[key]
     step = trainer.train_step
@@ -296,7 +298,7 @@ def run_steps(
     initial = jax.device_get(state.params)
     losses = []
     for index in range(steps):
-        state, metrics = step(state, step_batch(trainer, index))
+        state, metrics = step(state, batches(trainer, index))
         losses.append(float(metrics["loss"]))
     val_loss = None
     if validation:
@@ -308,13 +310,19 @@ def run_steps(
     return run
 
 
-def one_device_run(config: TrainerConfig, steps: int = STEPS, *, validation: int = 0) -> Run:
+def one_device_run(
+    config: TrainerConfig,
+    steps: int = STEPS,
+    *,
+    validation: int = 0,
+    batches: Callable[[BaseTrainer, int], jax.Array] = step_batch,
+) -> Run:
     """The reference: ``config``'s whole global batch on one device, no accumulation."""
     single = config.model_copy(deep=True)
     single.training.per_device_batch_size = single.training.batch_size
     trainer = shared_trainer(single, ShardingPolicy(), num_devices=1)
     assert trainer.batch_plan.accumulation_steps == 1
-    return run_steps(trainer, steps, validation=validation)
+    return run_steps(trainer, steps, validation=validation, batches=batches)
 
 
 def assert_same_numbers(

@@ -1,6 +1,6 @@
 """Chat data: conversations rendered and encoded as transformers' ``apply_chat_template`` does,
 loss masks equal to its ``assistant_masks`` ({% generation %}) or to prefix rendering, shards and
-masks streamed and resumed, bad input refused, and masked corpora refused by training.
+masks streamed and resumed and loaded for training, bad input refused.
 
 Tiny byte-level BPE tokenizers are made here with the chat templates of Llama 3, Qwen2.5
 (ChatML, a default system prompt, tools) and a ChatML template with {% generation %} blocks.
@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from hf_reference import libraries
-from support import TINY_GPT, invoke
+from support import invoke
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 import theseus.data.chat_tokenize as chat_tokenize
@@ -285,7 +285,7 @@ def _write_corpus(folder, records) -> None:
     pq.write_table(table, folder / "b.parquet", row_group_size=7)
 
 
-def test_shards_and_masks_stream_resume_and_training_refuses_them(folders, tmp_path, monkeypatch):
+def test_shards_and_masks_stream_resume_and_load_for_training(folders, tmp_path, monkeypatch):
     monkeypatch.setattr(
         "theseus.data.streaming.BATCH_BYTES", 2000
     )  # several batches, as large corpora
@@ -335,12 +335,10 @@ def test_shards_and_masks_stream_resume_and_training_refuses_them(folders, tmp_p
     for path in sorted((tmp_path / "whole").glob("*-*.*")):
         assert (out / path.name).read_bytes() == path.read_bytes(), path.name
     assert json.loads((out / "tokens.json").read_text())["splits"] == manifest.data["splits"]
-    # Training does not read masks yet: a masked corpus is refused, nothing written.
-    with pytest.raises(ValueError, match="packing"):
-        load_corpus(out)
-    result = invoke("train", f"data.path={out}", *TINY_GPT, "--out", tmp_path / "run")
-    assert result.exit_code == 2 and "masked loss" in result.output, result.output
-    assert not (tmp_path / "run").exists()
+    # Training reads the tokens, masks and example lengths (tests/test_packing.py trains them).
+    loaded = load_corpus(out).examples[0]
+    np.testing.assert_array_equal(loaded.lengths, example_lengths(out, manifest, "train"))
+    np.testing.assert_array_equal(np.asarray(loaded.mask), open_masks(out, manifest, "train"))
 
 
 def test_bad_chat_input_exits_2_and_writes_nothing(folders, tmp_path):

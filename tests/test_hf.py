@@ -13,12 +13,22 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from hf_reference import IDS, KINDS, VOCAB, Reference, greedy_reference, libraries, reference_logits
+from hf_reference import (
+    IDS,
+    KINDS,
+    VOCAB,
+    Reference,
+    byte_tokenizer,
+    greedy_reference,
+    libraries,
+    reference_logits,
+)
 from support import GPT_FAMILY, LlamaTrainer, LlamaTrainerConfig, invoke
 
 import theseus
 from theseus.config import apply_overrides, load_yaml
 from theseus.data import Sampler, load_corpus
+from theseus.data.packing import MaskedExamples, build_rows, pack
 from theseus.hf.exporter import export_hf, tensor_blocks
 from theseus.hf.importer import import_hf
 from theseus.inference.logits import load_run
@@ -349,3 +359,77 @@ def test_init_from_contradictions(imported, tmp_path):
         RunMode(init_from=tmp_path)
     result = invoke("train", "--init-from", tmp_path, "--out", tmp_path / "run")
     assert result.exit_code == 2 and "--init-from" in result.output, result.output
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_packed_loss_is_the_token_weighted_mean_of_transformers_losses(kind, references, imported):
+    """Conversations of random ids with masked spans, packed into rows: theseus's loss over the
+    trained tokens equals transformers' per-example losses (labels -100 outside the mask, each
+    example alone, float32) weighted by their trained tokens."""
+    torch = libraries().torch
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(6, 30, 9)  # (examples,)
+    ids = [rng.integers(0, VOCAB, n) for n in lengths]
+    masks = [(rng.random(n) < 0.5).astype(np.uint8) for n in lengths]
+    data = MaskedExamples(np.concatenate(ids), np.concatenate(masks), lengths.astype(np.int64))
+    packing = pack(data.lengths, 48, seed=0, overlong="error", where="test")
+    rows = build_rows(data, packing, np.arange(packing.num_rows))  # (rows, 3, 48)
+    assert packing.num_rows < len(lengths)  # rows hold several examples
+    loaded = load_run(imported(kind), layout="storage", devices=jax.devices()[:1])
+    got = float(loaded.trainer.validation_step(loaded.params, rows[None]))
+    model, total, count = references(kind).model, 0.0, 0
+    for example, mask in zip(ids, masks, strict=True):
+        labels = np.where(mask == 1, example, -100)
+        with torch.no_grad():
+            out = model(torch.tensor(example[None]), labels=torch.tensor(labels[None]))
+        trained = int(mask[1:].sum())  # the first token is no target
+        total, count = total + float(out.loss) * trained, count + trained
+    np.testing.assert_allclose(got, total / count, rtol=1e-5)
+
+
+CHAT = (
+    "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}"
+)
+
+
+def test_generate_chat_replies_as_transformers(references, imported, tmp_path):
+    """`theseus generate --chat`: the prompt rendered with the folder's template and the
+    generation prompt, the greedy reply cut at the end-of-turn token, as transformers'
+    apply_chat_template and generate(eos_token_id=...) give them."""
+    lib = libraries()
+    model = references("llama").model
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    rendered = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+    prompt = byte_tokenizer().encode(rendered).ids
+    free = greedy_reference(model, prompt, 10)  # where the reply goes without a stop
+    stop = next(t for i, t in enumerate(free) if i >= 3 and t not in free[:i])
+    folder = tmp_path / "tokenizer"
+    folder.mkdir()
+    shutil.copyfile(imported("llama") / "tokenizer.json", folder / "tokenizer.json")
+    stop_token = byte_tokenizer().id_to_token(stop)
+    config = {"eos_token": stop_token, "chat_template": CHAT}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    hf = lib.transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(folder / "tokenizer.json"), eos_token=stop_token
+    )
+    ids = hf.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False, chat_template=CHAT
+    )
+    assert list(ids) == prompt
+    with lib.torch.no_grad():
+        out = model.generate(
+            lib.torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=stop
+        )
+    want = out[0, len(prompt) :].tolist()
+    assert want == free[: free.index(stop) + 1]  # transformers stopped at the end of the turn
+    path = tmp_path / "messages.json"
+    path.write_text(json.dumps(messages))
+    args = ("generate", imported("llama"), "--messages", path, "--tokenizer", folder)
+    result = invoke(*args, "--temperature", "0", "--max-new-tokens", "10", "--json")
+    assert result.exit_code == 0, result.output
+    (reply,) = json.loads(result.stdout)["replies"]
+    assert reply["prompt_ids"] == prompt and reply["token_ids"] == want and reply["stopped"]
+    assert reply["reply"] == hf.decode(want[:-1])
+    printed = invoke(*args, "--temperature", "0", "--max-new-tokens", "10")
+    assert printed.exit_code == 0 and printed.stdout == reply["reply"] + "\n", printed.output

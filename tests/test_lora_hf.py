@@ -1,6 +1,8 @@
-"""A LoRA run on an imported Llama, out to the Hugging Face world: merged weights that
-transformers loads, peft adapters that peft loads onto the base model, both with the run's own
-logits; generation on the run; its base checked by fingerprints.
+"""A LoRA chat fine-tune of an imported Llama from the command line (conversations tokenized with
+the model's tokenizer folder and chat template, packed, the loss on the assistant's tokens), out
+to the Hugging Face world: merged weights that transformers loads, peft adapters that peft loads
+onto the base model, both with the run's own logits; generation on the run, and its chat reply
+equal to transformers' on the merged export; its base checked by fingerprints.
 
 Needs the reference extra (torch, transformers, peft), like tests/test_hf.py, and runs last in
 its worker for the same reason (tests/conftest.py).
@@ -14,11 +16,12 @@ import jax
 import numpy as np
 import pytest
 from hf_reference import IDS, Reference, greedy_reference, libraries, reference_logits
-from support import FAMILIES, LlamaTrainer, LlamaTrainerConfig, invoke
+from support import FAMILIES, invoke
 
 import theseus
 from theseus.config import apply_overrides, load_yaml
 from theseus.hf.importer import IMPORTED_FROM, import_hf
+from theseus.plot import read_metrics
 from theseus.sharding.axis import ShardingPolicy
 from theseus.sharding.topology import Topology
 from theseus.training.run.loop import train
@@ -38,6 +41,18 @@ LORA_RUN = [
     "checkpointing.interval=3",
     "logging.progress_bar=false",
 ]
+# The chat fine-tune: rows of 64 tokens hold two conversations; validation after every step.
+CHAT_RUN = [
+    *(o for o in LORA_RUN if not o.startswith(("training.seq_len", "training.validation_int"))),
+    "training.seq_len=63",
+    "training.validation_interval=1",
+]
+# A turn ends with "|", the end-of-turn token (the byte tokenizer's "|"), which trains.
+CHAT = (
+    "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '|\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+)
+WORDS = ("red", "green", "blue", "cyan", "pink", "gold", "gray", "teal")
 
 
 def peft_logits(reference: Reference, adapters: Path) -> np.ndarray:
@@ -55,17 +70,36 @@ def peft_logits(reference: Reference, adapters: Path) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
-    """An imported Llama, and a LoRA run initialised from it under tp=2 + FSDP."""
+    """An imported Llama (its tokenizer folder with a chat template), and a LoRA chat
+    fine-tune initialised from it under tp=2 + FSDP, from the command line."""
     root = tmp_path_factory.mktemp("lora")
     reference = Reference("llama", root / "hf")
+    config = {"eos_token": "|", "chat_template": CHAT}
+    (reference.directory / "tokenizer_config.json").write_text(json.dumps(config))
     base = root / "base"
     import_hf(reference.directory, base)
-    model = load_yaml(LlamaTrainerConfig, base / "config.yaml").model
-    config = apply_overrides(LlamaTrainerConfig(model=model), LORA_RUN)
+    chats = root / "chats.jsonl"
+    turns = [[{"role": "user", "content": w}, {"role": "assistant", "content": w}] for w in WORDS]
+    chats.write_text("".join(json.dumps({"messages": t}) + "\n" for t in turns * 48))
+    tokenized = invoke("tokenize", chats, root / "tokens", "--tokenizer", reference.directory)
+    assert tokenized.exit_code == 0, tokenized.output
     run = root / "run"
-    trainer = LlamaTrainer(config, ShardingPolicy(tp=2, fsdp=True))
-    train(trainer, run, mode=RunMode(init_from=base))
+    result = invoke(
+        "train", "--init-from", base, "--out", run, "--tp", 2, "--fsdp",
+        f"data.path={root / 'tokens'}", *CHAT_RUN,
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
     return reference, base, run
+
+
+def test_chat_fine_tune_lowers_the_loss_on_the_assistant_tokens(lora_run):
+    _, _, run = lora_run
+    rows = read_metrics(run)
+    assert rows[-1]["val_loss"] < rows[0]["val_loss"]
+    record = json.loads((run / "run.json").read_text())
+    packing = record["packing"]["data"]["train"]
+    assert record["segmented_rows"] and packing["rows"] < packing["examples"]  # rows hold several
+    assert all(0 < r["trained_tokens"] < 16 * 63 for r in rows)  # the assistant's tokens only
 
 
 def test_merged_and_peft_exports_give_the_runs_logits(lora_run, tmp_path):
@@ -98,6 +132,24 @@ def test_merged_and_peft_exports_give_the_runs_logits(lora_run, tmp_path):
         run, [prompt], max_new_tokens=4, temperature=0.0, policy_changes={"tp": 2},
     )  # fmt: skip
     assert result.completions[0].token_ids == greedy_reference(model, prompt, 4)
+
+    # A chat reply: transformers' (the same template, stopped at "|") equals theseus's.
+    hf = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(reference.directory / "tokenizer.json"), eos_token="|"
+    )
+    messages = [{"role": "user", "content": "blue"}]
+    ids = hf.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False, chat_template=CHAT
+    )
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=hf.eos_token_id
+        )
+    want = out[0, len(ids) :].tolist()
+    want = want[: want.index(hf.eos_token_id)] if hf.eos_token_id in want else want
+    chat = invoke("generate", run, "--chat", "blue", "--temperature", 0, "--max-new-tokens", 8)
+    assert chat.exit_code == 0, chat.output
+    assert chat.stdout == hf.decode(want) + "\n"
 
 
 def test_adapters_of_a_run_without_them_and_a_changed_base(lora_run, tmp_path):

@@ -11,7 +11,7 @@ import pytest
 from support import TINY_GPT, GPTTrainer, GPTTrainerConfig, invoke, read_events, write_mixture
 
 from theseus.config import DataConfig, apply_overrides, validate
-from theseus.data import MixtureSampler, load_mixture
+from theseus.data import MixtureSampler, Sampler, load_mixture
 from theseus.plot import plot_losses, read_metrics, source_names
 from theseus.sharding.axis import ShardingPolicy
 from theseus.sharding.topology import Topology
@@ -28,10 +28,14 @@ def sources(tmp_path_factory):
     return write_mixture(tmp_path_factory.mktemp("mixture"), WEIGHTS)
 
 
+def windows(*splits, seed):
+    return [Sampler(tokens, 7, seed) for tokens in splits]
+
+
 def test_draws_follow_the_weights_and_depend_only_on_seed_and_index():
     a = np.arange(1000, dtype=np.uint16)  # (1000,)
     b = np.arange(5000, 6997, dtype=np.uint16)  # (1997,)
-    sampler = MixtureSampler([a, b], np.asarray(WEIGHTS), seq_len=7, seed=3)
+    sampler = MixtureSampler(windows(a, b, seed=3), np.asarray(WEIGHTS), seed=3)
     sources = sampler.sources(np.arange(1000 * 16))  # 1,000 steps of 16 examples
     for number, weight in enumerate(WEIGHTS):
         assert abs(np.mean(sources == number) - weight) < 0.02
@@ -42,9 +46,9 @@ def test_draws_follow_the_weights_and_depend_only_on_seed_and_index():
     np.testing.assert_array_equal(
         sampler.global_batch(64, 2, 8).reshape(16, 8), batch.reshape(16, 8)
     )
-    again = MixtureSampler([a, b], np.asarray(WEIGHTS), seq_len=7, seed=3)
+    again = MixtureSampler(windows(a, b, seed=3), np.asarray(WEIGHTS), seed=3)
     np.testing.assert_array_equal(again.global_batch(64, 4, 4), batch)
-    other = MixtureSampler([a, b], np.asarray(WEIGHTS), seq_len=7, seed=4)
+    other = MixtureSampler(windows(a, b, seed=4), np.asarray(WEIGHTS), seed=4)
     assert (other.sources(np.arange(64)) != sources[:64]).any()
 
 

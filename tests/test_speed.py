@@ -45,9 +45,9 @@ def test_peak_table_override_and_unknown_devices():
     cpu = device_peak(device("cpu", "cpu"), "float32")
     assert cpu.flops_per_s is None and "--peak-tflops" in cpu.source
     flops = FlopsCount(6e6, "test")
-    assert "mfu" not in Speedometer(1000, flops, cpu, 8).rates(0.5)
+    assert "mfu" not in Speedometer(1000, flops, cpu, 8).rates(0.5, 1000)
     h100 = Speedometer(1000, flops, device_peak(device("NVIDIA H100"), "bfloat16"), 8)
-    assert h100.rates(0.5)["mfu"] == pytest.approx(6e6 * 2000 / (8 * 989.4e12))
+    assert h100.rates(0.5, 2000)["mfu"] == pytest.approx(6e6 * 2000 / (8 * 989.4e12))
 
 
 def load_gpu_bench():
@@ -104,6 +104,8 @@ def test_run_records_speed_and_tensorboard_events(tmp_path):
     tokens_per_step = trainer.batch_plan.global_batch_size * trainer.batch_plan.seq_len
     for row in rows:
         assert row["tokens_per_s"] == pytest.approx(tokens_per_step / row["step_time_s"])
+        assert row["trained_tokens"] == tokens_per_step  # plain data: every target trains
+        assert row["trained_tokens_per_s"] == pytest.approx(row["tokens_per_s"])
         assert "mfu" not in row  # CPU: no known peak, and run.json says so
     assert "no peak FLOP/s known for device kind 'cpu'" in run["mfu_absent_because"]
     assert run["flops_per_token"] == trainer.flops_per_token() and run["device_kind"] == "cpu"

@@ -1,11 +1,12 @@
 """theseus: annotate a model once with logical axis names, train it under DP, TP, ZeRO or FSDP.
 
 ``theseus.chain``, ``theseus.quick``, ``theseus.register``, ``theseus.families``,
-``theseus.BaseTrainer``, ``theseus.tokenize``, ``theseus.generate``, ``theseus.logits``,
-``theseus.evaluate``, ``theseus.import_hf`` and ``theseus.export_hf`` load the training stack on first use, so
-``import theseus`` (and the command line) stay light. Where lm-evaluation-harness is installed (the
-``eval`` extra), ``import theseus`` registers ``theseus.inference.harness.TheseusLM`` as its model
-``theseus`` by name only: the module loads when the harness first asks for it.
+``theseus.BaseTrainer``, ``theseus.tokenize``, ``theseus.generate``, ``theseus.generate_chat``,
+``theseus.logits``, ``theseus.evaluate``, ``theseus.import_hf`` and ``theseus.export_hf`` load
+the training stack on first use, so ``import theseus`` (and the command line) stay light. Where
+lm-evaluation-harness is installed (the ``eval`` extra), ``import theseus`` registers
+``theseus.inference.harness.TheseusLM`` as its model ``theseus`` by name only: the module loads
+when the harness first asks for it.
 """
 
 import importlib.util
@@ -25,6 +26,7 @@ _LAZY = {
     "TrainerConfig": "theseus.training.trainer",
     "scan_layers": "theseus.sharding.layer_scan",
     "generate": "theseus.inference",
+    "generate_chat": "theseus.inference.chat",
     "logits": "theseus.inference.logits",
     "evaluate": "theseus.inference.runs",
     "import_hf": "theseus.hf.importer",

@@ -135,6 +135,16 @@ class DataConfig(Section):
     text_field: str = pydantic.Field(
         "text", description="text field of JSON Lines records and column of Parquet files"
     )
+    overlong: Literal["truncate", "drop", "error"] = pydantic.Field(
+        "error",
+        description="a chat or completion example longer than training.seq_len + 1 tokens: "
+        "keep its first tokens, leave it out, or stop with an error",
+    )
+    document_masking: bool = pydantic.Field(
+        False,
+        description="a tokenized pretraining stream's documents (ended by its end-of-text "
+        "token) attend within themselves only, at positions that restart",
+    )
 
     @pydantic.field_validator("sources", mode="before")
     @classmethod

@@ -140,7 +140,11 @@ def generate(
     seed: Annotated[int, typer.Option(help="sampling seed")] = 0,
     num_samples: Annotated[int, typer.Option(help="completions per prompt", min=1)] = 1,
     tokenizer: Annotated[
-        Path | None, typer.Option(help="tokenizer.json \\[default: the run's, else bytes]")
+        Path | None,
+        typer.Option(
+            help="tokenizer.json (with --chat or --messages: the tokenizer folder with its chat "
+            "template) \\[default: the run's, else bytes]"
+        ),
     ] = None,
     json_output: Annotated[
         bool, typer.Option("--json", help="print prompts, completions, token ids and tokens/s")
@@ -148,6 +152,20 @@ def generate(
     prompt_ids: Annotated[
         list[str] | None,
         typer.Option(help="a prompt as comma-separated token ids, e.g. 1,15043,29892 (repeatable)"),
+    ] = None,
+    chat: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="a user message to reply to with the model's chat template (repeatable: one "
+            "conversation each); prints the reply alone"
+        ),
+    ] = None,
+    messages: Annotated[
+        Path | None,
+        typer.Option(
+            help="a JSON file of a conversation ([{role, content}, ...]) or a list of them, to "
+            "reply to as --chat does"
+        ),
     ] = None,
     job: RunJob = None,
     base: BaseRun = None,
@@ -160,6 +178,40 @@ def generate(
     use_cpu_devices(cpu_devices)
     import json
 
+    if chat or messages is not None:
+        with user_errors():
+            if prompt or prompt_ids or prompt_file is not None or num_samples != 1:
+                raise ValueError(
+                    "--chat and --messages reply to conversations; drop --prompt, --prompt-ids, "
+                    "--prompt-file and --num-samples"
+                )
+            conversations = [[{"role": "user", "content": text}] for text in chat or []]
+            if messages is not None:
+                conversations += _conversations(messages)
+            import_modules(imports)
+            from theseus.inference.chat import generate_chat
+
+            replies = generate_chat(
+                run_dir,
+                conversations,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                seed=seed,
+                tokenizer=tokenizer,
+                policy_changes=sharding,
+                job=job,
+                base=base,
+            )
+        if json_output:
+            typer.echo(json.dumps(replies.to_json(), indent=2))
+            return
+        for number, reply in enumerate(replies.replies):
+            if len(replies.replies) > 1:
+                typer.echo(f"--- conversation {number}", err=True)
+            typer.echo(reply.reply)
+        return
     with user_errors():
         prompts: list = list(prompt or [])
         prompts += [_token_ids(text) for text in prompt_ids or []]
@@ -196,6 +248,26 @@ def generate(
         f"--- {result.new_tokens} new tokens per sample, {result.tokens_per_s:,.0f} tokens/s, "
         f"checkpoint step {result.checkpoint_step}, {result.policy}",
         err=True,
+    )
+
+
+def _conversations(path: Path) -> list:
+    """A --messages file: one conversation (a list of messages) or a list of them."""
+    import json
+
+    try:
+        given = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(
+            f"--messages {path}: cannot read it as JSON ({error}); fix the file"
+        ) from None
+    if isinstance(given, list) and given and all(isinstance(m, dict) for m in given):
+        return [given]
+    if isinstance(given, list) and given and all(isinstance(c, list) for c in given):
+        return given
+    raise ValueError(
+        f"--messages {path} holds neither a conversation (a list of {{role, content}} messages) "
+        "nor a list of conversations; write one of them"
     )
 
 

@@ -36,7 +36,9 @@ from theseus.data.shards import (
     TOKENIZED_RECORD,
     TOKENIZER_CONFIG_FILE,
     TOKENIZER_FILE,
+    Manifest,
     ShardWriter,
+    example_lengths,
     write_json_atomic,
 )
 from theseus.data.split import DocumentSplit
@@ -50,6 +52,7 @@ class ChatTokenized:
     corpus: TokenizedCorpus
     train_trained_tokens: int
     validation_trained_tokens: int
+    longest_example: int  # tokens of the longest conversation, train or validation
 
     def describe(self) -> str:
         c = self.corpus
@@ -60,7 +63,9 @@ class ChatTokenized:
             f"{c.validation_tokens:,} validation {c.token_dtype} tokens in {c.num_shards} "
             f"shard(s), of which {self.train_trained_tokens:,} + "
             f"{self.validation_trained_tokens:,} train (the loss mask beside each shard), in "
-            f"{c.seconds:.1f} s"
+            f"{c.seconds:.1f} s; the longest conversation has {self.longest_example:,} tokens "
+            "(training packs conversations into rows of training.seq_len + 1 tokens, longer "
+            "ones as data.overlong says; run.json reports the packing)"
         )
 
 
@@ -214,7 +219,9 @@ def _copy_tokenizer(encoder: ChatEncoder, out: Path) -> None:
 
 def _result(corpus: TokenizedCorpus, record: dict) -> ChatTokenized:
     train, validation = (record["splits"][name]["trained_tokens"] for name in SPLITS)
-    return ChatTokenized(corpus, train, validation)
+    folder, manifest = Path(corpus.out_dir), Manifest(record)
+    longest = max(int(example_lengths(folder, manifest, name).max()) for name in SPLITS)
+    return ChatTokenized(corpus, train, validation, longest)
 
 
 def _sha256(text: str) -> str:

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
+from theseus.data.packing import MaskedExamples
+
 #: The vocabulary of byte corpora: one token per byte value.
 BYTE_VOCAB_SIZE = 256
 _NUM_SAMPLES = 16
@@ -23,6 +25,9 @@ class Corpus:
     vocab_size: int
     source: str
     tokenizer: Path | None = None  # tokenizer.json of a tokenized folder; None: byte or .bin
+    eos_id: int | None = None  # the end-of-text token of a tokenized folder
+    # A masked (chat or completion) corpus's train and validation examples; None: a stream.
+    examples: tuple[MaskedExamples, MaskedExamples] | None = None
 
     def fingerprint(self) -> dict[str, int]:
         """Sizes and a CRC-32 of evenly spaced samples of both splits: equal on every process

@@ -11,13 +11,14 @@ before. Validation holds out each source's own fixed set.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from theseus.config import DataConfig
-from theseus.data.sampler import IndexedExamples, Sampler
+from theseus.data.packing import ROW_FIELDS, DocumentRows, Overlong, PackedSampler
+from theseus.data.sampler import VALIDATION_SEED, IndexedExamples, Sampler, validation_batches
 from theseus.data.tokens import Corpus, load_corpus
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -36,10 +37,15 @@ class Source:
 @dataclass(frozen=True, eq=False)
 class Mixture:
     """The sources a run trains on. ``named`` says whether they were given as ``data.sources``
-    (metrics then carry ``val_loss_by_source``)."""
+    (metrics then carry ``val_loss_by_source``). When any source is a masked (chat or
+    completion) corpus or ``document_masking`` is on, every source gives segmented rows
+    (:mod:`theseus.data.packing`): ``segmented``."""
 
     sources: tuple[Source, ...]
     named: bool
+    overlong: Overlong = "error"
+    document_masking: bool = False
+    _packed: dict = field(default_factory=dict, repr=False)  # packings made, by their inputs
 
     @property
     def vocab_size(self) -> int:
@@ -48,6 +54,10 @@ class Mixture:
     @property
     def tokenizer(self) -> Path | None:
         return self.sources[0].corpus.tokenizer
+
+    @property
+    def segmented(self) -> bool:
+        return self.document_masking or any(s.corpus.examples is not None for s in self.sources)
 
     @property
     def description(self) -> str:
@@ -66,8 +76,57 @@ class Mixture:
             for key, value in s.corpus.fingerprint().items()
         }
 
+    def row_shape(self, seq_len: int) -> tuple[int, ...]:
+        """The shape of one example of a batch: (seq_len + 1,), or (ROW_FIELDS, seq_len + 1)."""
+        return (ROW_FIELDS, seq_len + 1) if self.segmented else (seq_len + 1,)
+
+    def split_sampler(self, source: Source, split: int, seq_len: int, seed: int):
+        """``source``'s sampler of split ``split`` (0: train, 1: validation) in the mixture's
+        row format: packed rows, windows split at end-of-text tokens, or plain windows."""
+        corpus = source.corpus
+        if corpus.examples is not None:
+            key = (source.name, split, seq_len, seed)
+            if key not in self._packed:  # packed once: the run, run.json and validation share it
+                where = f"the {('train', 'validation')[split]} split of {corpus.source}"
+                examples = corpus.examples[split]
+                self._packed[key] = PackedSampler(examples, seq_len, seed, self.overlong, where)
+            return self._packed[key]
+        windows = Sampler((corpus.train, corpus.validation)[split], seq_len, seed)
+        if not self.segmented:
+            return windows
+        return DocumentRows(windows, corpus.eos_id if self.document_masking else None)
+
     def sampler(self, seq_len: int, seed: int) -> MixtureSampler:
-        return MixtureSampler([s.corpus.train for s in self.sources], self.weights, seq_len, seed)
+        samplers = [self.split_sampler(s, 0, seq_len, seed) for s in self.sources]
+        return MixtureSampler(samplers, self.weights, seed)
+
+    def validation(self, source: Source, seq_len: int, num_batches: int, examples: int):
+        """``source``'s fixed held-out batches (num_batches, examples, *row_shape): examples
+        ``0 ..`` of its validation sampler under ``VALIDATION_SEED`` (see
+        :func:`~theseus.data.sampler.validation_batches`)."""
+        if not self.segmented:
+            return validation_batches(source.corpus.validation, seq_len, num_batches, examples)
+        sampler = self.split_sampler(source, 1, seq_len, VALIDATION_SEED)
+        if sampler.num_windows < examples:
+            raise ValueError(
+                f"the validation split of {source.corpus.source} packs into "
+                f"{sampler.num_windows} rows of seq_len + 1 = {seq_len + 1} tokens, but one "
+                f"validation batch needs {examples}; lower the batch size or sequence length, "
+                "or hold out more examples"
+            )
+        return sampler.global_batch(0, num_batches, examples)
+
+    def packing_facts(self, seq_len: int, seed: int) -> dict | None:
+        """Each masked source's packing (rows, efficiency, overlong examples) of both splits,
+        for run.json; None when no source is packed."""
+        facts = {}
+        for source in self.sources:
+            if source.corpus.examples is None:
+                continue
+            train = self.split_sampler(source, 0, seq_len, seed).packing
+            validation = self.split_sampler(source, 1, seq_len, VALIDATION_SEED).packing
+            facts[source.name] = {"train": train.facts(), "validation": validation.facts()}
+        return facts or None
 
     @property
     def weights(self) -> np.ndarray:
@@ -82,27 +141,31 @@ def load_mixture(data: DataConfig) -> Mixture:
         "text_field": data.text_field,
     }
     if data.sources is None:
-        return Mixture((Source("data", 1.0, load_corpus(data.path, **options)),), named=False)
-    total = sum(s.weight for s in data.sources)
-    sources = []
-    for given in data.sources:
-        try:
-            corpus = load_corpus(given.path, **options)
-        except ValueError as error:
-            raise ValueError(f"data source {given.name!r}: {error}") from None
-        sources.append(Source(given.name, given.weight / total, corpus))
-    _check_same_vocabulary(sources)
-    return Mixture(tuple(sources), named=True)
+        sources = [Source("data", 1.0, load_corpus(data.path, **options))]
+    else:
+        total = sum(s.weight for s in data.sources)
+        sources = []
+        for given in data.sources:
+            try:
+                corpus = load_corpus(given.path, **options)
+            except ValueError as error:
+                raise ValueError(f"data source {given.name!r}: {error}") from None
+            sources.append(Source(given.name, given.weight / total, corpus))
+        _check_same_vocabulary(sources)
+    if data.document_masking:
+        _check_end_of_text(sources)
+    named = data.sources is not None
+    return Mixture(tuple(sources), named, data.overlong, data.document_masking)
 
 
 class MixtureSampler(IndexedExamples):
-    """Maps global example indices to token windows of the mixture's train splits (the
-    :class:`~theseus.data.sampler.Sampler` interface)."""
+    """Maps global example indices to rows of the mixture's train splits (the
+    :class:`~theseus.data.sampler.Sampler` interface); each source's ``sampler`` gives rows of
+    the mixture's one format."""
 
-    def __init__(self, tokens: list, weights: np.ndarray, seq_len: int, seed: int):
-        self.samplers = [Sampler(t, seq_len, seed) for t in tokens]
+    def __init__(self, samplers: list[IndexedExamples], weights: np.ndarray, seed: int):
+        self.samplers = samplers
         self.cumulative = np.cumsum(weights) / np.sum(weights)  # (sources,)
-        self.seq_len = seq_len
         self.seed = seed
 
     def sources(self, indices: np.ndarray) -> np.ndarray:
@@ -114,17 +177,21 @@ class MixtureSampler(IndexedExamples):
         return np.minimum(drawn, len(self.samplers) - 1)
 
     def gather(self, indices: np.ndarray) -> np.ndarray:
-        """Examples at global ``indices``, int32 of shape indices.shape + (seq_len + 1,)."""
+        """Rows at global ``indices``, int32 of shape indices.shape + the row shape."""
         flat = np.asarray(indices, dtype=np.int64).reshape(-1)  # (n,)
         if len(self.samplers) == 1:
             return self.samplers[0].gather(indices)
         sources = self.sources(flat)  # (n,)
-        examples = np.empty((flat.size, self.seq_len + 1), np.int32)  # (n, seq_len + 1)
-        for number, sampler in enumerate(self.samplers):
-            chosen = sources == number
-            if chosen.any():
-                examples[chosen] = sampler.gather(flat[chosen])
-        return examples.reshape(*np.shape(indices), self.seq_len + 1)
+        parts = {
+            number: sampler.gather(flat[sources == number])
+            for number, sampler in enumerate(self.samplers)
+            if (sources == number).any()
+        }
+        row_shape = next(iter(parts.values())).shape[1:]
+        examples = np.empty((flat.size, *row_shape), np.int32)  # (n, *row_shape)
+        for number, part in parts.items():
+            examples[sources == number] = part
+        return examples.reshape(*np.shape(indices), *row_shape)
 
 
 def uniform(seed: int, indices: np.ndarray) -> np.ndarray:
@@ -158,4 +225,16 @@ def _check_same_vocabulary(sources: list[Source]) -> None:
                 f"({other.corpus.source}) are in different token ids (vocabularies "
                 f"{first.corpus.vocab_size} and {other.corpus.vocab_size}, or other tokenizers); "
                 "tokenize every source with the same tokenizer (--tokenizer) or use byte sources"
+            )
+
+
+def _check_end_of_text(sources: list[Source]) -> None:
+    """Document masking splits a stream at its end-of-text tokens: a corpus must have one."""
+    for source in sources:
+        corpus = source.corpus
+        if corpus.eos_id is None and corpus.examples is None:
+            raise ValueError(
+                f"data.document_masking=true splits documents at the end-of-text token, but "
+                f"{corpus.source} has none (byte corpora and .bin files do not record one); "
+                "tokenize the corpus with `theseus tokenize` or set data.document_masking=false"
             )

@@ -63,8 +63,8 @@ class Sampler(IndexedExamples):
             raise TypeError(f"tokens must be a 1-D numpy array, got {type(tokens).__name__}")
         if not np.issubdtype(tokens.dtype, np.integer):
             raise TypeError(f"tokens must have an integer dtype, got {tokens.dtype}")
-        _check_int("seq_len", seq_len, minimum=1)
-        _check_int("seed", seed, minimum=0)
+        check_int("seq_len", seq_len, minimum=1)
+        check_int("seed", seed, minimum=0)
         num_windows = (tokens.size - 1) // seq_len
         if num_windows < 1:
             raise ValueError(
@@ -80,8 +80,8 @@ class Sampler(IndexedExamples):
 
     def examples(self, start: int, count: int) -> np.ndarray:
         """Examples ``start .. start + count - 1`` as int32, shape (count, seq_len + 1)."""
-        _check_int("start", start, minimum=0)
-        _check_int("count", count, minimum=0)
+        check_int("start", start, minimum=0)
+        check_int("count", count, minimum=0)
         return self.gather(start + np.arange(count, dtype=np.int64))
 
     def gather(self, indices: np.ndarray) -> np.ndarray:
@@ -120,8 +120,8 @@ def validation_batches(
     fewer than ``num_batches * examples_per_batch`` windows.
     Returns int32 of shape (num_batches, examples_per_batch, seq_len + 1).
     """
-    _check_int("num_batches", num_batches, minimum=1)
-    _check_int("examples_per_batch", examples_per_batch, minimum=1)
+    check_int("num_batches", num_batches, minimum=1)
+    check_int("examples_per_batch", examples_per_batch, minimum=1)
     sampler = Sampler(tokens, seq_len, VALIDATION_SEED)
     if sampler.num_windows < examples_per_batch:
         raise ValueError(
@@ -138,9 +138,9 @@ def batch_indices(
 ) -> np.ndarray:
     """Global example indices of ``rows`` of the batch at ``position``: element ``[a, j]`` is
     ``position + a * examples_per_microbatch + rows[j]``, shape (accumulation_steps, rows)."""
-    _check_int("position", position, minimum=0)
-    _check_int("accumulation_steps", accumulation_steps, minimum=1)
-    _check_int("examples_per_microbatch", examples_per_microbatch, minimum=1)
+    check_int("position", position, minimum=0)
+    check_int("accumulation_steps", accumulation_steps, minimum=1)
+    check_int("examples_per_microbatch", examples_per_microbatch, minimum=1)
     row_indices = _row_indices(rows, examples_per_microbatch)  # (rows,)
     microbatch_starts = position + examples_per_microbatch * np.arange(
         accumulation_steps, dtype=np.int64
@@ -165,7 +165,7 @@ def _row_indices(rows: slice | np.ndarray, examples_per_microbatch: int) -> np.n
     return rows.astype(np.int64)
 
 
-def _check_int(name: str, value: int, *, minimum: int) -> None:
+def check_int(name: str, value: int, *, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:

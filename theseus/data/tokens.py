@@ -19,13 +19,16 @@ import numpy as np
 from theseus.data.binfile import bin_corpus
 from theseus.data.corpus import BYTE_VOCAB_SIZE, Corpus, bytes_to_tokens
 from theseus.data.documents import split_documents
+from theseus.data.packing import MaskedExamples
 from theseus.data.readers import kind_of, list_inputs, read_bytes, walk_sorted
 from theseus.data.shards import (
     SHARD_PATTERN,
     SPLITS,
     TOKENIZED_RECORD,
     TOKENIZER_FILE,
+    example_lengths,
     is_incomplete,
+    open_masks,
     open_split,
     read_manifest,
 )
@@ -55,7 +58,8 @@ def load_corpus(
     - a directory written by ``theseus tokenize`` (it holds the ``tokens.json`` manifest): its
       shards, memory-mapped, split when it was tokenized, with its vocabulary size and
       ``tokenizer.json``. Any of its shards names the whole folder. A folder that tokenize has
-      not finished is refused.
+      not finished is refused. A chat folder's examples (tokens, loss mask and lengths) come
+      with it (``Corpus.examples``), packed into rows by the sampler.
     - any other directory: the bytes of its documents (every non-hidden regular file below it is
       one, or a JSON Lines or Parquet file's records' ``text_field``), split by document as
       :mod:`theseus.data.split` says (a tail split when it holds a single text file).
@@ -187,15 +191,6 @@ def _tokenized_corpus(root: Path, vocab_size: int | None) -> Corpus:
             "drop vocab_size"
         )
     manifest = read_manifest(root)
-    if manifest.data.get("loss_mask"):
-        raise ValueError(
-            f"{str(root)!r} is a tokenized chat corpus: its tokens carry a loss mask (only the "
-            "assistant's tokens train) and its conversations must not attend to one another. "
-            "Training on it needs packing with segment ids and the masked loss, which this "
-            "theseus does not have yet, and training on its tokens as a plain stream would "
-            "silently train on every user, system and tool token; train on a corpus tokenized "
-            "from text instead"
-        )
     dtype, record_vocab = manifest.token_dtype, manifest.vocab_size
     train, validation = (open_split(root, manifest, name) for name in SPLITS)
     tokenizer = root / TOKENIZER_FILE
@@ -205,7 +200,16 @@ def _tokenized_corpus(root: Path, vocab_size: int | None) -> Corpus:
         f"tokenized folder {str(root)!r}, {train.size} + {validation.size} {dtype} tokens, "
         f"vocab {record_vocab}"
     )
-    return Corpus(train, validation, record_vocab, source, tokenizer)
+    eos_id = manifest.data.get("eos_id")
+    examples = None
+    if manifest.data.get("loss_mask"):
+        examples = tuple(
+            MaskedExamples(tokens, open_masks(root, manifest, name), lengths)
+            for tokens, name in ((train, "train"), (validation, "validation"))
+            for lengths in [example_lengths(root, manifest, name)]
+        )
+        source = source.replace("tokenized folder", "tokenized chat folder", 1)
+    return Corpus(train, validation, record_vocab, source, tokenizer, eos_id, examples)
 
 
 def _read_nonempty(path: Path) -> bytes:

@@ -154,12 +154,20 @@ class DecoderModel(nnx.Module):
         raise NotImplementedError(f"{type(self).__name__} must define build(config, rngs)")
 
     def __call__(
-        self, tokens: jax.Array, keys: jax.Array | None = None, *, deterministic: bool = True
+        self,
+        tokens: jax.Array,
+        keys: jax.Array | None = None,
+        *,
+        deterministic: bool = True,
+        segments: jax.Array | None = None,
+        positions: jax.Array | None = None,
     ) -> jax.Array:
         """Float32 logits ``(batch, seq, vocab)`` of int ``tokens`` ``(batch, seq)``.
 
         ``deterministic=False`` (training) applies dropout (when the model has any) with the
-        per-example ``keys`` ``(batch,)``, which it then needs."""
+        per-example ``keys`` ``(batch,)``, which it then needs. Packed rows give ``segments``
+        (batch, seq), a query reading keys of its own segment only, and ``positions`` (batch,
+        seq), which restart in each segment (default: 0, 1, ... along the row)."""
         rate = self.skeleton.dropout
         if deterministic or rate == 0.0:
             keys = None
@@ -169,23 +177,32 @@ class DecoderModel(nnx.Module):
                 "needs one key per example: pass keys (batch,), e.g. Keys.examples in a "
                 "trainer's loss"
             )
-        return forward(nnx.to_pure_dict(nnx.state(self, nnx.Param)), tokens, self.skeleton, keys)
+        params = nnx.to_pure_dict(nnx.state(self, nnx.Param))
+        return forward(params, tokens, self.skeleton, keys, segments=segments, positions=positions)
 
 
 def forward(
-    params: dict, tokens: jax.Array, skeleton: Skeleton, keys: jax.Array | None = None
+    params: dict,
+    tokens: jax.Array,
+    skeleton: Skeleton,
+    keys: jax.Array | None = None,
+    *,
+    segments: jax.Array | None = None,
+    positions: jax.Array | None = None,
 ) -> jax.Array:
     """Float32 logits (batch, seq, vocab) of int ``tokens`` (batch, seq) from a parameter dict;
     with per-example ``keys`` (batch,), dropout at ``skeleton.dropout`` (embedding: stream 0,
-    layer ``i``: stream ``i + 1``)."""
+    layer ``i``: stream ``i + 1``); with ``segments`` and ``positions`` (batch, seq), attention
+    within each segment and positions as given (packed rows)."""
     sk = skeleton
     seq = tokens.shape[1]
     sk.check_length(seq)
-    positions = jnp.arange(seq)[None]  # (1, seq)
+    if positions is None:
+        positions = jnp.arange(seq)[None]  # (1, seq)
     x = sk.embed(params, tokens, positions, sk.settings)  # (batch, seq, n_embd) float32
     x = dropout(x, sk.dropout, fold_in(keys, 0))
     features = sk.features(positions, sk.settings)
-    mask = AttentionMask.causal(seq)
+    mask = AttentionMask(positions, positions, segments, segments)
 
     def one_layer(inputs, x):
         layer, index, window, inv_freq = inputs

@@ -16,7 +16,15 @@ from theseus.model.decode import Decoder
 from theseus.model.family import Family
 from theseus.training.flops import flops_per_token
 from theseus.training.keys import Keys
-from theseus.training.trainer import BaseTrainer, TrainerConfig, next_token_loss
+from theseus.training.losses import (
+    TokenLoss,
+    masked_token_loss,
+    next_token_loss,
+    row_fields,
+    segment_positions,
+    target_weights,
+)
+from theseus.training.trainer import BaseTrainer, TrainerConfig
 
 
 class FamilyTrainer(BaseTrainer):
@@ -48,6 +56,25 @@ class FamilyTrainer(BaseTrainer):
         """Next-token loss; dropout (when the model has any) in training only."""
         logits = model(tokens[:, :-1], keys.examples, deterministic=not train)
         return next_token_loss(logits, tokens[:, 1:])
+
+    def token_loss(
+        self, model: nnx.Module, rows: jax.Array, keys: Keys, *, train: bool
+    ) -> TokenLoss:
+        """Plain token rows: :meth:`loss` times its targets. Segmented rows (examples,
+        ROW_FIELDS, seq_len + 1): each example attends within its segment at restarted
+        positions, and only its trained targets count (:mod:`theseus.training.losses`)."""
+        if rows.ndim == 2:
+            return super().token_loss(model, rows, keys, train=train)
+        tokens, mask, segments = row_fields(rows)  # each (examples, seq_len + 1)
+        inputs = segments[:, :-1]  # (examples, seq_len)
+        logits = model(
+            tokens[:, :-1],
+            keys.examples,
+            deterministic=not train,
+            segments=inputs,
+            positions=segment_positions(inputs),
+        )
+        return masked_token_loss(logits, tokens[:, 1:], target_weights(mask, segments))
 
     def default_seq_len(self) -> int:
         return self.family.context(self.config.model).length

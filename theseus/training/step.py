@@ -29,6 +29,7 @@ from theseus.sharding.topology import Topology, under_mesh
 from theseus.training import gathering
 from theseus.training.finetune import Partition
 from theseus.training.keys import Keys, step_keys, validation_keys
+from theseus.training.losses import TokenLoss
 from theseus.training.nonfinite import update_if_finite
 from theseus.training.state import TrainState
 
@@ -47,25 +48,28 @@ class TrainerStep:
     state_layout: TrainState
     abstract_state: TrainState
     seq_len: int
-    loss: Callable[..., jax.Array]
+    token_loss: Callable[..., TokenLoss]
     learning_rate: Callable[[], optax.Schedule]
 
     @property
     def batch_sharding(self) -> NamedSharding:
-        """(accumulation, examples, seq_len + 1): examples over ``batch``, shared by ``shard``."""
+        """(accumulation, examples, [ROW_FIELDS,] seq_len + 1): examples over ``batch``, shared
+        by ``shard``."""
         return NamedSharding(self.mesh, P(None, Axis.BATCH, None))
 
-    def _model_loss(self, tokens: jax.Array, keys: Keys, *, train: bool) -> Callable:
-        """``params -> loss``: :meth:`loss` of the model built from ``params``."""
+    def _model_loss(self, rows: jax.Array, keys: Keys, *, train: bool) -> Callable:
+        """``params -> TokenLoss``: :meth:`token_loss` of the model built from ``params``."""
 
-        def model_loss(params: Any) -> jax.Array:
-            return self.loss(nnx.merge(self.graphdef, params), tokens, keys, train=train)
+        def model_loss(params: Any) -> TokenLoss:
+            return self.token_loss(nnx.merge(self.graphdef, params), rows, keys, train=train)
 
         return model_loss
 
-    def _loss_in_layouts(self, params: Any, tokens: jax.Array, keys: Keys, *, train: bool):
-        """:meth:`loss` with the layouts installed for :func:`theseus.scan_layers`."""
-        model_loss = self._model_loss(tokens, keys, train=train)
+    def _loss_in_layouts(
+        self, params: Any, rows: jax.Array, keys: Keys, *, train: bool
+    ) -> TokenLoss:
+        """:meth:`token_loss` with the layouts installed for :func:`theseus.scan_layers`."""
+        model_loss = self._model_loss(rows, keys, train=train)
         return gathering.loss_with_layouts(
             model_loss,
             params,
@@ -109,40 +113,49 @@ class TrainerStep:
 
     def _train_step(self, state: TrainState, batch: jax.Array) -> tuple[TrainState, dict]:
         constrain = jax.lax.with_sharding_constraint
-        num_micro, examples, width = batch.shape
+        num_micro, examples = batch.shape[:2]
         replicas = self.accumulating_replicas
-        batch = batch.reshape(num_micro, replicas, examples // replicas, width)
+        batch = batch.reshape(num_micro, replicas, examples // replicas, *batch.shape[2:])
         rng = step_keys(state.rng, state.step, batch.shape[:3])  # one key per example, and step
 
-        def replica_grads(params, step_key, tokens, rows):  # a replica's examples and keys
+        def replica_grads(params, step_key, rows, examples):  # a replica's rows and keys
             trained, frozen = self.partition.split(params)  # gradients of the trained alone
 
             def loss(trained):
                 joined = self.partition.join(trained, frozen)
-                return self._loss_in_layouts(joined, tokens, Keys(rows, step_key), train=True)
+                summed = self._loss_in_layouts(joined, rows, Keys(examples, step_key), train=True)
+                return summed.total, summed
 
-            loss, grads = jax.value_and_grad(loss)(trained)
-            return loss, jax.tree.map(lambda g: g.astype(jnp.float32), grads)  # (), parameters
+            (_, summed), grads = jax.value_and_grad(loss, has_aux=True)(trained)
+            return summed, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
 
         per_replica = gathering.per_replica(replica_grads, replicas)
 
-        def microbatch(grad_sum, inputs):
+        def microbatch(carry, inputs):  # sums of losses and gradients, and trained tokens
+            grad_sum, loss_sum = carry
             params = gathering.enter(state.params, self.layouts, self.entry)
-            losses, grads = per_replica((params, rng.step), *inputs)  # (replicas, ...)
+            summed, grads = per_replica((params, rng.step), *inputs)  # (replicas, ...)
             grad_sum = constrain(jax.tree.map(jnp.add, grad_sum, grads), self.accumulator_layout)
-            return grad_sum, losses.mean()
+            loss_sum = TokenLoss(
+                loss_sum.total + summed.total.sum(), loss_sum.count + summed.count.sum()
+            )
+            return (grad_sum, loss_sum), None
 
         trained, frozen = self.partition.split(state.params)
         zeros = jax.tree.map(lambda p: jnp.zeros((replicas, *p.shape), jnp.float32), trained)
-        grad_sum, losses = jax.lax.scan(
-            microbatch, constrain(zeros, self.accumulator_layout), (batch, rng.examples)
+        nothing = TokenLoss(jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+        (grad_sum, summed), _ = jax.lax.scan(
+            microbatch, (constrain(zeros, self.accumulator_layout), nothing), (batch, rng.examples)
         )
-        # The one reduction across replicas of the step, straight into the update layout.
-        mean = jax.tree.map(lambda g: g.sum(0) / (num_micro * replicas), grad_sum)
+        # The one reduction across replicas of the step, straight into the update layout, and the
+        # one division: by the trained tokens of the whole global batch.
+        count = summed.count.astype(jnp.float32)
+        mean = jax.tree.map(lambda g: g.sum(0) / count, grad_sum)
         update_layout = self.partition.trained(self.layouts.update)
         grads = constrain(mean, update_layout)
         metrics = {
-            "loss": losses.mean(),
+            "loss": summed.mean(),
+            "trained_tokens": summed.count,
             "grad_norm": optax.tree.norm(grads),
             "learning_rate": self.learning_rate()(state.step),
         }
@@ -171,27 +184,30 @@ class TrainerStep:
         )
         return under_mesh(step, self.mesh)
 
-    def compile(self) -> CompiledStep:
-        """The train step compiled ahead of time for this mesh (nothing allocated): the
-        executable a training loop calls, and its per-device memory."""
-        batch = jax.ShapeDtypeStruct(self.batch_plan.shape, np.int32, sharding=self.batch_sharding)
+    def compile(self, batch_shape: tuple[int, ...] | None = None) -> CompiledStep:
+        """The train step compiled ahead of time for this mesh (nothing allocated) for batches
+        of ``batch_shape`` (default: the plan's plain token rows): the executable a training
+        loop calls, and its per-device memory."""
+        shape = self.batch_plan.shape if batch_shape is None else batch_shape
+        batch = jax.ShapeDtypeStruct(shape, np.int32, sharding=self.batch_sharding)
         return CompiledStep.of(self.train_step.lower(self.abstract_state, batch).compile())
 
     def _validation_loss(self, params: Any, batches: jax.Array) -> jax.Array:
         params = jax.lax.with_sharding_constraint(params, self.entry.layout)
         keys = validation_keys(batches.shape[:2])  # examples: (num_batches, examples)
 
-        def one(total, inputs):  # (examples, seq_len + 1), (examples,)
-            return total + self._loss_in_layouts(
-                params, inputs[0], Keys(inputs[1], keys.step), train=False
-            ), None
+        def one(summed, inputs):  # rows (examples, ...), keys (examples,)
+            more = self._loss_in_layouts(params, inputs[0], Keys(inputs[1], keys.step), train=False)
+            return TokenLoss(summed.total + more.total, summed.count + more.count), None
 
-        total, _ = jax.lax.scan(one, jnp.zeros((), jnp.float32), (batches, keys.examples))
-        return total / batches.shape[0]
+        nothing = TokenLoss(jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+        summed, _ = jax.lax.scan(one, nothing, (batches, keys.examples))
+        return summed.mean()
 
     @cached_property
     def validation_step(self) -> Callable[[Any, jax.Array], jax.Array]:
-        """Mean loss over (num_batches, examples, seq_len + 1) under the compute layout."""
+        """Mean loss over the trained tokens of (num_batches, examples, ...) rows under the
+        compute layout."""
         step = jax.jit(
             self._validation_loss,
             in_shardings=(self.layouts.storage, self.batch_sharding),
@@ -205,6 +221,8 @@ class TrainerStep:
         """A global batch array whose devices each read only their own example rows."""
 
         def fetch(index):
-            return np.asarray(rows_for(index[1]), dtype=np.int32)[:, :, index[2]]
+            return np.asarray(rows_for(index[1]), dtype=np.int32)[
+                (slice(None), slice(None), *index[2:])
+            ]
 
         return jax.make_array_from_callback(shape, self.batch_sharding, fetch)

@@ -40,6 +40,7 @@ from theseus.sharding.topology import Topology
 from theseus.training import optimizer
 from theseus.training.finetune import FinetuneConfig, lora_spec, partition
 from theseus.training.keys import Keys
+from theseus.training.losses import TokenLoss, next_token_loss
 from theseus.training.state import TrainerState
 from theseus.training.step import TrainerStep
 
@@ -56,12 +57,6 @@ class TrainerConfig(Section):
     checkpointing: CheckpointingConfig = pydantic.Field(default_factory=CheckpointingConfig)
     finetune: FinetuneConfig = pydantic.Field(default_factory=FinetuneConfig)
     evaluation: EvaluationConfig = pydantic.Field(default_factory=EvaluationConfig)
-
-
-def next_token_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean cross-entropy of logits (examples, seq, vocab) against targets (examples, seq)."""
-    logits = logits.astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
 class BaseTrainer(TrainerState, TrainerStep, abc.ABC):
@@ -130,9 +125,28 @@ class BaseTrainer(TrainerState, TrainerStep, abc.ABC):
     def loss(self, model: nnx.Module, tokens: jax.Array, keys: Keys, *, train: bool) -> jax.Array:
         """The mean loss of ``model`` on ``tokens`` (examples, seq_len + 1): next-token prediction
         unless a subclass overrides it; ``keys`` are the examples' random keys, ``train`` is False
-        in validation. The one loss of a trainer: the step, validation and FLOP counting call it."""
+        in validation. The one loss of a trainer on plain token rows: the step and validation
+        call it through :meth:`token_loss`, FLOP counting directly."""
         del keys, train
         return next_token_loss(model(tokens[:, :-1]), tokens[:, 1:])
+
+    def token_loss(
+        self, model: nnx.Module, rows: jax.Array, keys: Keys, *, train: bool
+    ) -> TokenLoss:
+        """The :class:`TokenLoss` of ``model`` on ``rows``, what the step and validation add up.
+        Here: :meth:`loss` (a mean over every next-token target) times the number of targets,
+        for plain token rows (examples, seq_len + 1). Packed rows of masked data
+        (examples, ROW_FIELDS, seq_len + 1) need a trainer whose ``token_loss`` reads their
+        segments and masks (the family trainers do)."""
+        if rows.ndim != 2:
+            raise TypeError(
+                f"{type(self).__name__} trains on plain token rows (examples, seq_len + 1), got "
+                f"rows of shape {rows.shape}; masked or document-masked data needs a trainer "
+                "that defines token_loss for segmented rows (the model families' trainers do)"
+            )
+        count = rows.shape[0] * (rows.shape[1] - 1)
+        mean = self.loss(model, rows, keys, train=train)
+        return TokenLoss(mean * count, jnp.asarray(count, jnp.int32))
 
     def decoder(self) -> Decoder | None:
         """Cached decoding for ``theseus generate`` (:class:`theseus.model.decode.Decoder`);

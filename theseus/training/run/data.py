@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import jax
 
-from theseus.data import Mixture, MixtureSampler, load_mixture, validation_batches
+from theseus.data import Mixture, MixtureSampler, load_mixture
 from theseus.distributed.join import check_same_everywhere
 from theseus.training.trainer import BaseTrainer
 
@@ -17,6 +17,13 @@ def load_data(trainer: BaseTrainer) -> Mixture:
     mixture = load_mixture(trainer.config.data)
     for source in mixture.sources:
         trainer.check_corpus(source.corpus)
+    if mixture.segmented and type(trainer).token_loss is BaseTrainer.token_loss:
+        raise ValueError(
+            f"{type(trainer).__name__} trains on plain token rows, but the data "
+            f"({mixture.description}) gives segmented rows (a chat corpus's packed examples, or "
+            "data.document_masking=true); train it with a model family's trainer, or define "
+            "token_loss for segmented rows"
+        )
     check_same_everywhere("corpus", mixture.fingerprint())
     return mixture
 
@@ -40,7 +47,7 @@ class Validation:
 
 def validation_array(trainer: BaseTrainer, mixture: Mixture) -> Validation:
     """Each source's held-out batches as one sharded array (batches × accumulation, examples,
-    seq_len + 1).
+    *row shape).
 
     Each held-out batch is ``training.batch_size`` examples split like a training batch, so the
     examples, and hence the loss, do not depend on the mesh.
@@ -50,9 +57,9 @@ def validation_array(trainer: BaseTrainer, mixture: Mixture) -> Validation:
     arrays = {}
     for source in mixture.sources:
         try:
-            batches = validation_batches(
-                source.corpus.validation, plan.seq_len, num, plan.examples_per_microbatch
-            )  # (num, examples, seq_len + 1)
+            batches = mixture.validation(
+                source, plan.seq_len, num, plan.examples_per_microbatch
+            )  # (num, examples, *row shape)
         except ValueError as error:
             raise ValueError(f"data source {source.name!r}: {error}") from None
         arrays[source.name] = trainer.put_batch(
@@ -62,13 +69,34 @@ def validation_array(trainer: BaseTrainer, mixture: Mixture) -> Validation:
     return Validation(arrays, weights, mixture.named)
 
 
-def train_batch(trainer: BaseTrainer, sampler: MixtureSampler, position: int) -> jax.Array:
-    """The global batch of the step that starts at example ``position`` (each process reads only
-    its devices' rows)."""
+def batch_shape(trainer: BaseTrainer, mixture: Mixture) -> tuple[int, ...]:
+    """The shape of a global batch of ``mixture``'s rows: (accumulation, examples, *row shape)."""
+    plan = trainer.batch_plan
+    return (*plan.shape[:2], *mixture.row_shape(plan.seq_len))
+
+
+def train_batch(
+    trainer: BaseTrainer, sampler: MixtureSampler, position: int, shape: tuple[int, ...]
+) -> jax.Array:
+    """The global batch of ``shape`` of the step that starts at example ``position`` (each
+    process reads only its devices' rows)."""
     plan = trainer.batch_plan
     return trainer.put_batch(
         lambda rows: sampler.local_batch(
             position, plan.accumulation_steps, plan.examples_per_microbatch, rows
         ),
-        plan.shape,
+        shape,
     )
+
+
+def data_facts(trainer: BaseTrainer, mixture: Mixture) -> dict:
+    """run.json's entries on the rows: whether they are segmented, and for masked sources how
+    they packed (rows, non-padding fraction, examples truncated or dropped by data.overlong)."""
+    if not mixture.segmented:
+        return {"segmented_rows": False}
+    seq_len, seed = trainer.batch_plan.seq_len, trainer.config.training.seed
+    facts = {"segmented_rows": True, "document_masking": mixture.document_masking}
+    packing = mixture.packing_facts(seq_len, seed)
+    if packing is not None:
+        facts |= {"overlong": mixture.overlong, "packing": packing}
+    return facts

@@ -19,6 +19,7 @@ from typing import Any
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
+    "chat_template.jinja",
     "special_tokens_map.json",
     "vocab.json",
     "merges.txt",

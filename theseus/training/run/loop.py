@@ -19,7 +19,14 @@ from theseus.data import MixtureSampler
 from theseus.distributed.join import describe_processes, is_main_process, main_process_logger
 from theseus.training.flops import count_flops
 from theseus.training.run.checkpointing import checkpoint_meta, saved_state
-from theseus.training.run.data import Validation, load_data, train_batch, validation_array
+from theseus.training.run.data import (
+    Validation,
+    batch_shape,
+    data_facts,
+    load_data,
+    train_batch,
+    validation_array,
+)
 from theseus.training.run.metrics import MetricsWriter
 from theseus.training.run.mode import NEW_RUN, RunMode
 from theseus.training.run.preemption import PreemptionWatch
@@ -111,7 +118,8 @@ def train(
             f"mesh {trainer.topology.mesh_shape}; data {corpus.description}"
         )
         compile_start = time.perf_counter()
-        compiled = trainer.compile()  # once, ahead of time: the loop calls its executable
+        shape = batch_shape(trainer, corpus)
+        compiled = trainer.compile(shape)  # once, ahead of time: the loop calls its executable
         compile_time_s = time.perf_counter() - compile_start
         speed = speedometer(trainer, count_flops(trainer))
         write_run_record(
@@ -121,6 +129,7 @@ def train(
             state=start.state,
             compiled=compiled,
             resumes=start.resumes,
+            data=data_facts(trainer, corpus),
             speed={"compile_time_s": compile_time_s, **speed.facts()},
         )
         initial_val_loss, _ = validation.losses(trainer, start.state.params)
@@ -149,6 +158,7 @@ def train(
                 step_fn=compiled.executable,
                 start=start,
                 sampler=corpus.sampler(batch_plan.seq_len, config.training.seed),
+                shape=shape,
                 validation=validation,
                 checkpointer=checkpointer,
                 metrics=metrics,
@@ -176,6 +186,7 @@ def _steps(
     step_fn: Callable[[TrainState, jax.Array], tuple[TrainState, dict]],
     start: StartingPoint,
     sampler: MixtureSampler,
+    shape: tuple[int, ...],
     validation: Validation,
     checkpointer: Checkpointer,
     metrics: MetricsWriter,
@@ -193,14 +204,16 @@ def _steps(
     """
     training = trainer.config.training
     state, position = start.state, start.data_position
-    batch = train_batch(trainer, sampler, position)
+    batch = train_batch(trainer, sampler, position, shape)
     for step in range(start.first_step, training.steps + 1):
         state, step_metrics = step_fn(state, batch)
         metrics.push(step, step_metrics)
         position += trainer.batch_plan.global_batch_size
         last = step == training.steps
         if not last:
-            batch = train_batch(trainer, sampler, position)  # the next step's, while this runs
+            batch = train_batch(
+                trainer, sampler, position, shape
+            )  # the next step's, while this runs
         if step % training.validation_interval == 0 or last:
             with metrics.paused():
                 metrics.add_validation(*validation.losses(trainer, state.params))

@@ -139,7 +139,9 @@ class MetricsWriter:
         metrics = jax.device_get(pending.metrics)
         row = {"step": pending.step}
         row |= {k: bool(v) if v.dtype == bool else float(v) for k, v in metrics.items()}
-        row |= self.speed.rates(self._clock.lap())  # device_get returned when the step finished
+        row["trained_tokens"] = int(row["trained_tokens"])  # targets that trained (masked: fewer)
+        # device_get returned when the step finished
+        row |= self.speed.rates(self._clock.lap(), row["trained_tokens"])
         row["tokens"] = pending.step * self.speed.tokens_per_step
         return row
 

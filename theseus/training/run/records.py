@@ -57,6 +57,7 @@ def write_run_record(
     compiled: CompiledStep,
     resumes: list[dict],
     speed: dict,
+    data: dict,
 ) -> None:
     """``run.json``, ``config.yaml`` and ``layouts.txt`` (main process), from the trainer."""
     if not is_main_process():
@@ -73,6 +74,7 @@ def write_run_record(
         },
         "compiled_step_memory_per_device": as_json(compiled),
         "data": corpus.description,
+        **data,
         "resumes": resumes,
     }
     (out_dir / "run.json").write_text(json.dumps(record, indent=2) + "\n")

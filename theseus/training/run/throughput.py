@@ -32,10 +32,16 @@ class Speedometer:
     peak: Peak
     num_devices: int
 
-    def rates(self, step_time_s: float) -> dict[str, float]:
-        """``step_time_s``, ``tokens_per_s`` and, when the device's peak is known, ``mfu``."""
+    def rates(self, step_time_s: float, trained_tokens: int) -> dict[str, float]:
+        """``step_time_s``, ``tokens_per_s`` (every position of the step's rows),
+        ``trained_tokens_per_s`` (the targets that trained: all of them but for masked data) and,
+        when the device's peak is known, ``mfu``."""
         tokens_per_s = self.tokens_per_step / step_time_s
-        rates = {"step_time_s": step_time_s, "tokens_per_s": tokens_per_s}
+        rates = {
+            "step_time_s": step_time_s,
+            "tokens_per_s": tokens_per_s,
+            "trained_tokens_per_s": trained_tokens / step_time_s,
+        }
         if self.peak.flops_per_s is not None:
             achieved = self.flops.per_token * tokens_per_s
             rates["mfu"] = achieved / (self.peak.flops_per_s * self.num_devices)

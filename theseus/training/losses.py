@@ -1,0 +1,75 @@
+"""The losses a step adds up: next-token cross-entropy as a sum over trained tokens and their
+count (:class:`TokenLoss`), and what a segmented row says about its targets and positions.
+
+A segmented row (packed examples, or a pretraining window split at its end-of-text tokens) is
+int32 ``(ROW_FIELDS, seq_len + 1)``: tokens, loss mask (1 where the token trains as a target) and
+segment ids (1, 2, ... for the examples in order, 0 for padding). Token ``i + 1`` is the target of
+input ``i`` and trains when its mask is 1 and it is in the segment of input ``i`` (never padding,
+never the first token of the next example). Positions restart at 0 at each segment's first token.
+
+Document masking (``data.document_masking=true``) makes the same rows of a pretraining stream:
+a document ends with its end-of-text token, which stays in its segment and trains as the target
+of the document's last token; the next document starts a new segment at position 0, as a packed
+example does, so the first token of a document is no target (it would be predicted across the
+boundary). Every other token trains.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+from theseus.data.packing import MASK, SEGMENTS, TOKENS
+
+
+def next_token_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean cross-entropy of logits (examples, seq, vocab) against targets (examples, seq)."""
+    logits = logits.astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+@struct.dataclass
+class TokenLoss:
+    """A loss as the step adds it up: the sum of per-token losses over the trained tokens
+    (float32) and their number (int32). Sums over microbatches and replicas, divided once, give
+    the mean over the trained tokens of the whole global batch, whatever the layout."""
+
+    total: jax.Array
+    count: jax.Array
+
+    def mean(self) -> jax.Array:
+        return self.total / self.count
+
+
+def masked_token_loss(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> TokenLoss:
+    """Cross-entropy of logits (examples, seq, vocab) against targets (examples, seq), summed
+    where ``weights`` (examples, seq; 0 or 1) is 1."""
+    per_token = optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), targets
+    )  # (examples, seq)
+    return TokenLoss(jnp.sum(per_token * weights), jnp.sum(weights, dtype=jnp.int32))
+
+
+def row_fields(rows: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Tokens, loss mask and segment ids (each (examples, seq_len + 1)) of segmented rows
+    (examples, ROW_FIELDS, seq_len + 1)."""
+    return rows[:, TOKENS], rows[:, MASK], rows[:, SEGMENTS]
+
+
+def target_weights(mask: jax.Array, segments: jax.Array) -> jax.Array:
+    """1 where input ``i``'s target (token ``i + 1``) trains: its mask is 1 and it is in input
+    ``i``'s segment, which is not padding. (examples, seq_len + 1) in, (examples, seq_len) out."""
+    same = (segments[:, 1:] == segments[:, :-1]) & (segments[:, :-1] != 0)
+    return jnp.where(same, mask[:, 1:], 0).astype(jnp.float32)
+
+
+def segment_positions(segments: jax.Array) -> jax.Array:
+    """Positions that restart at 0 where the segment id changes: (examples, seq) in and out."""
+    index = jnp.arange(segments.shape[1])  # (seq,)
+    starts = jnp.concatenate(
+        [jnp.ones_like(segments[:, :1], bool), segments[:, 1:] != segments[:, :-1]], axis=1
+    )  # (examples, seq)
+    first = jax.lax.cummax(jnp.where(starts, index, 0), axis=1)  # each token's segment start
+    return index - first
