@@ -335,6 +335,17 @@ def test_shards_and_masks_stream_resume_and_load_for_training(folders, tmp_path,
     for path in sorted((tmp_path / "whole").glob("*-*.*")):
         assert (out / path.name).read_bytes() == path.read_bytes(), path.name
     assert json.loads((out / "tokens.json").read_text())["splits"] == manifest.data["splits"]
+    # --seq-len: the train split packed as training packs it (its longest conversations cut).
+    train_lengths = example_lengths(out, manifest, "train")
+    row_tokens = int(np.median(train_lengths)) * 2  # seq_len + 1: about two per row
+    packed = chat_tokenize.tokenize_chat(
+        corpus, out, tokenizer=tokenizer, shard_tokens=900, seq_len=row_tokens - 1
+    ).packing
+    kept = np.minimum(train_lengths, row_tokens)
+    assert packed.row_tokens == row_tokens and packed.kept.sum() == kept.sum()
+    assert packed.truncated == int((train_lengths > row_tokens).sum()) > 0
+    assert packed.efficiency == kept.sum() / (packed.num_rows * row_tokens) > 0.5
+    assert packed.num_rows < len(train_lengths)
     # Training reads the tokens, masks and example lengths (tests/test_packing.py trains them).
     loaded = load_corpus(out).examples[0]
     np.testing.assert_array_equal(loaded.lengths, example_lengths(out, manifest, "train"))
@@ -396,3 +407,7 @@ def test_bad_chat_input_exits_2_and_writes_nothing(folders, tmp_path):
     assert result.exit_code == 2 and "this template refuses everything" in result.output
     result = invoke("tokenize", corpus, tmp_path / "out", "--vocab-size", 300)
     assert result.exit_code == 2 and "tokenizer folder" in result.output
+    (tmp_path / "text.txt").write_text("plain text, no records\n")
+    result = invoke("tokenize", tmp_path / "text.txt", tmp_path / "out", "--seq-len", 8)
+    assert result.exit_code == 2 and "--seq-len applies to chat records" in result.output
+    assert not (tmp_path / "out").exists()

@@ -1,9 +1,9 @@
 """theseus: annotate a model once with logical axis names, train it under DP, TP, ZeRO or FSDP.
 
 ``theseus.chain``, ``theseus.quick``, ``theseus.register``, ``theseus.families``,
-``theseus.BaseTrainer``, ``theseus.tokenize``, ``theseus.generate``, ``theseus.generate_chat``,
-``theseus.logits``, ``theseus.evaluate``, ``theseus.import_hf`` and ``theseus.export_hf`` load
-the training stack on first use, so ``import theseus`` (and the command line) stay light. Where
+``theseus.BaseTrainer``, ``theseus.tokenize``, ``theseus.tokenize_chat``, ``theseus.generate``,
+``theseus.generate_chat``, ``theseus.logits``, ``theseus.evaluate``, ``theseus.import_hf`` and
+``theseus.export_hf`` load the training stack on first use, so ``import theseus`` (and the command line) stay light. Where
 lm-evaluation-harness is installed (the ``eval`` extra), ``import theseus`` registers
 ``theseus.inference.harness.TheseusLM`` as its model ``theseus`` by name only: the module loads
 when the harness first asks for it.
@@ -32,6 +32,7 @@ _LAZY = {
     "import_hf": "theseus.hf.importer",
     "export_hf": "theseus.hf.exporter",
     "tokenize": "theseus.data.bpe",
+    "tokenize_chat": "theseus.data.chat_tokenize",
     "next_token_loss": "theseus.training.trainer",
     "Keys": "theseus.training.keys",
     "RunMode": "theseus.training.run.mode",

@@ -68,6 +68,14 @@ def tokenize(
     shard_tokens: Annotated[
         int, typer.Option(help="tokens per shard (a shard closes at a piece boundary past it)")
     ] = DEFAULT_SHARD_TOKENS,
+    seq_len: Annotated[
+        int | None,
+        typer.Option(
+            help="chat records: also report how the train split packs into rows of this "
+            "training.seq_len + 1 tokens",
+            min=1,
+        ),
+    ] = None,
     overwrite: Overwrite = False,
 ) -> None:
     """Tokenize a corpus into token shards with byte-level BPE.
@@ -97,14 +105,16 @@ def tokenize(
                 seed=seed,
                 shard_tokens=shard_tokens,
                 overwrite=overwrite,
+                seq_len=seq_len,
             )
             typer.echo(chat.describe())
             return
-        if chat_template is not None:
-            raise ValueError(
-                f"--chat-template applies to chat records (messages, or prompt and completion), "
-                f"but corpus {corpus!r} holds none; drop it or pass a chat corpus"
-            )
+        for name, value in (("--chat-template", chat_template), ("--seq-len", seq_len)):
+            if value is not None:
+                raise ValueError(
+                    f"{name} applies to chat records (messages, or prompt and completion), "
+                    f"but corpus {corpus!r} holds none; drop it or pass a chat corpus"
+                )
 
         result = tokenize_corpus(
             corpus,

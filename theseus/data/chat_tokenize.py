@@ -25,7 +25,9 @@ import theseus.data.tokenize_io as tokenize_io
 from theseus.data.bpe import DEFAULT_SHARD_TOKENS, TokenizedCorpus, token_dtype
 from theseus.data.chat import ChatEncoder, Encoded, Example
 from theseus.data.chat_records import chat_files, first_record, is_chat_record, read_records
+from theseus.data.packing import Packing, pack
 from theseus.data.readers import fingerprint, list_inputs, walk_sorted
+from theseus.data.sampler import check_int
 from theseus.data.shards import (
     CHAT_TEMPLATE_FILE,
     DOCS_DTYPE,
@@ -53,19 +55,30 @@ class ChatTokenized:
     train_trained_tokens: int
     validation_trained_tokens: int
     longest_example: int  # tokens of the longest conversation, train or validation
+    packing: Packing | None  # the train split packed into rows of seq_len + 1 (None: no seq_len)
 
     def describe(self) -> str:
         c = self.corpus
         again = " (resumed)" if c.resumed else ""
-        return (
+        head = (
             f"wrote {c.out_dir}{again}: {c.train_documents:,} + {c.validation_documents:,} "
             f"conversations rendered with the chat template, {c.train_tokens:,} train + "
             f"{c.validation_tokens:,} validation {c.token_dtype} tokens in {c.num_shards} "
             f"shard(s), of which {self.train_trained_tokens:,} + "
             f"{self.validation_trained_tokens:,} train (the loss mask beside each shard), in "
-            f"{c.seconds:.1f} s; the longest conversation has {self.longest_example:,} tokens "
-            "(training packs conversations into rows of training.seq_len + 1 tokens, longer "
-            "ones as data.overlong says; run.json reports the packing)"
+            f"{c.seconds:.1f} s; the longest conversation has {self.longest_example:,} tokens"
+        )
+        if self.packing is None:
+            return head + (
+                " (training packs conversations into rows of training.seq_len + 1 tokens; "
+                "--seq-len shows the packing here, run.json reports it)"
+            )
+        p = self.packing
+        return head + (
+            f"; packed as training packs them into rows of {p.row_tokens:,} tokens "
+            f"(training.seq_len + 1), the train split fills {p.num_rows:,} rows "
+            f"{p.efficiency:.1%} with tokens that are not padding ({p.truncated:,} longer "
+            "conversations cut here; data.overlong decides in training)"
         )
 
 
@@ -96,11 +109,16 @@ def tokenize_chat(
     seed: int = 0,
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     overwrite: bool = False,
+    seq_len: int | None = None,
 ) -> ChatTokenized:
     """Tokenize the chat records of ``corpus`` with the tokenizer folder ``tokenizer`` (its chat
     template, or the Jinja file ``chat_template``) into token and mask shards in ``out_dir``;
-    running it again on an interrupted folder goes on from its complete shards."""
+    running it again on an interrupted folder goes on from its complete shards. With
+    ``seq_len``, the result also packs the train split as a run of that ``training.seq_len``
+    would (longer conversations truncated), for its packing efficiency."""
     start = time.perf_counter()
+    if seq_len is not None:
+        check_int("seq_len", seq_len, minimum=1)
     if isinstance(shard_tokens, bool) or not isinstance(shard_tokens, int) or shard_tokens < 1:
         raise ValueError(f"shard_tokens must be a positive int, got {shard_tokens!r}")
     files = chat_files(corpus)
@@ -124,7 +142,7 @@ def tokenize_chat(
     if state.finished is not None:
         record = tokenize_io.read_json(out / TOKENIZED_RECORD, "manifest")
         fields = {**state.finished, "seconds": time.perf_counter() - start}
-        return _result(TokenizedCorpus(**fields), record)
+        return _result(TokenizedCorpus(**fields), record, seq_len)
     split = DocumentSplit(validation_fraction, seed)
     resume = {name: tuple(state.splits[name]["next"]) for name in SPLITS}
     done = {name: list(state.splits[name]["shards"]) for name in SPLITS}
@@ -174,7 +192,7 @@ def tokenize_chat(
         "splits": summaries,
     }
     fields = tokenize_io.finish(out, record, fresh=state.fresh)
-    return _result(TokenizedCorpus(**fields, seconds=time.perf_counter() - start), record)
+    return _result(TokenizedCorpus(**fields, seconds=time.perf_counter() - start), record, seq_len)
 
 
 def _rendered_batches(
@@ -217,11 +235,15 @@ def _copy_tokenizer(encoder: ChatEncoder, out: Path) -> None:
         (out / CHAT_TEMPLATE_FILE).write_text(encoder.template.source)
 
 
-def _result(corpus: TokenizedCorpus, record: dict) -> ChatTokenized:
+def _result(corpus: TokenizedCorpus, record: dict, seq_len: int | None) -> ChatTokenized:
     train, validation = (record["splits"][name]["trained_tokens"] for name in SPLITS)
     folder, manifest = Path(corpus.out_dir), Manifest(record)
-    longest = max(int(example_lengths(folder, manifest, name).max()) for name in SPLITS)
-    return ChatTokenized(corpus, train, validation, longest)
+    lengths = {name: example_lengths(folder, manifest, name) for name in SPLITS}
+    longest = max(int(split.max()) for split in lengths.values())
+    packing = None
+    if seq_len is not None:  # the seed orders examples in buffers: efficiency barely depends on it
+        packing = pack(lengths["train"], seq_len + 1, 0, "truncate", f"chat corpus {folder}")
+    return ChatTokenized(corpus, train, validation, longest, packing)
 
 
 def _sha256(text: str) -> str:
