@@ -10,12 +10,14 @@ worker; without them the tests skip, except under CI, where they fail."""
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
 import pytest
 from hf_reference import COMMON, byte_tokenizer, libraries
-from support import invoke, read_events
+from support import invoke, read_events, subprocess_env
 
 from theseus.plot import plot_losses
 
@@ -314,6 +316,31 @@ def test_task_scores_during_training(setup, tmp_path):
         for name in ("scored", "plain")
     )
     assert [r["loss"] for r in rows] == [r["loss"] for r in plain_rows]
+    # Two processes of 4 devices: every process takes part in scoring and decoding, the scores
+    # and losses are one process's.
+    launch = [
+        sys.executable,
+        "-m",
+        "theseus",
+        "launch",
+        "-n",
+        "2",
+        "--cpu-devices-per-process",
+        "4",
+    ]
+    argv = [*launch, "--", "train", "--job", "llama/train/pretrain", "--init-from", root / "run"]
+    argv += ["--out", tmp_path / "two", "--steps", "2", *TRAINING, *scored]
+    env = subprocess_env() | {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(
+        list(map(str, argv)), env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    two = [
+        json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()
+    ]
+    for mine, theirs in zip(two, rows, strict=True):
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
+        assert mine["tasks"] == pytest.approx(theirs["tasks"], rel=1e-5)
     names = ["tiny_qa/exact_match", *(f"tiny_text/{m}" for m in PERPLEXITIES)]
     assert [sorted(r["tasks"]) for r in rows] == [names] * 2
     assert "tasks" not in plain_rows[-1]

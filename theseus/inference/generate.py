@@ -88,14 +88,13 @@ class Generator:
                 f"{type(trainer).__name__} cannot generate: its decoder() returns None; override "
                 "it to return an object with the interface of theseus.model.decode.Decoder"
             )
-        if jax.process_count() > 1:
-            raise ValueError("generation runs in one process; start it without --coordinator")
         self.trainer = trainer
         self.decoder = decoder
         self.params = params
         self.mesh = trainer.mesh
         self.rules = (*trainer.plan.rules(trainer.policy, "compute"), (ROWS, Axis.BATCH))
         self._compiled_steps: dict[tuple[int, ...], tuple[Any, Any]] = {}
+        self.replicated = NamedSharding(self.mesh, P())
 
     def generate_ids(
         self,
@@ -149,11 +148,12 @@ class Generator:
         prefill, step = self._compiled(padded, width, width + new, num_valid)
         row_sharding = NamedSharding(self.mesh, P(Axis.BATCH))
         controls = {"seed": np.uint32(seed), **sampling.arrays()}
+        # Every process holds the same prompts; each places the rows of its own devices.
         inputs = (
-            jax.device_put(tokens, NamedSharding(self.mesh, P(Axis.BATCH, None))),
-            jax.device_put(row_lengths, row_sharding),
-            jax.device_put(np.arange(padded, dtype=np.int32), row_sharding),
-            jax.device_put(controls, NamedSharding(self.mesh, P())),
+            _global(tokens, NamedSharding(self.mesh, P(Axis.BATCH, None))),
+            _global(row_lengths, row_sharding),
+            _global(np.arange(padded, dtype=np.int32), row_sharding),
+            jax.tree.map(lambda c: _global(np.asarray(c), self.replicated), controls),
         )
         start = time.perf_counter()
         token, cache, positions = prefill(self.params, *inputs)
@@ -207,7 +207,7 @@ class Generator:
             for name, a in arrays.items()
         }
         rows = NamedSharding(self.mesh, P(Axis.BATCH))
-        replicated = NamedSharding(self.mesh, P())
+        replicated = self.replicated
         params_layout = self.trainer.layouts.compute
 
         def prefill(params, tokens, lengths, row_ids, controls):
@@ -229,7 +229,8 @@ class Generator:
             return chosen, cache, positions + 1
 
         tokens_sharding = NamedSharding(self.mesh, P(Axis.BATCH, None))
-        outputs = (rows, cache_layout, rows)
+        # The chosen ids come out whole on every device, so every process reads them.
+        outputs = (replicated, cache_layout, rows)
         with jax.set_mesh(self.mesh):
             prefill = jax.jit(
                 prefill,
@@ -238,7 +239,7 @@ class Generator:
             )
             step = jax.jit(
                 step,
-                in_shardings=(params_layout, cache_layout, rows, rows, rows, replicated),
+                in_shardings=(params_layout, cache_layout, replicated, rows, rows, replicated),
                 out_shardings=outputs,
                 donate_argnums=1,
             )
@@ -256,8 +257,14 @@ class Generator:
             tokens = jax.ShapeDtypeStruct((num_rows, width), jnp.int32, sharding=tokens_sharding)
             cache = abstract_with(arrays, cache_layout)
             compiled_prefill = prefill.lower(abstract, tokens, row_ints, row_ints, controls)
-            compiled_step = step.lower(abstract, cache, row_ints, row_ints, row_ints, controls)
+            chosen = jax.ShapeDtypeStruct((num_rows,), jnp.int32, sharding=replicated)
+            compiled_step = step.lower(abstract, cache, chosen, row_ints, row_ints, controls)
         return compiled_prefill.compile(), compiled_step.compile()
+
+
+def _global(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """``array`` (the same in every process) as a global array laid out by ``sharding``."""
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
 
 def _stacked(chosen: list[jax.Array], num_rows: int) -> np.ndarray:
