@@ -1,4 +1,4 @@
-"""The Gemma family: tp=2 + FSDP with accumulation equals one device (sliding and global layers
+"""The Gemma family: every policy with accumulation equals one device (sliding and global layers
 with their own rotary bases, soft-capping, q/k norms); its plan's names, its exact parameter
 count (Gemma 2 9B's on 64 devices) and its FLOPs against XLA's count; unsupported settings named.
 (Its logits, export and generation against transformers: tests/test_hf.py, kinds ``gemma2`` and
@@ -10,12 +10,14 @@ import pytest
 from support import (
     EQUIVALENCE_LLAMA,
     FAMILIES,
+    POLICIES,
     assert_same_numbers,
     equivalence_config,
     invoke,
     one_device_run,
     plan_on_64_devices,
     policy_config,
+    policy_id,
     run_steps,
     shared_trainer,
 )
@@ -43,11 +45,11 @@ MODEL = GemmaConfig(
 )
 
 
-def test_tp2_fsdp_with_accumulation_matches_one_device():
-    """Losses within 1e-5 relative over three steps, parameters within 1e-4 (the suite's
+@pytest.mark.parametrize("policy", POLICIES, ids=policy_id)
+def test_policy_matches_one_device(policy):
+    """Every policy: losses within 1e-5 relative over three steps, parameters within 1e-4 (the suite's
     tolerances), 4 microbatches a step; each layer's window and rotary frequencies travel through
     the layer scan that FSDP gathers one layer at a time."""
-    policy = ShardingPolicy(tp=2, fsdp=True)
     trainer = shared_trainer(policy_config(policy, 4, MODEL), policy)
     assert trainer.batch_plan.accumulation_steps == 4 and trainer.seq_len == 24
     assert_same_numbers(run_steps(trainer), one_device_run(trainer.config))

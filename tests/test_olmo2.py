@@ -1,18 +1,21 @@
-"""The OLMo 2 family: tp=2 + FSDP with accumulation equals one device; its plan's names, its exact
+"""The OLMo 2 family: every policy with accumulation equals one device; its plan's names, its exact
 parameter count (OLMo 2 7B's on 64 devices) and its FLOPs against XLA's count. (Its logits,
 export and generation against transformers: tests/test_hf.py, kind ``olmo2``.)"""
 
 import json
 
+import pytest
 from support import (
     EQUIVALENCE_LLAMA,
     FAMILIES,
+    POLICIES,
     assert_same_numbers,
     equivalence_config,
     invoke,
     one_device_run,
     plan_on_64_devices,
     policy_config,
+    policy_id,
     run_steps,
     shared_trainer,
 )
@@ -28,10 +31,10 @@ MODEL = OLMO2_FAMILY.config_class(
 )
 
 
-def test_tp2_fsdp_with_accumulation_matches_one_device():
-    """Losses within 1e-5 relative over three steps, parameters within 1e-4 (the suite's
+@pytest.mark.parametrize("policy", POLICIES, ids=policy_id)
+def test_policy_matches_one_device(policy):
+    """Every policy: losses within 1e-5 relative over three steps, parameters within 1e-4 (the suite's
     tolerances), 4 microbatches a step; the q/k norms' statistics sum over the TP split."""
-    policy = ShardingPolicy(tp=2, fsdp=True)
     trainer = shared_trainer(policy_config(policy, 4, MODEL), policy)
     assert trainer.batch_plan.accumulation_steps == 4
     assert_same_numbers(run_steps(trainer), one_device_run(trainer.config))
