@@ -206,12 +206,22 @@ def one_step_runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize(("kind", "family"), [("olmo2", "olmo2"), ("gemma3", "gemma")])
-def test_peft_adapters_of_other_families_load_in_peft(kind, family, one_step_runs, tmp_path):
-    """Each family's peft target names: one LoRA step on an imported model (one device) exports
-    adapters that peft puts on every targeted projection, with the run's logits within 1e-4."""
+def test_lora_exports_of_other_families_load_in_transformers_and_peft(
+    kind, family, one_step_runs, tmp_path
+):
+    """Each family's merged export and peft target names: one LoRA step on an imported model
+    (one device) exports merged weights transformers loads and adapters that peft puts on every
+    targeted projection, both with the run's logits within 1e-4."""
     reference, run = one_step_runs(kind, family)
     logits = theseus.logits(run, IDS, devices=jax.devices()[:1])
     assert np.abs(logits - reference.logits).max() > 1e-3  # the adapters changed the model
+    lib = libraries()
+    merged = invoke("export-hf", run, tmp_path / "merged")
+    assert merged.exit_code == 0, merged.output
+    model = lib.transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "merged", dtype=lib.torch.float32
+    ).eval()
+    np.testing.assert_allclose(reference_logits(model, IDS), logits, atol=1e-4, rtol=0)
     result = invoke("export-hf", run, tmp_path / "adapters", "--adapters")
     assert result.exit_code == 0, result.output
     got = peft_logits(reference, tmp_path / "adapters")
