@@ -270,6 +270,33 @@ def test_failed_save_stops_the_run_and_keeps_committed_checkpoints(tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2"]
 
 
+def test_a_failing_evaluation_is_reported_and_training_goes_on(tmp_path):
+    """evaluation.tasks's scorer raising at a step: the run says which step and why, records the
+    step without scores and trains and saves to the end. (The same trainer as the failed save's:
+    one program. The harness's own refusal, a task's unsupported generation setting, is
+    test_harness.py's.)"""
+    settings = ("training.steps=6", "checkpointing.async_save=false", "logging.log_interval=1")
+    trainer = GPTTrainer(config(*settings, "evaluation.interval=3"), ShardingPolicy())
+    asked = []
+
+    def failing(params, step):
+        asked.append(step)
+        raise ValueError("generation settings num_beams are not supported")
+
+    logged = []
+    with log_lines(logged.append):
+        train(trainer, tmp_path, evaluator=failing)
+    assert asked == [3, 6]
+    for step in asked:
+        reported = f"scoring evaluation.tasks at step {step} failed (ValueError: generation"
+        assert any(reported in line for line in logged), logged
+    rows = strict_rows(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert not any("tasks" in r for r in rows)
+    with Checkpointer(tmp_path / "checkpoints", read_only=True) as checkpointer:
+        assert checkpointer.all_steps()[-1] == 6
+
+
 # --- preemption ----------------------------------------------------------------------------------
 
 
