@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support import TINY_GPT, GPTTrainer, GPTTrainerConfig, invoke, log_lines
+from support import TINY_GPT, GPTTrainer, GPTTrainerConfig, invoke, log_lines, shared_trainer
 
 from theseus.checkpoint.checkpointer import Checkpointer, CheckpointWriteError
 from theseus.checkpoint.meta import CheckpointMeta
@@ -238,11 +238,15 @@ def make_unwritable(directory):
     return None
 
 
+def six_step_trainer():
+    """Six steps on one device, saved every 2 synchronously, scored every 3 (when an evaluator
+    is given): one trainer, one compiled step for the failed save and the failing evaluation."""
+    settings = ("training.steps=6", "checkpointing.async_save=false", "logging.log_interval=1")
+    return shared_trainer(config(*settings, "evaluation.interval=3"), ShardingPolicy())
+
+
 def test_failed_save_stops_the_run_and_keeps_committed_checkpoints(tmp_path):
-    trainer = GPTTrainer(
-        config("training.steps=6", "checkpointing.async_save=false", "logging.log_interval=1"),
-        ShardingPolicy(),
-    )
+    trainer = six_step_trainer()
     undo = []
 
     def log(line):  # after step 2 is saved and step 4 is not: the directory turns read-only
@@ -272,11 +276,9 @@ def test_failed_save_stops_the_run_and_keeps_committed_checkpoints(tmp_path):
 
 def test_a_failing_evaluation_is_reported_and_training_goes_on(tmp_path):
     """evaluation.tasks's scorer raising at a step: the run says which step and why, records the
-    step without scores and trains and saves to the end. (The same trainer as the failed save's:
-    one program. The harness's own refusal, a task's unsupported generation setting, is
-    test_harness.py's.)"""
-    settings = ("training.steps=6", "checkpointing.async_save=false", "logging.log_interval=1")
-    trainer = GPTTrainer(config(*settings, "evaluation.interval=3"), ShardingPolicy())
+    step without scores and trains and saves to the end. (The harness's own refusal, a task's
+    unsupported generation setting, is test_harness.py's.)"""
+    trainer = six_step_trainer()
     asked = []
 
     def failing(params, step):
