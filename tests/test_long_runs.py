@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support import TINY_GPT, GPTTrainer, GPTTrainerConfig, invoke, log_lines
+from support import TINY_GPT, GPTTrainer, GPTTrainerConfig, invoke, log_lines, shared_trainer
 
 from theseus.checkpoint.checkpointer import Checkpointer, CheckpointWriteError
 from theseus.checkpoint.meta import CheckpointMeta
@@ -238,11 +238,15 @@ def make_unwritable(directory):
     return None
 
 
+def six_step_trainer():
+    """Six steps on one device, saved every 2 synchronously, scored every 3 (when an evaluator
+    is given): one trainer, one compiled step for the failed save and the failing evaluation."""
+    settings = ("training.steps=6", "checkpointing.async_save=false", "logging.log_interval=1")
+    return shared_trainer(config(*settings, "evaluation.interval=3"), ShardingPolicy())
+
+
 def test_failed_save_stops_the_run_and_keeps_committed_checkpoints(tmp_path):
-    trainer = GPTTrainer(
-        config("training.steps=6", "checkpointing.async_save=false", "logging.log_interval=1"),
-        ShardingPolicy(),
-    )
+    trainer = six_step_trainer()
     undo = []
 
     def log(line):  # after step 2 is saved and step 4 is not: the directory turns read-only
@@ -268,6 +272,31 @@ def test_failed_save_stops_the_run_and_keeps_committed_checkpoints(tmp_path):
     assert restored.step == 2 and checkpointer.skipped == ()
     assert isinstance(restored.state, TrainState)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2"]
+
+
+def test_a_failing_evaluation_is_reported_and_training_goes_on(tmp_path):
+    """evaluation.tasks's scorer raising at a step: the run says which step and why, records the
+    step without scores and trains and saves to the end. (The harness's own refusal, a task's
+    unsupported generation setting, is test_harness.py's.)"""
+    trainer = six_step_trainer()
+    asked = []
+
+    def failing(params, step):
+        asked.append(step)
+        raise ValueError("generation settings num_beams are not supported")
+
+    logged = []
+    with log_lines(logged.append):
+        train(trainer, tmp_path, evaluator=failing)
+    assert asked == [3, 6]
+    for step in asked:
+        reported = f"scoring evaluation.tasks at step {step} failed (ValueError: generation"
+        assert any(reported in line for line in logged), logged
+    rows = strict_rows(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert not any("tasks" in r for r in rows)
+    with Checkpointer(tmp_path / "checkpoints", read_only=True) as checkpointer:
+        assert checkpointer.all_steps()[-1] == 6
 
 
 # --- preemption ----------------------------------------------------------------------------------

@@ -4,7 +4,6 @@ the closed-form ZeRO model, the trainer's own pre-flight errors and the compiled
 import functools
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from support import GPT_7_5B, GPTTrainer, GPTTrainerConfig, invoke
+from support import GPT_7_5B, GPTTrainer, GPTTrainerConfig, invoke, subprocess_env
 
 import theseus.jobs
 import theseus.plan as planner
@@ -482,8 +481,7 @@ def test_cli_budget_and_failures():
 
 
 def test_cli_compile_in_a_fresh_process_simulates_the_devices():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+    env = subprocess_env()  # no forced device count: --devices simulates them
     env["PYTHONPATH"] = str(REPO)
     small = [*WIDE, "model.n_layer=1", "model.n_embd=64", "training.batch_size=4"]
     result = subprocess.run(
