@@ -298,8 +298,8 @@ def test_task_scores_during_training(setup, tmp_path):
     """With evaluation.tasks, each scored step's row of a LoRA fine-tune holds the scores of the
     live parameters (adapters applied), which equal `theseus evaluate --tasks` on that step's
     checkpoint (adapters joined with the base's frozen parameters); the losses are bit-identical
-    to a run without them. (A failing evaluation is reported and the training goes on:
-    test_long_runs.py, on the loop itself.)"""
+    to a run without them; two processes give one process's scores and losses. (A failing
+    evaluation is reported and the training goes on: test_long_runs.py, on the loop itself.)"""
     _, tasks, root = setup
     scored = (
         "evaluation.tasks=[tiny_text,tiny_qa]",
@@ -319,16 +319,7 @@ def test_task_scores_during_training(setup, tmp_path):
     assert [r["loss"] for r in rows] == [r["loss"] for r in plain_rows]
     # Two processes of 4 devices: every process takes part in scoring and decoding, the scores
     # and losses are one process's.
-    launch = [
-        sys.executable,
-        "-m",
-        "theseus",
-        "launch",
-        "-n",
-        "2",
-        "--cpu-devices-per-process",
-        "4",
-    ]
+    launch = [sys.executable, "-m", "theseus", "launch", "-n", 2, "--cpu-devices-per-process", 4]
     argv = [*launch, "--", "train", "--job", "llama/train/pretrain", "--init-from", root / "run"]
     argv += ["--out", tmp_path / "two", "--steps", "2", *TRAINING, *scored]
     env = subprocess_env() | {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
