@@ -416,3 +416,36 @@ LLAMA31_8B_CONFIG = {
     "use_cache": True,
     "vocab_size": 128256,
 }
+
+
+def assert_gathers_agree(got: Run, want: Run):
+    """Losses and parameters of two runs agree to 1e-6. The two runs are different programs
+    (a gather of bfloat16 or of float32 values), so the claim holds as far as XLA rounds them
+    alike: XLA:CPU's default emitters do, bit for bit; the classic ones the tests otherwise
+    compile with (tests/conftest.py) do not, so these runs compile with the default."""
+    np.testing.assert_allclose(got.losses, want.losses, rtol=1e-6)
+    assert got.losses[-1] < got.losses[0]
+    flat = jax.tree_util.tree_flatten_with_path(got.params)[0]
+    for (path, value), expected in zip(flat, jax.tree.leaves(want.params), strict=True):
+        np.testing.assert_allclose(value, expected, atol=1e-6, rtol=0, err_msg=str(path))
+
+
+def assert_compute_dtype_gathers(model) -> None:
+    """Under FSDP and bfloat16, ``model``'s matrices travel through the layer loop's all-gathers
+    as 16-bit patterns (``training.gather_dtype=compute``) and train to the numbers of float32
+    gathers (``storage``)."""
+    runs = {}
+    for gather_dtype in ("compute", "storage"):
+        config = equivalence_config(1, model, dtype="bfloat16", gather_dtype=gather_dtype)
+        trainer = shared_trainer(config, ShardingPolicy(fsdp=True))
+        batch = jax.ShapeDtypeStruct(
+            trainer.batch_plan.shape, np.int32, sharding=trainer.batch_sharding
+        )
+        lowered = trainer.train_step.lower(trainer.abstract_state, batch)
+        hlo = lowered.compile(compiler_options=DEFAULT_CODEGEN).as_text()  # run_steps reuses it
+        gathers = {
+            line.split("=")[1].split()[0][:4] for line in hlo.splitlines() if " all-gather(" in line
+        }
+        assert ("u16[" in gathers) == (gather_dtype == "compute"), gathers
+        runs[gather_dtype] = run_steps(trainer, compiler_options=DEFAULT_CODEGEN)
+    assert_gathers_agree(runs["compute"], runs["storage"])

@@ -22,6 +22,8 @@ from support import (
     EQUIVALENCE_LLAMA,
     GPTTrainer,
     Run,
+    assert_compute_dtype_gathers,
+    assert_gathers_agree,
     equivalence_config,
     run_steps,
     shared_trainer,
@@ -44,18 +46,6 @@ def train(policy: ShardingPolicy, **training) -> Run:
     return run_steps(trainer, compiler_options=DEFAULT_CODEGEN)
 
 
-def assert_same(got: Run, want: Run):
-    """Losses and parameters of two runs agree to 1e-6. The two runs are different programs
-    (a gather of bfloat16 or of float32 values), so the claim holds as far as XLA rounds them
-    alike: XLA:CPU's default emitters do, bit for bit; the classic ones the tests otherwise
-    compile with (tests/conftest.py) do not, so these runs compile with the default."""
-    np.testing.assert_allclose(got.losses, want.losses, rtol=1e-6)
-    assert got.losses[-1] < got.losses[0]
-    flat = jax.tree_util.tree_flatten_with_path(got.params)[0]
-    for (path, value), expected in zip(flat, jax.tree.leaves(want.params), strict=True):
-        np.testing.assert_allclose(value, expected, atol=1e-6, rtol=0, err_msg=str(path))
-
-
 @pytest.mark.parametrize(
     "policy", [ShardingPolicy(fsdp=True), ShardingPolicy(tp=2, fsdp=True)], ids=["FSDP", "tp2-FSDP"]
 )
@@ -63,29 +53,13 @@ def test_compute_dtype_gather_gives_the_numbers_of_a_float32_gather(policy):
     """The same values are rounded, on the shard instead of on the gathered copy: losses and
     parameters of three bfloat16 steps agree to 1e-6."""
     compute = train(policy, dtype="bfloat16", gather_dtype="compute")
-    assert_same(compute, train(policy, dtype="bfloat16", gather_dtype="storage"))
+    assert_gathers_agree(compute, train(policy, dtype="bfloat16", gather_dtype="storage"))
 
 
 def test_llama_gathers_in_the_compute_dtype_through_the_same_mechanism():
     """Llama (transposed projections, an untied head gathered before the loss) under FSDP and
     bfloat16: its matrices travel as 16-bit patterns, with the numbers of float32 gathers."""
-    runs = {}
-    for gather_dtype in ("compute", "storage"):
-        config = equivalence_config(
-            1, EQUIVALENCE_LLAMA, dtype="bfloat16", gather_dtype=gather_dtype
-        )
-        trainer = shared_trainer(config, ShardingPolicy(fsdp=True))
-        batch = jax.ShapeDtypeStruct(
-            trainer.batch_plan.shape, np.int32, sharding=trainer.batch_sharding
-        )
-        lowered = trainer.train_step.lower(trainer.abstract_state, batch)
-        hlo = lowered.compile(compiler_options=DEFAULT_CODEGEN).as_text()  # run_steps reuses it
-        gathers = {
-            line.split("=")[1].split()[0][:4] for line in hlo.splitlines() if " all-gather(" in line
-        }
-        assert ("u16[" in gathers) == (gather_dtype == "compute"), gathers
-        runs[gather_dtype] = run_steps(trainer, compiler_options=DEFAULT_CODEGEN)
-    assert_same(runs["compute"], runs["storage"])
+    assert_compute_dtype_gathers(EQUIVALENCE_LLAMA)
 
 
 class ProjectionConfig(Section):
@@ -149,7 +123,9 @@ def test_a_model_without_layer_scan_gathers_its_projections_in_the_compute_dtype
     storage = projection_trainer("training.dtype=bfloat16", "training.gather_dtype=storage")
     assert storage.entry.casts == set()
     assert projection_trainer().entry.casts == set()  # float32 compute
-    assert_same(*(run_steps(t, compiler_options=DEFAULT_CODEGEN) for t in (trainer, storage)))
+    assert_gathers_agree(
+        *(run_steps(t, compiler_options=DEFAULT_CODEGEN) for t in (trainer, storage))
+    )
 
 
 def lowered_text(policy, *overrides):

@@ -1,8 +1,8 @@
-"""The Gemma family: every policy with accumulation equals one device (sliding and global layers
-with their own rotary bases, soft-capping, q/k norms); its plan's names, its exact parameter
-count (Gemma 2 9B's on 64 devices) and its FLOPs against XLA's count; unsupported settings named.
-(Its logits, export and generation against transformers: tests/test_hf.py, kinds ``gemma2`` and
-``gemma3``.)"""
+"""The Gemma family: every policy with accumulation, and the recompute policies, equal one device
+and bfloat16 gathers equal float32 ones (sliding and global layers with their own rotary bases,
+soft-capping, q/k norms); its plan's names, its exact parameter count (Gemma 2 9B's on 64
+devices) and its FLOPs against XLA's count; unsupported settings named. (Its logits, export and
+generation against transformers: tests/test_hf.py, kinds ``gemma2`` and ``gemma3``.)"""
 
 import json
 
@@ -11,6 +11,7 @@ from support import (
     EQUIVALENCE_LLAMA,
     FAMILIES,
     POLICIES,
+    assert_compute_dtype_gathers,
     assert_same_numbers,
     equivalence_config,
     invoke,
@@ -45,7 +46,16 @@ MODEL = GemmaConfig(
 )
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=policy_id)
+# The shared matrix, and the two recompute policies (a layer's window and rotary frequencies are
+# recomputed with it).
+GEMMA_POLICIES = [
+    *POLICIES,
+    ShardingPolicy(fsdp=True, activation_checkpointing="full"),
+    ShardingPolicy(tp=2, fsdp=True, activation_checkpointing="dots"),
+]
+
+
+@pytest.mark.parametrize("policy", GEMMA_POLICIES, ids=policy_id)
 def test_policy_matches_one_device(policy):
     """Every policy: losses within 1e-5 relative over three steps, parameters within 1e-4 (the suite's
     tolerances), 4 microbatches a step; each layer's window and rotary frequencies travel through
@@ -53,6 +63,12 @@ def test_policy_matches_one_device(policy):
     trainer = shared_trainer(policy_config(policy, 4, MODEL), policy)
     assert trainer.batch_plan.accumulation_steps == 4 and trainer.seq_len == 24
     assert_same_numbers(run_steps(trainer), one_device_run(trainer.config))
+
+
+def test_gathers_in_the_compute_dtype():
+    """(1 + weight) norms read in float32 beside matrices read in bfloat16: under FSDP the
+    matrices travel as 16-bit patterns, with the numbers of float32 gathers."""
+    assert_compute_dtype_gathers(MODEL)
 
 
 def test_plan_names_counts_and_flops():

@@ -209,9 +209,10 @@ def one_step_runs(tmp_path_factory):
 def test_lora_exports_of_other_families_load_in_transformers_and_peft(
     kind, family, one_step_runs, tmp_path
 ):
-    """Each family's merged export and peft target names: one LoRA step on an imported model
-    (one device) exports merged weights transformers loads and adapters that peft puts on every
-    targeted projection, both with the run's logits within 1e-4."""
+    """Each family's merged export and peft target names: one LoRA step from an imported model
+    (`--init-from`, one device) exports merged weights transformers loads and adapters that peft
+    puts on every targeted projection, both with the run's logits within 1e-4; `evaluate` gives
+    the validation loss the run recorded."""
     reference, run = one_step_runs(kind, family)
     logits = theseus.logits(run, IDS, devices=jax.devices()[:1])
     assert np.abs(logits - reference.logits).max() > 1e-3  # the adapters changed the model
@@ -226,6 +227,9 @@ def test_lora_exports_of_other_families_load_in_transformers_and_peft(
     assert result.exit_code == 0, result.output
     got = peft_logits(reference, tmp_path / "adapters")
     np.testing.assert_allclose(got, logits, atol=1e-4, rtol=0)
+    # evaluate: the run's job and adapters from its folder, the validation loss it recorded.
+    recorded = read_metrics(run)[-1]["val_loss"]
+    assert theseus.evaluate(run).val_loss == pytest.approx(recorded, rel=1e-5)
 
 
 def test_adapters_on_a_base_of_another_model_type_are_refused(one_step_runs, tmp_path):
