@@ -449,3 +449,13 @@ def assert_compute_dtype_gathers(model) -> None:
         assert ("u16[" in gathers) == (gather_dtype == "compute"), gathers
         runs[gather_dtype] = run_steps(trainer, compiler_options=DEFAULT_CODEGEN)
     assert_gathers_agree(runs["compute"], runs["storage"])
+
+
+def assert_flops_match_xla(model) -> None:
+    """The family's FLOPs per token formula for ``model`` is within 10% of XLA's count of the
+    one-device train step."""
+    from theseus.training.flops import xla_flops_per_token
+
+    one = shared_trainer(equivalence_config(4, model), ShardingPolicy(), num_devices=1)
+    analytic, xla = one.flops_per_token(), xla_flops_per_token(one)
+    assert abs(analytic / xla - 1) < 0.1, (analytic, xla)
