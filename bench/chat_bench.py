@@ -12,9 +12,11 @@ its own process under ``/usr/bin/time -v`` (wall time and maximum resident set):
 
 - ``theseus tokenize CORPUS OUT --tokenizer FOLDER``, the command a user runs, whole;
 - the library: the conversations rendered beforehand (untimed) into a JSON file, read, then
-  encoded with ``Tokenizer.encode_batch_fast`` (no offsets) and ``encode_batch`` (offsets, which
-  masks need) in batches of 4 MiB of text; only the encoding is timed, so the ratios are lower
-  bounds for theseus.
+  encoded with ``Tokenizer.encode_batch_fast`` (no offsets) and ``encode_batch`` (with each
+  token's offsets) in batches of 4 MiB of text; only the encoding is timed, so the ratios are
+  lower bounds for theseus. theseus itself encodes byte-level tokenizers' conversations with
+  ``encode_batch_fast`` and masks them from the bytes each id spells
+  (:class:`theseus.data.chat.ByteSpelling`).
 
 Then the train split's examples are packed into rows of ``--seq-len`` + 1 tokens (longer ones
 truncated) as a training run packs them (:func:`theseus.data.packing.pack`, first-fit decreasing

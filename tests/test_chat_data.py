@@ -15,11 +15,21 @@ import pyarrow.parquet as pq
 import pytest
 from hf_reference import libraries
 from support import invoke
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
 
 import theseus.data.chat_tokenize as chat_tokenize
 from theseus.data import load_corpus
-from theseus.data.chat import ChatEncoder
+from theseus.data.chat import ByteSpelling, ChatEncoder, Example
 from theseus.data.chat_records import parse_record
 from theseus.data.shards import (
     PROGRESS_FILE,
@@ -132,7 +142,12 @@ CONVERSATIONS = [
             {"role": "assistant", "content": "The fourth letter, after gamma."},
         ]
     },
-    {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+    {  # "cafe\u0301" is not NFC: Qwen's normalizer changes it
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello, cafe\u0301 ça va"},
+        ]
+    },
     {
         "messages": [
             {"role": "user", "content": "Weather in Zürich and Bern?"},
@@ -146,9 +161,25 @@ CONVERSATIONS = [
 ]
 
 
-def _tokenizer(bos_post_processor: bool) -> Tokenizer:
+# The pre-tokenizer pattern of Llama 3 and Qwen2.5 (Qwen2.5 splits digits one by one).
+SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _tokenizer(name: str) -> Tokenizer:
+    """A tiny byte-level BPE laid out as the named model's: Llama 3 (split, then bytes; a
+    post-processor adding <|begin_of_text|>), Qwen2.5 (NFC first) or plain bytes."""
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if name == "generation":
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        split = pre_tokenizers.Split(Regex(SPLIT), behavior="isolated")
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
+    if name == "qwen25":
+        tokenizer.normalizer = normalizers.NFC()
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=400,
@@ -157,10 +188,13 @@ def _tokenizer(bos_post_processor: bool) -> Tokenizer:
     )
     text = json.dumps(CONVERSATIONS, ensure_ascii=False) + QWEN25 + LLAMA3
     tokenizer.train_from_iterator([text] * 4, trainer)
-    if bos_post_processor:  # Llama 3's tokenizer adds <|begin_of_text|> to every text it encodes
+    if name == "llama3":  # Llama 3's tokenizer adds <|begin_of_text|> to every text it encodes
         bos = ("<|begin_of_text|>", tokenizer.token_to_id("<|begin_of_text|>"))
-        tokenizer.post_processor = processors.TemplateProcessing(
-            single="<|begin_of_text|> $A", special_tokens=[bos]
+        tokenizer.post_processor = processors.Sequence(
+            [
+                processors.ByteLevel(trim_offsets=False),
+                processors.TemplateProcessing(single="<|begin_of_text|> $A", special_tokens=[bos]),
+            ]
         )
     return tokenizer
 
@@ -182,7 +216,7 @@ def folders(tmp_path_factory):
     ):
         folder = root / name
         folder.mkdir()
-        _tokenizer(name == "llama3").save(str(folder / "tokenizer.json"))
+        _tokenizer(name).save(str(folder / "tokenizer.json"))
         config = {**config, "tokenizer_class": "PreTrainedTokenizerFast"}
         if name == "qwen25":
             (folder / "chat_template.jinja").write_text(template)
@@ -235,6 +269,43 @@ def test_ids_and_masks_equal_transformers(folders):
     llama = ChatEncoder.from_folder(folders["llama3"])
     ids = llama.encode_record(parse_record(CONVERSATIONS[0], 0, "test")).ids
     assert (ids == llama.tokenizer.token_to_id("<|begin_of_text|>")).sum() == 1  # no second BOS
+
+
+def test_masks_from_the_bytes_tokens_spell_equal_masks_from_the_library_offsets(folders):
+    """Byte-level tokenizers are masked from the bytes each id spells (ByteSpelling, no
+    offsets from the library): on texts of 1 to 4 byte characters, special tokens and
+    whitespace, with random spans, the masks equal the overlap rule on the library's own
+    offsets; a text NFC changes takes the library's offsets; layouts whose tokens do not spell
+    the text (trimmed offsets, an added token that strips whitespace) are not spelled."""
+    rng = np.random.default_rng(0)
+    pieces = ["a", "café", "e\u0301", " ", "\n\n", "😀", "数据", "ß", "<|im_end|>", "x1", "  q"]
+    texts = ["".join(rng.choice(pieces, size=rng.integers(1, 40))) for _ in range(60)]
+    for name in ("llama3", "qwen25", "generation"):
+        encoder = ChatEncoder.from_folder(folders[name])
+        assert encoder.spelling is not None and encoder.spelling.nfc == (name == "qwen25")
+        examples = []
+        for number, text in enumerate(texts):
+            cuts = np.sort(rng.choice(len(text), size=3, replace=True)).tolist()
+            spans = ((cuts[0], cuts[1]), (cuts[2], len(text)))  # the first may be empty
+            examples.append(Example(number, text, spans, False, f"text {number}"))
+        for example, mine in zip(examples, encoder.encode(examples), strict=True):
+            library = encoder.tokenizer.encode(example.text, add_special_tokens=False)
+            assert mine.ids.tolist() == library.ids
+            wanted = [
+                int(any(end > a and start < b for a, b in example.spans if b > a))
+                or int(any(a == b and start < a < end for a, b in example.spans))
+                for start, end in library.offsets
+            ]
+            assert mine.mask.tolist() == wanted, (name, example.text, example.spans)
+    qwen = ChatEncoder.from_folder(folders["qwen25"]).spelling
+    assert 0 < sum(map(qwen.spells, texts)) < len(texts)  # the library's offsets for the rest
+    trimmed = Tokenizer.from_str(encoder.tokenizer.to_str())
+    trimmed.post_processor = processors.ByteLevel(trim_offsets=True)
+    stripping = Tokenizer.from_str(encoder.tokenizer.to_str())
+    stripping.add_special_tokens([AddedToken("<|tool|>", lstrip=True)])
+    metaspace = Tokenizer.from_str(encoder.tokenizer.to_str())
+    metaspace.pre_tokenizer = pre_tokenizers.Metaspace()
+    assert [ByteSpelling.of(t) for t in (trimmed, stripping, metaspace)] == [None] * 3
 
 
 def test_prompt_completion_trains_the_completion_only(folders):

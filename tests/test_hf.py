@@ -426,10 +426,11 @@ def test_generate_chat_replies_as_transformers(references, imported, tmp_path):
     path = tmp_path / "messages.json"
     path.write_text(json.dumps(messages))
     args = ("generate", imported("llama"), "--messages", path, "--tokenizer", folder)
-    result = invoke(*args, "--temperature", "0", "--max-new-tokens", "10", "--json")
+    result = invoke(*args, "--temperature", "0", "--max-new-tokens", "40", "--json")
     assert result.exit_code == 0, result.output
     (reply,) = json.loads(result.stdout)["replies"]
     assert reply["prompt_ids"] == prompt and reply["token_ids"] == want and reply["stopped"]
+    assert json.loads(result.stdout)["new_tokens"] <= 16  # decoding ended at the stop
     assert reply["reply"] == hf.decode(want[:-1])
     printed = invoke(*args, "--temperature", "0", "--max-new-tokens", "10")
     assert printed.exit_code == 0 and printed.stdout == reply["reply"] + "\n", printed.output

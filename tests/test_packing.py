@@ -274,6 +274,35 @@ def test_overlong_examples_stop_the_command_line_before_anything_is_written(tmp_
     assert "Traceback" not in refused.output and not run.exists()
 
 
+def test_a_packed_run_resumes_with_the_numbers_of_an_uninterrupted_one(tmp_path):
+    """A chat-like folder trained 4 steps, and the same run resumed from its step-2 checkpoint
+    (the newest one removed, as a run stopped after step 2 leaves it): the resumed steps'
+    losses and trained-token counts are the uninterrupted run's, bit for bit (the packed rows
+    are rebuilt from the seed and continue at the saved position)."""
+    import shutil
+
+    from theseus.plot import read_metrics
+
+    folder = write_tokenized(tmp_path / "chat", examples(500, seed=7, longest=12), masked=True,
+                             train=450)  # fmt: skip
+    train = ("train", f"data.path={folder}", *TINY_GPT, "training.steps=4")
+    whole = invoke(*train, "--out", tmp_path / "whole")
+    assert whole.exit_code == 0, whole.output
+    shutil.copytree(tmp_path / "whole", tmp_path / "resumed")
+    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "4")
+    resumed = invoke(*train, "--out", tmp_path / "resumed", "--resume")
+    assert resumed.exit_code == 0 and "resumed from step 2" in resumed.output, resumed.output
+
+    def rows(run):
+        return [
+            (r["step"], r["loss"], r["trained_tokens"])
+            for r in read_metrics(run) if "trained_tokens" in r and r["step"] > 2
+        ]  # fmt: skip
+
+    assert len(rows(tmp_path / "whole")) == 2
+    assert rows(tmp_path / "resumed") == rows(tmp_path / "whole")
+
+
 def test_a_mixture_of_chat_and_pretraining_gives_one_row_format(tmp_path):
     """data.sources mixing a chat folder with a pretraining folder: every row is segmented;
     the stream's rows train every target, one segment each (or, with document masking, a

@@ -198,3 +198,19 @@ def test_a_family_module_is_at_most_400_lines():
     family_modules = {n: p for n, p in MODULES.items() if within(n, FAMILIES) and n != FAMILIES}
     long = {n: len(p.read_text().splitlines()) for n, p in family_modules.items()}
     assert family_modules and all(lines <= 400 for lines in long.values()), long
+
+
+def test_import_theseus_and_the_command_line_start_without_jax():
+    """`theseus tokenize` and `--help` start in a fraction of a second: nothing loads JAX,
+    orbax or the harness's models until a command needs them."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, theseus, theseus.cli.app; "
+        "print(sorted({'jax', 'orbax', 'torch', 'transformers'} & set(sys.modules)))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.strip() == "[]", done.stdout

@@ -1,9 +1,11 @@
 """theseus: annotate a model once with logical axis names, train it under DP, TP, ZeRO or FSDP.
 
-``theseus.chain``, ``theseus.quick``, ``theseus.register``, ``theseus.families``,
-``theseus.BaseTrainer``, ``theseus.tokenize``, ``theseus.tokenize_chat``, ``theseus.generate``,
-``theseus.generate_chat``, ``theseus.logits``, ``theseus.evaluate``, ``theseus.import_hf`` and
-``theseus.export_hf`` load the training stack on first use, so ``import theseus`` (and the command line) stay light. Where
+Its names (the sharding vocabulary ``theseus.Axis``, ``theseus.ShardingPolicy``,
+``theseus.ShardingPlan``, ``theseus.Topology``, ``theseus.partition_spec``; ``theseus.chain``,
+``theseus.quick``, ``theseus.register``, ``theseus.families``, ``theseus.BaseTrainer``,
+``theseus.tokenize``, ``theseus.tokenize_chat``, ``theseus.generate``, ``theseus.generate_chat``,
+``theseus.logits``, ``theseus.evaluate``, ``theseus.import_hf``, ``theseus.export_hf``, ...) load
+their modules on first use, so ``import theseus`` and the command line start without JAX. Where
 lm-evaluation-harness is installed (the ``eval`` extra), ``import theseus`` registers
 ``theseus.inference.harness.TheseusLM`` as its model ``theseus`` by name only: the module loads
 when the harness first asks for it.
@@ -11,10 +13,12 @@ when the harness first asks for it.
 
 import importlib.util
 
-from theseus.sharding.axis import Axis, ShardingPlan, ShardingPolicy, partition_spec
-from theseus.sharding.topology import Topology
-
 _LAZY = {
+    "Axis": "theseus.sharding.axis",
+    "ShardingPlan": "theseus.sharding.axis",
+    "ShardingPolicy": "theseus.sharding.axis",
+    "partition_spec": "theseus.sharding.axis",
+    "Topology": "theseus.sharding.topology",
     "chain": "theseus.execution",
     "quick": "theseus.execution",
     "Chain": "theseus.execution",
@@ -38,7 +42,7 @@ _LAZY = {
     "RunMode": "theseus.training.run.mode",
 }
 
-__all__ = ["Axis", "ShardingPlan", "ShardingPolicy", "Topology", "partition_spec", *_LAZY]
+__all__ = list(_LAZY)
 
 
 def __getattr__(name: str):

@@ -235,22 +235,31 @@ def fail(message: str, code: int = 2) -> None:
 def user_errors(exit_codes: Mapping[type[Exception], int] | None = None) -> Iterator[None]:
     """Turn errors caused by the user's input into :func:`fail`: exit status 2, or the status
     ``exit_codes`` gives the error's type (e.g. 1 for a plan that found no policy)."""
-    import pydantic
-
-    from theseus.checkpoint.checkpointer import CheckpointWriteError
-    from theseus.config import describe_validation_error
-    from theseus.training.run.stops import RunInterrupted
-
     try:
         yield
-    except (RunInterrupted, CheckpointWriteError) as error:  # a status of its own (see README)
-        typer.echo(f"stopped: {error}", err=True)
-        raise typer.Exit(code=error.exit_code) from None
-    except pydantic.ValidationError as error:
-        fail(describe_validation_error(error))
-    except (ValueError, TypeError, FileNotFoundError, ModuleNotFoundError) as error:
-        code = next((c for t, c in (exit_codes or {}).items() if isinstance(error, t)), 2)
-        fail(str(error), code)
+    except Exception as error:
+        stops = _loaded_types(
+            ("theseus.training.run.stops", "RunInterrupted"),
+            ("theseus.checkpoint.checkpointer", "CheckpointWriteError"),
+        )
+        if isinstance(error, stops):  # a status of its own (see README)
+            typer.echo(f"stopped: {error}", err=True)
+            raise typer.Exit(code=error.exit_code) from None
+        if isinstance(error, _loaded_types(("pydantic", "ValidationError"))):
+            from theseus.config import describe_validation_error
+
+            fail(describe_validation_error(error))
+        if isinstance(error, (ValueError, TypeError, FileNotFoundError, ModuleNotFoundError)):
+            code = next((c for t, c in (exit_codes or {}).items() if isinstance(error, t)), 2)
+            fail(str(error), code)
+        raise
+
+
+def _loaded_types(*names: tuple[str, str]) -> tuple[type, ...]:
+    """The named exception types whose modules are loaded: one that is not cannot have been
+    raised, and importing it (orbax, pydantic) would slow every command's start."""
+    modules = ((sys.modules.get(module), name) for module, name in names)
+    return tuple(getattr(module, name) for module, name in modules if module is not None)
 
 
 def echo_on_main(text: str) -> None:

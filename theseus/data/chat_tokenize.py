@@ -4,7 +4,8 @@ encoded with its tokenizer, written as token shards with a loss mask beside each
 
 Records stream with bounded memory: a thread reads and renders records (JSON parsing and Jinja
 hold the GIL) in batches of about ``BATCH_BYTES`` of text, a thread encodes each batch (the
-``tokenizers`` library releases the GIL), and the calling thread writes. Each record is one
+``tokenizers`` library releases the GIL), and the calling thread makes the loss masks and
+writes. Each record is one
 document, split by document as text corpora are; an interrupted run resumes from its progress
 record and writes the same shards as an uninterrupted one.
 """
@@ -23,7 +24,7 @@ import numpy as np
 
 import theseus.data.tokenize_io as tokenize_io
 from theseus.data.bpe import DEFAULT_SHARD_TOKENS, TokenizedCorpus, token_dtype
-from theseus.data.chat import ChatEncoder, Encoded, Example
+from theseus.data.chat import ChatEncoder, Encoded, Example, utf8_size
 from theseus.data.chat_records import chat_files, first_record, is_chat_record, read_records
 from theseus.data.packing import Packing, pack
 from theseus.data.readers import fingerprint, list_inputs, walk_sorted
@@ -162,7 +163,8 @@ def tokenize_chat(
         }
         with tokenize_io.abandon_on_error(writers):
             batches = _rendered_batches(encoder, files, split, resume)
-            for batch, encoded in read_ahead(_encoded(encoder, read_ahead(batches)), depth=1):
+            for batch, encodings in read_ahead(_encodings(encoder, read_ahead(batches)), depth=1):
+                encoded = encoder.masked([example for _, example in batch], encodings)
                 for name, writer in writers.items():
                     chosen = [(e, t) for (s, e), t in zip(batch, encoded, strict=True) if s == name]
 
@@ -212,9 +214,11 @@ def _rendered_batches(
     return by_text_bytes(rendered, lambda item: item[1].text)
 
 
-def _encoded(encoder: ChatEncoder, batches) -> Iterator[tuple[list, list[Encoded]]]:
+def _encodings(encoder: ChatEncoder, batches) -> Iterator[tuple[list, list]]:
+    """Each batch with the library's encodings (the encoder's thread; masks are made on the
+    consumer's, so the library encodes the next batch meanwhile)."""
     for batch in batches:
-        yield batch, encoder.encode([example for _, example in batch])
+        yield batch, encoder.encodings([example for _, example in batch])
 
 
 def _write(writer: ShardWriter, chosen: list[tuple[Example, Encoded]], on_close) -> None:
@@ -222,7 +226,7 @@ def _write(writer: ShardWriter, chosen: list[tuple[Example, Encoded]], on_close)
     ids = np.concatenate([t.ids for _, t in chosen]).astype(writer.dtypes["bin"])  # (tokens,)
     mask = np.concatenate([t.mask for _, t in chosen])  # (tokens,)
     counts = [t.ids.size for _, t in chosen]
-    sizes = [len(e.text.encode()) for e, _ in chosen]
+    sizes = [utf8_size(e.text) for e, _ in chosen]
     arrays = {"bin": ids, "mask": mask, "docs": np.asarray(counts)}
     writer.write_pieces(arrays, counts, sizes, [True] * len(chosen), on_close)
 

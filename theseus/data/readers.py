@@ -276,7 +276,9 @@ def open_binary(item: InputFile) -> io.BufferedIOBase:
         raw = open(item.path, "rb")  # noqa: SIM115 - the reader closes it (closefd)
         reader = zstandard.ZstdDecompressor().stream_reader(raw, closefd=True)
         return io.BufferedReader(reader, buffer_size=PIECE_BYTES)
-    return open(item.path, "rb")
+    # A large buffer: each refill releases the GIL, and taking it back from a busy thread can
+    # wait a switch interval (5 ms), a wait per line with the default 8 KiB.
+    return open(item.path, "rb", buffering=PIECE_BYTES)
 
 
 @contextlib.contextmanager

@@ -2,8 +2,8 @@
 prompt (as transformers' ``apply_chat_template(..., add_generation_prompt=True)``), its reply
 generated (:func:`theseus.inference.generate`) and cut at the first stop token: the template's
 end-of-turn token (the tokenizer configuration's ``eos_token``) or any end-of-sequence id of the
-model's ``generation_config.json`` (Llama 3 lists several). Every row decodes
-``max_new_tokens`` tokens; the reply is what comes before its first stop token.
+model's ``generation_config.json`` (Llama 3 lists several). Decoding ends once every reply
+has its stop token (or at ``max_new_tokens``); the reply is what comes before its first one.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ class ChatGeneration:
     policy: str
     tokenizer_folder: str
     stop_ids: list[int]
+    new_tokens: int  # tokens each row decoded before every reply had stopped
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
@@ -98,6 +99,7 @@ def generate_chat(
         policy_changes=policy_changes,
         job=job,
         base=base,
+        stop_ids=stops,
     )
     replies = []
     for messages, completion in zip(conversations, result.completions, strict=True):
@@ -116,6 +118,7 @@ def generate_chat(
         result.policy,
         str(folder),
         sorted(stops),
+        result.new_tokens,
         result.notes,
     )
 

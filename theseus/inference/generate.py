@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -327,6 +327,7 @@ def generate(
     devices: Sequence[jax.Device] | None = None,
     job: str | None = None,
     base: str | Path | None = None,
+    stop_ids: Collection[int] = (),
 ) -> Generation:
     """Complete ``prompts`` with the newest good checkpoint of ``run_dir``.
 
@@ -336,7 +337,9 @@ def generate(
     else as UTF-8 bytes; without a tokenizer, ids that are no byte are shown as ``⟨id⟩``.
     ``policy_changes`` (e.g. ``{"tp": 2}``) merge into the run's saved policy; ``devices``
     default to all of JAX's devices; ``job`` and ``base`` as
-    :func:`theseus.inference.logits.load_run`.
+    :func:`theseus.inference.logits.load_run`. Decoding ends early (checked every
+    :data:`STOP_EVERY` tokens) once every row has chosen one of ``stop_ids``; the completions
+    keep what was decoded, the stop ids and any tokens after them included.
     """
     sampling = Sampling(temperature, top_k, top_p)  # checked before anything is loaded
     if isinstance(prompts, str) or not all(_is_prompt(p) for p in prompts):
@@ -365,6 +368,7 @@ def generate(
         seed=seed,
         num_samples=num_samples,
         num_valid=codec.vocab_size,
+        stop=_every_row_stopped(stop_ids) if stop_ids else None,
     )
     ids = generated.ids  # (rows, new tokens)
     completions = [
@@ -386,6 +390,16 @@ def generate(
         trainer.topology.mesh_shape,
         generated.notes,
     )
+
+
+def _every_row_stopped(stop_ids: Collection[int]) -> Callable[[np.ndarray], bool]:
+    """Whether every row of the new ids ``(rows, n)`` holds one of ``stop_ids``."""
+    wanted = np.asarray(sorted(stop_ids))
+
+    def stopped(ids: np.ndarray) -> bool:
+        return bool(np.isin(ids, wanted).any(axis=1).all())
+
+    return stopped
 
 
 def _is_prompt(prompt: Any) -> bool:
