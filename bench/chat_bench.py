@@ -8,7 +8,7 @@ user/assistant turns of 20 to 1,500 characters cut from the Python standard libr
 download). The tokenizer is a byte-level BPE of 8,192 tokens trained here on 4 MB of it, in a
 tokenizer folder with a ChatML template: ``chatml`` (Qwen2.5's, a default system prompt; masks by
 prefix rendering) or ``generation`` (the same with ``{% generation %}`` blocks). Each side runs in
-its own process under ``/usr/bin/time -v`` (wall time and maximum resident set):
+its own process, timed, its resident memory (with any worker processes) sampled from /proc:
 
 - ``theseus tokenize CORPUS OUT --tokenizer FOLDER``, the command a user runs, whole;
 - the library: the conversations rendered beforehand (untimed) into a JSON file, read, then
@@ -16,7 +16,7 @@ its own process under ``/usr/bin/time -v`` (wall time and maximum resident set):
   token's offsets) in batches of 4 MiB of text; only the encoding is timed, so the ratios are
   lower bounds for theseus. theseus itself encodes byte-level tokenizers' conversations with
   ``encode_batch_fast`` and masks them from the bytes each id spells
-  (:class:`theseus.data.chat.ByteSpelling`).
+  (:class:`theseus.data.chat.ByteSpelling`), in one worker process per core.
 
 Then the train split's examples are packed into rows of ``--seq-len`` + 1 tokens (longer ones
 truncated) as a training run packs them (:func:`theseus.data.packing.pack`, first-fit decreasing
@@ -135,14 +135,30 @@ def make_tokenizer(folder: Path, corpus: Path, template: str) -> None:
 
 
 def timed(command: list[str]) -> tuple[float, float, str]:
-    """(wall seconds, peak resident MB, stdout) of a command under /usr/bin/time -v."""
-    done = subprocess.run(
-        ["/usr/bin/time", "-v", *command], capture_output=True, text=True, check=True
-    )
-    wall = re.search(r"Elapsed \(wall clock\) time.*: (?:(\d+):)?(\d+):([\d.]+)", done.stderr)
-    hours, minutes, seconds = (float(x or 0) for x in wall.groups())
-    peak = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", done.stderr).group(1))
-    return hours * 3600 + minutes * 60 + seconds, peak / 1024, done.stdout
+    """(wall seconds, peak resident MB of the process and all its children together, stdout)
+    of a command; memory is sampled every 20 ms from /proc (worker processes count too)."""
+    began = time.perf_counter()
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    peak = 0
+    while process.poll() is None:
+        peak = max(peak, tree_rss_kb(process.pid))
+        time.sleep(0.02)
+    wall = time.perf_counter() - began
+    stdout = process.stdout.read()
+    if process.returncode:
+        raise subprocess.CalledProcessError(process.returncode, command)
+    return wall, peak / 1024, stdout
+
+
+def tree_rss_kb(pid: int) -> int:
+    """Resident kB of ``pid`` and its descendants (0 for those that are gone)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return 0
+    rss = re.search(r"VmRSS:\s+(\d+)", status)
+    return (int(rss.group(1)) if rss else 0) + sum(tree_rss_kb(int(c)) for c in children)
 
 
 def main() -> None:

@@ -366,8 +366,8 @@ def test_shards_and_masks_stream_resume_and_load_for_training(folders, tmp_path,
     half = len(records) // 2
     read = records[:half] + [r for r in records[half:] if "tools" not in r]
     tokenizer = folders["qwen25"]
-    whole = chat_tokenize.tokenize_chat(
-        corpus, tmp_path / "whole", tokenizer=tokenizer, shard_tokens=900
+    whole = chat_tokenize.tokenize_chat(  # encoded by 2 worker processes
+        corpus, tmp_path / "whole", tokenizer=tokenizer, shard_tokens=900, workers=2
     )
     encoder = ChatEncoder.from_folder(tokenizer)
     split = DocumentSplit(0.1, 0)
@@ -386,9 +386,10 @@ def test_shards_and_masks_stream_resume_and_load_for_training(folders, tmp_path,
         assert manifest.split(name)["trained_tokens"] == int(masks.sum())
         lengths = example_lengths(tmp_path / "whole", manifest, name)
         assert lengths.tolist() == [e.ids.size for e in chosen]
-    # Interrupted after some shards: the rerun resumes to the same files.
+    # Interrupted after some shards: the rerun (encoding in this process) resumes to the same
+    # files as the workers wrote.
     out = tmp_path / "out"
-    original = chat_tokenize.read_records
+    original = chat_tokenize.raw_records
 
     def interrupted(files):
         for number, record in enumerate(original(files)):
@@ -396,12 +397,14 @@ def test_shards_and_masks_stream_resume_and_load_for_training(folders, tmp_path,
                 raise KeyboardInterrupt
             yield record
 
-    monkeypatch.setattr(chat_tokenize, "read_records", interrupted)
+    monkeypatch.setattr(chat_tokenize, "raw_records", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        chat_tokenize.tokenize_chat(corpus, out, tokenizer=tokenizer, shard_tokens=900)
-    monkeypatch.setattr(chat_tokenize, "read_records", original)
+        chat_tokenize.tokenize_chat(corpus, out, tokenizer=tokenizer, shard_tokens=900, workers=2)
+    monkeypatch.setattr(chat_tokenize, "raw_records", original)
     assert (out / PROGRESS_FILE).is_file() and list(out.glob("train-*.mask"))
-    again = chat_tokenize.tokenize_chat(corpus, out, tokenizer=tokenizer, shard_tokens=900)
+    again = chat_tokenize.tokenize_chat(
+        corpus, out, tokenizer=tokenizer, shard_tokens=900, workers=1
+    )
     assert again.corpus.resumed
     for path in sorted((tmp_path / "whole").glob("*-*.*")):
         assert (out / path.name).read_bytes() == path.read_bytes(), path.name
@@ -481,4 +484,11 @@ def test_bad_chat_input_exits_2_and_writes_nothing(folders, tmp_path):
     (tmp_path / "text.txt").write_text("plain text, no records\n")
     result = invoke("tokenize", tmp_path / "text.txt", tmp_path / "out", "--seq-len", 8)
     assert result.exit_code == 2 and "--seq-len applies to chat records" in result.output
+    assert not (tmp_path / "out").exists()
+    # A bad record met by a worker process: the same paragraph, nothing written.
+    corpus.write_text("\n".join([good] * 40 + ['{"messages": [}'] + [good] * 5) + "\n")
+    with pytest.raises(ValueError, match=r"plain.jsonl, line 41, is not valid JSON"):
+        chat_tokenize.tokenize_chat(
+            corpus, tmp_path / "out", tokenizer=folders["generation"], workers=2
+        )
     assert not (tmp_path / "out").exists()

@@ -76,6 +76,14 @@ def tokenize(
             min=1,
         ),
     ] = None,
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            help="chat records: processes that render and encode \\[default: one per core, "
+            "for corpora of several 4 MiB batches]",
+            min=1,
+        ),
+    ] = None,
     overwrite: Overwrite = False,
 ) -> None:
     """Tokenize a corpus into token shards with byte-level BPE.
@@ -106,10 +114,16 @@ def tokenize(
                 shard_tokens=shard_tokens,
                 overwrite=overwrite,
                 seq_len=seq_len,
+                workers=workers,
             )
             typer.echo(chat.describe())
             return
-        for name, value in (("--chat-template", chat_template), ("--seq-len", seq_len)):
+        chat_only = (
+            ("--chat-template", chat_template),
+            ("--seq-len", seq_len),
+            ("--workers", workers),
+        )
+        for name, value in chat_only:
             if value is not None:
                 raise ValueError(
                     f"{name} applies to chat records (messages, or prompt and completion), "

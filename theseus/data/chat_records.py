@@ -13,7 +13,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from theseus.data.readers import InputFile, errors_name, jsonl_records, list_inputs, walk_sorted
+from theseus.data.readers import (
+    InputFile,
+    errors_name,
+    json_value,
+    jsonl_lines,
+    list_inputs,
+    walk_sorted,
+)
 
 
 @dataclass(frozen=True)
@@ -72,21 +79,35 @@ def chat_files(corpus: str | Path) -> list[InputFile]:
 
 def first_record(files: list[InputFile]) -> object | None:
     """The first raw record of the first file (None when it holds none)."""
-    for item in files:
-        with errors_name(item):
-            for raw, _ in _raw_records(item):
-                return raw
+    for raw, _, where in raw_records(files):
+        return _decoded(raw, where)
     return None
 
 
 def read_records(files: list[InputFile]) -> Iterator[Record]:
     """Every record of ``files`` in order, checked."""
+    for raw, document, where in raw_records(files):
+        yield parse_raw(raw, document, where)
+
+
+def raw_records(files: list[InputFile]) -> Iterator[tuple[object, int, str]]:
+    """Every record of ``files`` in order as read, not yet decoded (a JSON line's bytes, a
+    Parquet row's dict), with its number and where it is."""
     document = 0
     for item in files:
         with errors_name(item):
             for raw, where in _raw_records(item):
-                yield parse_record(raw, document, where)
+                yield raw, document, where
                 document += 1
+
+
+def parse_raw(raw: object, document: int, where: str) -> Record:
+    """A record from :func:`raw_records`, decoded and checked."""
+    return parse_record(_decoded(raw, where), document, where)
+
+
+def _decoded(raw: object, where: str) -> object:
+    return json_value(raw, where) if isinstance(raw, bytes) else raw
 
 
 def parse_record(raw: object, document: int, where: str) -> Record:
@@ -161,5 +182,5 @@ def _raw_records(item: InputFile) -> Iterator[tuple[object, str]]:
             for row, record in enumerate(rows):
                 yield record, f"{item.path}, row group {group}, row {row}"
         return
-    for record, number in jsonl_records(item):
-        yield record, f"{item.path}, line {number}"
+    for line, number in jsonl_lines(item):
+        yield line, f"{item.path}, line {number}"

@@ -2,17 +2,17 @@
 encoded with its tokenizer, written as token shards with a loss mask beside each (the format of
 :mod:`theseus.data.shards`, ``"loss_mask": true`` in the manifest).
 
-Records stream with bounded memory: a thread reads and renders records (JSON parsing and Jinja
-hold the GIL) in batches of about ``BATCH_BYTES`` of text, a thread encodes each batch (the
-``tokenizers`` library releases the GIL), and the calling thread makes the loss masks and
-writes. Each record is one
-document, split by document as text corpora are; an interrupted run resumes from its progress
-record and writes the same shards as an uninterrupted one.
+Records stream with bounded memory: this process reads them in batches of about
+``BATCH_BYTES``, worker processes (one per core, for corpora of several batches) decode, render,
+encode and mask each batch (:mod:`theseus.data.chat_batches`), and this process writes them in
+order. Each record is one document, split by document as text corpora are; an interrupted run
+resumes from its progress record and writes the same shards as an uninterrupted one.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import time
@@ -24,10 +24,23 @@ import numpy as np
 
 import theseus.data.tokenize_io as tokenize_io
 from theseus.data.bpe import DEFAULT_SHARD_TOKENS, TokenizedCorpus, token_dtype
-from theseus.data.chat import ChatEncoder, Encoded, Example, utf8_size
-from theseus.data.chat_records import chat_files, first_record, is_chat_record, read_records
+from theseus.data.chat import ChatEncoder
+from theseus.data.chat_batches import (
+    EncodedBatch,
+    EncoderSource,
+    RawRecord,
+    default_workers,
+    encoded_batches,
+)
+from theseus.data.chat_records import (
+    chat_files,
+    first_record,
+    is_chat_record,
+    raw_records,
+    read_records,
+)
 from theseus.data.packing import Packing, pack
-from theseus.data.readers import fingerprint, list_inputs, walk_sorted
+from theseus.data.readers import InputFile, fingerprint, list_inputs, walk_sorted
 from theseus.data.sampler import check_int
 from theseus.data.shards import (
     CHAT_TEMPLATE_FILE,
@@ -45,7 +58,7 @@ from theseus.data.shards import (
     write_json_atomic,
 )
 from theseus.data.split import DocumentSplit
-from theseus.data.streaming import by_text_bytes, read_ahead
+from theseus.data.streaming import by_text_bytes
 
 
 @dataclass(frozen=True)
@@ -111,19 +124,28 @@ def tokenize_chat(
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     overwrite: bool = False,
     seq_len: int | None = None,
+    workers: int | None = 1,
 ) -> ChatTokenized:
     """Tokenize the chat records of ``corpus`` with the tokenizer folder ``tokenizer`` (its chat
     template, or the Jinja file ``chat_template``) into token and mask shards in ``out_dir``;
     running it again on an interrupted folder goes on from its complete shards. With
     ``seq_len``, the result also packs the train split as a run of that ``training.seq_len``
-    would (longer conversations truncated), for its packing efficiency."""
+    would (longer conversations truncated), for its packing efficiency. ``workers`` processes
+    render and encode (1: this process; None: one per core for corpora of several batches, as
+    ``theseus tokenize`` does). Worker processes start by importing the main module, so a
+    script that asks for them calls this under ``if __name__ == "__main__":``."""
     start = time.perf_counter()
     if seq_len is not None:
         check_int("seq_len", seq_len, minimum=1)
+    if workers is not None:
+        check_int("workers", workers, minimum=1)
     if isinstance(shard_tokens, bool) or not isinstance(shard_tokens, int) or shard_tokens < 1:
         raise ValueError(f"shard_tokens must be a positive int, got {shard_tokens!r}")
     files = chat_files(corpus)
-    encoder = ChatEncoder.from_folder(tokenizer, chat_template, eos_token)
+    source = EncoderSource(
+        str(tokenizer), None if chat_template is None else str(chat_template), eos_token
+    )
+    encoder = source.encoder()
     for item in files:  # a bad first record, or a missing template, before anything is written
         for record in read_records([item]):
             encoder.render(record)
@@ -162,19 +184,19 @@ def tokenize_chat(
             name: ShardWriter(out, name, shard_tokens, dtypes, done[name]) for name in SPLITS
         }
         with tokenize_io.abandon_on_error(writers):
-            batches = _rendered_batches(encoder, files, split, resume)
-            for batch, encodings in read_ahead(_encodings(encoder, read_ahead(batches)), depth=1):
-                encoded = encoder.masked([example for _, example in batch], encodings)
+            batches = _raw_batches(files, split, resume)
+            workers = default_workers(files) if workers is None else workers
+            for batch in encoded_batches(source, encoder, batches, workers):
                 for name, writer in writers.items():
-                    chosen = [(e, t) for (s, e), t in zip(batch, encoded, strict=True) if s == name]
+                    chosen = [k for k, s in enumerate(batch.splits) if s == name]
 
-                    def on_close(index: int, name=name, chosen=chosen) -> None:
-                        resume[name] = (chosen[index][0].document + 1, 0)
+                    def on_close(index: int, name=name, chosen=chosen, batch=batch) -> None:
+                        resume[name] = (batch.documents[chosen[index]] + 1, 0)
                         done[name] = writers[name].shards
                         write_progress()
 
                     if chosen:
-                        _write(writer, chosen, on_close)
+                        _write(writer, batch, name, chosen, on_close)
         summaries = tokenize_io.close_splits(writers, corpus)
     record = {
         "format": FORMAT,
@@ -197,38 +219,35 @@ def tokenize_chat(
     return _result(TokenizedCorpus(**fields, seconds=time.perf_counter() - start), record, seq_len)
 
 
-def _rendered_batches(
-    encoder: ChatEncoder, files, split: DocumentSplit, resume: dict
-) -> Iterator[list[tuple[str, Example]]]:
-    """Records rendered and routed to their split, in batches of about ``BATCH_BYTES`` of text;
-    records before their split's resume position are read but not rendered."""
+def _raw_batches(
+    files: list[InputFile], split: DocumentSplit, resume: dict
+) -> Iterator[list[RawRecord]]:
+    """Records as read, routed to their split, in batches of about ``BATCH_BYTES``; records
+    before their split's resume position are skipped."""
     routed = (
-        ("validation" if split.is_validation(record.document) else "train", record)
-        for record in read_records(files)
+        ("validation" if split.is_validation(document) else "train", raw, document, where)
+        for raw, document, where in raw_records(files)
     )
-    rendered = (
-        (name, encoder.render(record))
-        for name, record in routed
-        if (record.document, 0) >= resume[name]
-    )
-    return by_text_bytes(rendered, lambda item: item[1].text)
+    kept = (record for record in routed if (record[2], 0) >= resume[record[0]])
+    return by_text_bytes(kept, lambda record: _as_read(record[1]))
 
 
-def _encodings(encoder: ChatEncoder, batches) -> Iterator[tuple[list, list]]:
-    """Each batch with the library's encodings (the encoder's thread; masks are made on the
-    consumer's, so the library encodes the next batch meanwhile)."""
-    for batch in batches:
-        yield batch, encoder.encodings([example for _, example in batch])
+def _as_read(raw: object) -> bytes | str:
+    """A record as read, for its size: a JSON line's bytes, a Parquet row as JSON."""
+    return raw if isinstance(raw, bytes) else json.dumps(raw, default=str)
 
 
-def _write(writer: ShardWriter, chosen: list[tuple[Example, Encoded]], on_close) -> None:
-    """Append one split's encoded examples (one document each)."""
-    ids = np.concatenate([t.ids for _, t in chosen]).astype(writer.dtypes["bin"])  # (tokens,)
-    mask = np.concatenate([t.mask for _, t in chosen])  # (tokens,)
-    counts = [t.ids.size for _, t in chosen]
-    sizes = [utf8_size(e.text) for e, _ in chosen]
-    arrays = {"bin": ids, "mask": mask, "docs": np.asarray(counts)}
-    writer.write_pieces(arrays, counts, sizes, [True] * len(chosen), on_close)
+def _write(writer: ShardWriter, batch: EncodedBatch, name: str, chosen: list[int], on_close):
+    """Append the records ``chosen`` (those of split ``name``) of a batch, one document each."""
+    tokens = np.repeat(np.asarray(batch.splits) == name, batch.counts)  # (batch tokens,)
+    counts = batch.counts[chosen]  # (chosen,)
+    arrays = {
+        "bin": batch.ids[tokens].astype(writer.dtypes["bin"]),
+        "mask": batch.mask[tokens],
+        "docs": counts,
+    }
+    sizes = [batch.sizes[k] for k in chosen]
+    writer.write_pieces(arrays, counts.tolist(), sizes, [True] * len(chosen), on_close)
 
 
 def _copy_tokenizer(encoder: ChatEncoder, out: Path) -> None:

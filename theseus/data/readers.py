@@ -215,17 +215,24 @@ def _jsonl_texts(item: InputFile, text_field: str) -> Iterator[str]:
 
 def jsonl_records(item: InputFile) -> Iterator[tuple[object, int]]:
     """Each record of a JSON Lines file and its line number (blank lines skipped)."""
+    for line, number in jsonl_lines(item):
+        yield json_value(line, f"{item.path}, line {number}"), number
+
+
+def jsonl_lines(item: InputFile) -> Iterator[tuple[bytes, int]]:
+    """Each non-blank line of a JSON Lines file, undecoded, and its line number."""
     with open_binary(item) as stream:
         for number, line in enumerate(stream, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield json.loads(line), number
-            except ValueError as error:
-                raise ValueError(
-                    f"{item.path}, line {number}, is not valid JSON ({error}); fix or remove "
-                    "that line"
-                ) from None
+            if line.strip():
+                yield line, number
+
+
+def json_value(line: bytes, where: str) -> object:
+    """The JSON value of one line; a ValueError naming ``where`` when it is not JSON."""
+    try:
+        return json.loads(line)
+    except ValueError as error:
+        raise ValueError(f"{where}, is not valid JSON ({error}); fix or remove that line") from None
 
 
 def _parquet_texts(item: InputFile, text_field: str) -> Iterator[str]:
