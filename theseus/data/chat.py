@@ -174,12 +174,13 @@ class ChatEncoder:
 
     def encode(self, examples: list[Example]) -> list[Encoded]:
         """Token ids and masks of rendered examples."""
-        return self.masked(examples, self.encodings(examples))
+        return self._masked(examples, self._encodings(examples))
 
-    def encodings(self, examples: list[Example]) -> list:
-        """The library's encodings of rendered examples, in batches (it spreads a batch over
-        every core, without the GIL). Conversations of a byte-level tokenizer are encoded
-        without offsets (:class:`ByteSpelling`)."""
+    def _encodings(self, examples: list[Example]) -> list:
+        """The library's encodings of rendered examples, a batch per call (spread over the
+        cores unless ``TOKENIZERS_PARALLELISM`` is off, as in tokenizing's worker processes).
+        Conversations of a byte-level tokenizer are encoded without offsets
+        (:class:`ByteSpelling`)."""
         results: list = [None] * len(examples)
         for plain in (False, True):
             chosen = [i for i, example in enumerate(examples) if example.plain == plain]
@@ -192,8 +193,8 @@ class ChatEncoder:
                 results[i] = encoding
         return results
 
-    def masked(self, examples: list[Example], encodings: list) -> list[Encoded]:
-        """Ids and loss masks from :meth:`encodings`: a token trains when it overlaps a span,
+    def _masked(self, examples: list[Example], encodings: list) -> list[Encoded]:
+        """Ids and loss masks from :meth:`_encodings`: a token trains when it overlaps a span,
         found from the bytes its id spells or else from the library's offsets. A batch is
         masked at once, its examples laid end to end on one line of positions (in bytes where
         the tokens spell the text, in characters otherwise)."""
