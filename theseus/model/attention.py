@@ -60,6 +60,21 @@ class AttentionMask:
         return visible[:, None]  # (batch, 1, q_len, k_len)
 
 
+@dataclass(frozen=True)
+class AttentionOptions:
+    """How a layer attends besides its mask, as one hashable value a family's decoder carries
+    (``Skeleton.attention``): ``scale`` multiplies the scores (None: 1 / sqrt(head_dim)) and
+    ``softcap`` caps them at ``±cap`` (None: uncapped). A new attention option is a field here,
+    passed to :func:`attention` as the keyword of its name."""
+
+    scale: float | None = None
+    softcap: float | None = None
+
+    def keywords(self) -> dict:
+        """The options as :func:`attention`'s keywords."""
+        return {"scale": self.scale, "softcap": self.softcap}
+
+
 def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
     """``cap · tanh(x / cap)``: ``x`` squashed into (-cap, cap) (Gemma 2's soft-capping); None:
     ``x`` as it is."""

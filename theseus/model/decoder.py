@@ -23,7 +23,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import DTypeLike
 
-from theseus.model.attention import NO_WINDOW, AttentionMask, attention, soft_cap
+from theseus.model.attention import (
+    NO_WINDOW,
+    AttentionMask,
+    AttentionOptions,
+    attention,
+    soft_cap,
+)
 from theseus.model.decode import ROWS, CacheArray
 from theseus.model.layers import dense, dropout, fold_in
 from theseus.model.lora import LoraSpec, add_adapters, scaled
@@ -65,8 +71,8 @@ class Skeleton:
     ``settings`` holds the family's own constants (a frozen dataclass). ``windows``: each
     layer's sliding attention window (None: the layer reads the whole context; empty: no layer
     slides). ``inv_freqs``: each layer's rotary inverse frequencies (empty: none per layer).
-    ``attention_scale`` multiplies the attention scores (None: 1 / sqrt(head_dim));
-    ``attention_softcap`` and ``logit_softcap`` cap the scores and the logits at ``±cap`` with
+    ``attention``: how every layer attends besides its mask (scale, soft cap: see
+    :class:`AttentionOptions`); ``logit_softcap`` caps the logits at ``±cap`` with
     ``cap · tanh(x / cap)`` (None: uncapped). ``final_norm(x, params, eps, dtype)``: the norm
     before the head.
     """
@@ -85,8 +91,7 @@ class Skeleton:
     lora_scale: float = 0.0  # alpha / rank of the LoRA adapters (0: none)
     windows: tuple[int | None, ...] = ()
     inv_freqs: tuple[tuple[float, ...], ...] = ()
-    attention_scale: float | None = None
-    attention_softcap: float | None = None
+    attention: AttentionOptions = AttentionOptions()
     logit_softcap: float | None = None
     final_norm: Callable[[jax.Array, dict, float, Any], jax.Array] = norm
 
@@ -98,9 +103,8 @@ class Skeleton:
     def attend(
         self, q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask, **dropout: Any
     ) -> jax.Array:
-        """:func:`attention` with the skeleton's scale and soft-capping."""
-        scale, cap = self.attention_scale, self.attention_softcap
-        return attention(q, k, v, mask, scale=scale, softcap=cap, **dropout)
+        """:func:`attention` with the skeleton's attention options."""
+        return attention(q, k, v, mask, **self.attention.keywords(), **dropout)
 
     def layer_windows(self, num_layers: int) -> jax.Array:
         """The windows as layer-indexed data: int32 (n_layer,), NO_WINDOW for a whole-context
