@@ -16,7 +16,7 @@ its own process, timed, its resident memory (with any worker processes) sampled 
   token's offsets) in batches of 4 MiB of text; only the encoding is timed, so the ratios are
   lower bounds for theseus. theseus itself encodes byte-level tokenizers' conversations with
   ``encode_batch_fast`` and masks them from the bytes each id spells
-  (:class:`theseus.data.chat.ByteSpelling`), in one worker process per core.
+  (:class:`theseus.tokenization.chat.encoder.ByteSpelling`), in one worker process per core.
 
 Then the train split's examples are packed into rows of ``--seq-len`` + 1 tokens (longer ones
 truncated) as a training run packs them (:func:`theseus.data.packing.pack`, first-fit decreasing
@@ -42,11 +42,11 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from theseus.data.chat_records import parse_record  # noqa: E402
-from theseus.data.chat_template import ChatTemplate  # noqa: E402
 from theseus.data.packing import pack  # noqa: E402
 from theseus.data.shards import example_lengths, read_manifest  # noqa: E402
 from theseus.data.tokens import builtin_files  # noqa: E402
+from theseus.tokenization.chat.records import parse_record  # noqa: E402
+from theseus.tokenization.chat.template import ChatTemplate  # noqa: E402
 
 CHATML = (
     "{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nYou are Qwen, created by "

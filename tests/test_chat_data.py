@@ -27,10 +27,8 @@ from tokenizers import (
     trainers,
 )
 
-import theseus.data.chat_tokenize as chat_tokenize
+import theseus.tokenization.chat.corpus as chat_tokenize
 from theseus.data import load_corpus
-from theseus.data.chat import ByteSpelling, ChatEncoder, Example
-from theseus.data.chat_records import parse_record
 from theseus.data.shards import (
     PROGRESS_FILE,
     example_lengths,
@@ -39,6 +37,8 @@ from theseus.data.shards import (
     read_manifest,
 )
 from theseus.data.split import DocumentSplit
+from theseus.tokenization.chat.encoder import ByteSpelling, ChatEncoder, Example
+from theseus.tokenization.chat.records import parse_record
 
 LLAMA3 = (
     "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
@@ -358,7 +358,7 @@ def _write_corpus(folder, records) -> None:
 
 def test_shards_and_masks_stream_resume_and_load_for_training(folders, tmp_path, monkeypatch):
     monkeypatch.setattr(
-        "theseus.data.streaming.BATCH_BYTES", 2000
+        "theseus.tokenization.streaming.BATCH_BYTES", 2000
     )  # several batches, as large corpora
     records = _records(90)
     corpus = tmp_path / "chats"

@@ -19,10 +19,11 @@ import zstandard
 from support import TINY_GPT, invoke, subprocess_env
 
 from theseus.data import Sampler, load_corpus
-from theseus.data.bpe import load_tokenizer, sample_texts, tokenize
 from theseus.data.readers import Piece
 from theseus.data.shards import PROGRESS_FILE, ShardedTokens
 from theseus.data.split import DocumentSplit
+from theseus.tokenization.folder import load_tokenizer
+from theseus.tokenization.text import sample_texts, tokenize
 
 WORDS = [
     "alpha",
@@ -161,7 +162,7 @@ def test_validation_share_of_ten_thousand_documents(corpora, tmp_path):
 
 KILL_SCRIPT = """
 import sys
-from theseus.data.bpe import tokenize
+from theseus.tokenization.text import tokenize
 tokenize(sys.argv[1], sys.argv[2], tokenizer=sys.argv[3], shard_tokens=2000, progress=False)
 """
 

@@ -11,9 +11,10 @@ from support import GPT, TINY_GPT, invoke, log_lines, write_corpus
 
 import theseus
 from theseus.data import load_corpus
-from theseus.data.bpe import load_tokenizer, tokenize
 from theseus.inference import Sampling, load_generator
 from theseus.inference.sampling import next_tokens, sample_keys
+from theseus.tokenization.folder import load_tokenizer
+from theseus.tokenization.text import tokenize
 
 PROMPTS = [[66, 101, 97], [73, 109, 112, 108, 105, 99, 105], [83, 105, 109, 112, 108, 101, 32]]
 NEW_TOKENS = 32

@@ -19,6 +19,7 @@ LAYERS = [
     ["sharding", "accounting.memory"],
     ["accounting.preflight", "checkpoint"],
     ["data"],
+    ["tokenization"],
     ["model"],
     ["training"],
     ["training.run"],

@@ -20,7 +20,7 @@ from theseus.cli.options import (
     use_cpu_devices,
     user_errors,
 )
-from theseus.data.bpe import DEFAULT_SAMPLE_BYTES, DEFAULT_SHARD_TOKENS
+from theseus.tokenization.text import DEFAULT_SAMPLE_BYTES, DEFAULT_SHARD_TOKENS
 
 
 def tokenize(
@@ -93,8 +93,8 @@ def tokenize(
     are rendered with the model's chat template and get a loss mask beside their shards.
     """
     with user_errors():
-        from theseus.data.bpe import tokenize as tokenize_corpus
-        from theseus.data.chat_tokenize import is_chat_corpus, tokenize_chat
+        from theseus.tokenization.chat.corpus import is_chat_corpus, tokenize_chat
+        from theseus.tokenization.text import tokenize as tokenize_corpus
 
         if is_chat_corpus(corpus):
             if vocab_size is not None or tokenizer is None:

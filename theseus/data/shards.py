@@ -26,18 +26,8 @@ import numpy as np
 
 TOKENIZED_RECORD = "tokens.json"  # the manifest
 TOKENIZER_FILE = "tokenizer.json"
-# A chat corpus keeps its tokenizer's configuration and chat template beside tokenizer.json.
-TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
-CHAT_TEMPLATE_FILE = "chat_template.jinja"
 PROGRESS_FILE = ".tokenize-progress.json"
 SPLITS = ("train", "validation")
-OWN_NAMES = (
-    TOKENIZED_RECORD,
-    TOKENIZER_FILE,
-    TOKENIZER_CONFIG_FILE,
-    CHAT_TEMPLATE_FILE,
-    PROGRESS_FILE,
-)
 FORMAT = "theseus-token-shards-1"
 SHARD_PATTERN = re.compile(r"(train|validation)-\d{5}\.bin")
 MASK_PATTERN = re.compile(r"(train|validation)-\d{5}\.(mask|docs)")
@@ -53,19 +43,6 @@ def is_partial(name: str) -> bool:
     """A shard or mask that a run began and did not finish (``.NAME.partial``)."""
     return name.startswith(".") and name.endswith(
         (".bin.partial", ".mask.partial", ".docs.partial")
-    )
-
-
-def own_files(folder: Path) -> list[str]:
-    """The names in ``folder`` that ``theseus tokenize`` writes (manifest, tokenizer, shards,
-    progress, partial shards)."""
-    return sorted(
-        p.name
-        for p in folder.iterdir()
-        if p.name in OWN_NAMES
-        or SHARD_PATTERN.fullmatch(p.name)
-        or MASK_PATTERN.fullmatch(p.name)
-        or is_partial(p.name)
     )
 
 

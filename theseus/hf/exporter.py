@@ -32,7 +32,7 @@ from theseus.hf.safetensors import write_file
 from theseus.inference.logits import load_run
 from theseus.model.family import HFTensor
 from theseus.sharding.layout import leaf_at
-from theseus.training.run.identity import TOKENIZER_FILES
+from theseus.tokenization.folder import TOKENIZER_FILES
 
 logger = logging.getLogger(__name__)
 

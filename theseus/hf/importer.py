@@ -35,7 +35,8 @@ from theseus.model.family import HFTensor, Part
 from theseus.sharding.axis import ShardingPolicy
 from theseus.sharding.layout import is_sharding, path_str
 from theseus.sharding.topology import Topology
-from theseus.training.run.identity import TOKENIZER_FILES, copy_tokenizer_files
+from theseus.tokenization.folder import TOKENIZER_FILES
+from theseus.training.run.identity import copy_tokenizer_files
 from theseus.training.trainer import BaseTrainer
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,5 @@
-"""Text to token ids and back for generation: UTF-8 bytes, or a run's BPE tokenizer."""
+"""Text to token ids and back for generation: UTF-8 bytes, or a run's tokenizer folder (its
+end-of-sequence ids too)."""
 
 from __future__ import annotations
 
@@ -6,13 +7,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from theseus.data.bpe import load_tokenizer
-from theseus.data.tokens import BYTE_VOCAB_SIZE, TOKENIZED_RECORD, TOKENIZER_FILE
+from theseus.data.tokens import BYTE_VOCAB_SIZE, TOKENIZED_RECORD
+from theseus.tokenization.folder import TokenizerFolder
 
 
 class Codec(Protocol):
     vocab_size: int
     description: str
+    eos_ids: tuple[int, ...]  # the ids that end a generation, as transformers' generate stops
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -27,6 +29,7 @@ class ByteCodec:
 
     vocab_size: int = BYTE_VOCAB_SIZE
     description: str = "UTF-8 bytes"
+    eos_ids: tuple[int, ...] = ()  # bytes have no end-of-sequence token
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -45,12 +48,18 @@ class ByteCodec:
 
 
 class TokenizerCodec:
-    """A Hugging Face ``tokenizer.json`` (byte-level BPE from ``theseus tokenize``)."""
+    """A tokenizer folder's ``tokenizer.json`` (byte-level BPE from ``theseus tokenize``, or a
+    model's) and its end-of-sequence ids (:attr:`TokenizerFolder.eos_ids`)."""
 
-    def __init__(self, path: Path):
-        self.tokenizer = load_tokenizer(path)
+    def __init__(self, folder: TokenizerFolder):
+        self.tokenizer = folder.tokenizer
         self.vocab_size = self.tokenizer.get_vocab_size()
-        self.description = f"tokenizer {path} ({self.vocab_size} tokens)"
+        self.description = f"tokenizer {folder.tokenizer_file} ({self.vocab_size} tokens)"
+        self.folder = folder
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        return self.folder.eos_ids
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -66,18 +75,13 @@ def resolve_codec(
     run, then the run it fine-tunes) that has one, else the tokenizer of the tokenized folder it
     trained on (``data_path``, the run's ``data.path``), else bytes over the model's
     vocabulary; it must fit the model's vocabulary."""
-    folder = Path(data_path) if data_path else None
-    own = next((d / TOKENIZER_FILE for d in run_dirs if (d / TOKENIZER_FILE).is_file()), None)
-    run_dir = run_dirs[0]
-    if tokenizer is not None:
-        codec: Codec = TokenizerCodec(Path(tokenizer))
-    elif own is not None:
-        codec = TokenizerCodec(own)
-    elif folder is not None and (folder / TOKENIZER_FILE).is_file():
-        codec = TokenizerCodec(folder / TOKENIZER_FILE)
-    elif folder is not None and (folder.suffix == ".bin" or (folder / TOKENIZED_RECORD).exists()):
+    found = TokenizerFolder.find(tokenizer, [*run_dirs, data_path])
+    data = Path(data_path) if data_path else None
+    if found is not None:
+        codec: Codec = TokenizerCodec(found)
+    elif data is not None and (data.suffix == ".bin" or (data / TOKENIZED_RECORD).exists()):
         raise ValueError(
-            f"{run_dir} was trained on token ids (data.path={data_path}) and no tokenizer.json "
+            f"{run_dirs[0]} was trained on token ids (data.path={data_path}) and no tokenizer.json "
             "was found for them; pass --tokenizer PATH/tokenizer.json"
         )
     else:

@@ -6,7 +6,8 @@ the run's policy merged with the caller's layout changes: ``loglikelihood`` and
 batch shapes, parameters in their storage layout), ``generate_until`` through the KV-cache
 decoder with the task's stop sequences. Text is tokenized as the harness's Hugging Face backend
 does (the run's ``tokenizer.json``, special tokens added; the end-of-text token from
-``tokenizer_config.json``), so both give the same requests. ``import theseus`` registers the
+``tokenizer_config.json``), so both give the same requests; generations end on the folder's
+end-of-sequence ids, as the backend's ``generate`` ends them. ``import theseus`` registers the
 class as the harness's model ``theseus`` (lazily: this module is imported on first use), so
 ``lm_eval.simple_evaluate(model="theseus", model_args="run=RUN_DIR,tp=2,fsdp=True", ...)`` works.
 """
@@ -29,12 +30,12 @@ from lm_eval.models.utils import (
     postprocess_generated_text,
 )
 
-from theseus.data.bpe import EOS_CANDIDATES, load_tokenizer
 from theseus.data.tokens import TOKENIZER_FILE
 from theseus.inference.generate import Generator
 from theseus.inference.logits import load_run
 from theseus.inference.sampling import Sampling
 from theseus.inference.scoring import Scorer, bucket_widths
+from theseus.tokenization.folder import TokenizerFolder
 from theseus.training.trainer import BaseTrainer
 
 #: Requests a batch holds on each replica unless ``batch_size`` says otherwise.
@@ -47,13 +48,16 @@ SAMPLING_KWARGS = ("do_sample", "temperature", "top_k", "top_p")
 
 @dataclass(frozen=True)
 class HarnessTokenizer:
-    """A run's ``tokenizer.json`` with the ids the harness needs: end of text, and the prefix
-    of an empty context (the beginning-of-text token when there is one, else end of text)."""
+    """A run's tokenizer folder with the ids the harness needs: end of text (the tokenizer's
+    ``eos_token``, the backend's ``eot_token_id``), the prefix of an empty context (the
+    beginning-of-text token when there is one, else end of text), and the ids that end a
+    generation."""
 
     tokenizer: Any  # tokenizers.Tokenizer
-    folder: Path
+    folder: TokenizerFolder
     eot_id: int
     prefix_id: int
+    eos_ids: tuple[int, ...]
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
@@ -65,47 +69,20 @@ class HarnessTokenizer:
 def find_tokenizer(run_dirs: Sequence[Path], data_path: str | None) -> HarnessTokenizer:
     """The tokenizer of the first of ``run_dirs`` (a run, then its base) holding a
     ``tokenizer.json``, else of the tokenized folder it trained on (``data_path``)."""
-    folders = [*run_dirs, *([Path(data_path)] if data_path else [])]
-    folder = next((f for f in folders if (f / TOKENIZER_FILE).is_file()), None)
+    folder = TokenizerFolder.find(None, [*run_dirs, data_path])
     if folder is None:
         raise ValueError(
             f"{run_dirs[0]} has no tokenizer: no {TOKENIZER_FILE} in "
-            f"{', '.join(str(f) for f in folders)}; the evaluation harness's tasks are text. "
-            "Evaluate a run trained on a `theseus tokenize` folder or imported from Hugging Face "
-            f"(or copy the tokenizer's {TOKENIZER_FILE} and tokenizer_config.json into the run)"
+            f"{', '.join(str(f) for f in [*run_dirs, data_path] if f)}; the evaluation "
+            "harness's tasks are text. Evaluate a run trained on a `theseus tokenize` folder or "
+            f"imported from Hugging Face (or copy the tokenizer's {TOKENIZER_FILE} and "
+            "tokenizer_config.json into the run)"
         )
-    tokenizer = load_tokenizer(folder / TOKENIZER_FILE)
-    eos = _special_token(folder, "eos_token") or next(
-        (c for c in EOS_CANDIDATES if tokenizer.token_to_id(c) is not None), None
-    )
-    bos = _special_token(folder, "bos_token")
-    ids = {
-        name: None if token is None else tokenizer.token_to_id(token)
-        for name, token in (("eos", eos), ("bos", bos))
-    }
-    if ids["eos"] is None:
-        raise ValueError(
-            f"the tokenizer in {folder} has no end-of-text token (eos_token of "
-            "tokenizer_config.json, or one of " + ", ".join(EOS_CANDIDATES) + "); the harness "
-            "needs one to score text without context and to end generations"
-        )
-    prefix = ids["bos"] if ids["bos"] is not None else ids["eos"]
-    return HarnessTokenizer(tokenizer, folder, ids["eos"], prefix)
-
-
-def _special_token(folder: Path, name: str) -> str | None:
-    """``name`` (``eos_token``, ``bos_token``) as ``tokenizer_config.json`` or
-    ``special_tokens_map.json`` in ``folder`` give it (text, or a dict with its content)."""
-    for file in ("tokenizer_config.json", "special_tokens_map.json"):
-        try:
-            record = json.loads((folder / file).read_text())
-        except (OSError, ValueError):
-            continue
-        value = record.get(name) if isinstance(record, dict) else None
-        value = value.get("content") if isinstance(value, dict) else value
-        if isinstance(value, str):
-            return value
-    return None
+    _, eos = folder.eos_token()
+    bos = folder.special_tokens.get("bos_token")
+    bos_id = None if bos is None else folder.tokenizer.token_to_id(bos)
+    prefix = bos_id if bos_id is not None else eos
+    return HarnessTokenizer(folder.tokenizer, folder, eos, prefix, folder.eos_ids)
 
 
 @dataclass(frozen=True)
@@ -141,7 +118,7 @@ def load_harness_model(
         "job": loaded.job,
         "step": loaded.step,
         "policy": trainer.policy.describe(),
-        "tokenizer": str(tokenizer.folder / TOKENIZER_FILE),
+        "tokenizer": str(tokenizer.folder.tokenizer_file),
     }
     return HarnessModel(trainer, loaded.params, tokenizer, info)
 
@@ -216,7 +193,7 @@ class TheseusLM(TemplateLM):
 
     @property
     def tokenizer_name(self) -> str:
-        return str(self.codec.folder / TOKENIZER_FILE)
+        return str(self.codec.folder.tokenizer_file)
 
     def tok_encode(
         self, string: str, add_special_tokens: bool | None = None, **kwargs
@@ -331,17 +308,23 @@ class TheseusLM(TemplateLM):
         return texts
 
     def _stops(self, ids: list[int], until: list[str]) -> bool:
-        """Whether ``ids`` hold the end-of-text token or a stop sequence."""
-        if self.eot_token_id in ids:
+        """Whether ``ids`` hold an end-of-sequence id or a stop sequence."""
+        if _first_end(ids, self.codec.eos_ids) is not None:
             return True
         text = self.codec.decode(ids)
         return any(stop and stop in text for stop in until)
 
     def _completion(self, ids: list[int], until: list[str]) -> str:
-        """The text of ``ids`` up to the end-of-text token, cut at the first stop sequence."""
-        if self.eot_token_id in ids:
-            ids = ids[: ids.index(self.eot_token_id)]
+        """The text of ``ids`` up to the first end-of-sequence id, cut at the first stop
+        sequence."""
+        end = _first_end(ids, self.codec.eos_ids)
+        ids = ids if end is None else ids[:end]
         return postprocess_generated_text(self.codec.decode(ids), until, None)
+
+
+def _first_end(ids: list[int], eos_ids: Sequence[int]) -> int | None:
+    """The position of the first of ``eos_ids`` in ``ids``, None when there is none."""
+    return next((i for i, token in enumerate(ids) if token in eos_ids), None)
 
 
 def _sampling(kwargs: dict[str, Any]) -> Sampling:

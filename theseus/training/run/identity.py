@@ -14,18 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-#: The tokenizer files of a Hugging Face model folder that a run keeps: ``import-hf`` copies
-#: them, and a run started from another run's parameters (``--init-from``) copies that run's.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "chat_template.jinja",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "generation_config.json",
-)
+from theseus.tokenization.folder import TOKENIZER_FILES
 
 _JOB_OF_CLASS: dict[type, str] = {}
 
@@ -41,7 +30,8 @@ def job_of_trainer(trainer: Any) -> str | None:
 
 
 def copy_tokenizer_files(source: Path, out_dir: Path) -> list[str]:
-    """Copy the tokenizer files of the run ``source`` into ``out_dir``; returns their names."""
+    """Copy the tokenizer files of the run ``source`` into ``out_dir`` (those of
+    :data:`~theseus.tokenization.folder.TOKENIZER_FILES` it has); returns their names."""
     copied = [name for name in TOKENIZER_FILES if (Path(source) / name).is_file()]
     for name in copied:
         shutil.copyfile(Path(source) / name, Path(out_dir) / name)

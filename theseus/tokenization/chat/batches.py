@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from theseus.data import streaming
-from theseus.data.chat import ChatEncoder, utf8_size
-from theseus.data.chat_records import parse_raw
 from theseus.data.readers import InputFile
+from theseus.tokenization import streaming
+from theseus.tokenization.chat.encoder import ChatEncoder, utf8_size
+from theseus.tokenization.chat.records import parse_raw
 
 RawRecord = tuple[str, object, int, str]  # (split, record as read, document, where)
 

@@ -4,17 +4,15 @@ encoded with its tokenizer, written as token shards with a loss mask beside each
 
 Records stream with bounded memory: this process reads them in batches of about
 ``BATCH_BYTES``, worker processes (one per core, for corpora of several batches) decode, render,
-encode and mask each batch (:mod:`theseus.data.chat_batches`), and this process writes them in
+encode and mask each batch (:mod:`theseus.tokenization.chat.batches`), and this process writes them in
 order. Each record is one document, split by document as text corpora are; an interrupted run
 resumes from its progress record and writes the same shards as an uninterrupted one.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,43 +20,40 @@ from pathlib import Path
 
 import numpy as np
 
-import theseus.data.tokenize_io as tokenize_io
-from theseus.data.bpe import DEFAULT_SHARD_TOKENS, TokenizedCorpus, token_dtype
-from theseus.data.chat import ChatEncoder
-from theseus.data.chat_batches import (
+from theseus.data.packing import Packing, pack
+from theseus.data.readers import InputFile, fingerprint, list_inputs, walk_sorted
+from theseus.data.sampler import check_int
+from theseus.data.shards import (
+    DOCS_DTYPE,
+    MASK_DTYPE,
+    SPLITS,
+    TOKENIZED_RECORD,
+    Manifest,
+    ShardWriter,
+    example_lengths,
+    read_json,
+)
+from theseus.data.split import DocumentSplit
+from theseus.tokenization.chat.batches import (
     EncodedBatch,
     EncoderSource,
     RawRecord,
     default_workers,
     encoded_batches,
 )
-from theseus.data.chat_records import (
+from theseus.tokenization.chat.encoder import ChatEncoder
+from theseus.tokenization.chat.records import (
     chat_files,
     first_record,
     is_chat_record,
     raw_records,
     read_records,
 )
-from theseus.data.packing import Packing, pack
-from theseus.data.readers import InputFile, fingerprint, list_inputs, walk_sorted
-from theseus.data.sampler import check_int
-from theseus.data.shards import (
-    CHAT_TEMPLATE_FILE,
-    DOCS_DTYPE,
-    FORMAT,
-    MASK_DTYPE,
-    PROGRESS_FILE,
-    SPLITS,
-    TOKENIZED_RECORD,
-    TOKENIZER_CONFIG_FILE,
-    TOKENIZER_FILE,
-    Manifest,
-    ShardWriter,
-    example_lengths,
-    write_json_atomic,
-)
-from theseus.data.split import DocumentSplit
-from theseus.data.streaming import by_text_bytes
+from theseus.tokenization.folder import CHAT_TEMPLATE_FILE
+from theseus.tokenization.inputs import BUILTIN
+from theseus.tokenization.output import Output, settings, sha256
+from theseus.tokenization.streaming import by_text_bytes
+from theseus.tokenization.text import DEFAULT_SHARD_TOKENS, TokenizedCorpus, token_dtype
 
 
 @dataclass(frozen=True)
@@ -100,7 +95,7 @@ def is_chat_corpus(corpus: str | os.PathLike) -> bool:
     """Whether ``corpus`` is a chat corpus: the first record of its first JSON Lines or Parquet
     file holds ``messages``, or ``prompt`` and ``completion``."""
     path = Path(corpus)
-    if str(corpus) == tokenize_io.BUILTIN or not path.exists() or path.suffix == ".bin":
+    if str(corpus) == BUILTIN or not path.exists() or path.suffix == ".bin":
         return False
     if path.is_file():
         inputs = list_inputs(path.parent, [path.name])
@@ -151,71 +146,49 @@ def tokenize_chat(
             encoder.render(record)
             break
     template = encoder.template
-    settings = {
-        "format": FORMAT,
-        "source": fingerprint(files),
-        "tokenizer": _sha256(encoder.tokenizer.to_str()),
+    own = {
         "chat_template": None if template is None else template.sha256,
         "eos_token": encoder.eos_token,
         "loss_mask": True,
-        **tokenize_io.split_settings(validation_fraction, seed, shard_tokens),
     }
-    out = Path(out_dir)
-    state = tokenize_io.prepare_output(out, settings, overwrite=overwrite)
-    if state.finished is not None:
-        record = tokenize_io.read_json(out / TOKENIZED_RECORD, "manifest")
-        fields = {**state.finished, "seconds": time.perf_counter() - start}
+    tokenizer_id = sha256(encoder.tokenizer.to_str())
+    output = Output.prepare(
+        out_dir,
+        settings(fingerprint(files), tokenizer_id, own, validation_fraction, seed, shard_tokens),
+        overwrite=overwrite,
+    )
+    if output.finished is not None:
+        record = read_json(output.out / TOKENIZED_RECORD, "manifest")
+        fields = {**output.finished, "seconds": time.perf_counter() - start}
         return _result(TokenizedCorpus(**fields), record, seq_len)
     split = DocumentSplit(validation_fraction, seed)
-    resume = {name: tuple(state.splits[name]["next"]) for name in SPLITS}
-    done = {name: list(state.splits[name]["shards"]) for name in SPLITS}
-
-    def write_progress() -> None:
-        splits = {name: {"shards": done[name], "next": resume[name]} for name in SPLITS}
-        write_json_atomic(out / PROGRESS_FILE, {"settings": settings, "splits": splits})
-
     dtype = token_dtype(encoder.tokenizer.get_vocab_size())
-    with tokenize_io.cleanup_on_error(out, fresh=state.fresh):
-        out.mkdir(parents=True, exist_ok=True)
-        write_progress()
-        _copy_tokenizer(encoder, out)
-        dtypes = {"bin": dtype, "mask": MASK_DTYPE, "docs": DOCS_DTYPE}
-        writers = {
-            name: ShardWriter(out, name, shard_tokens, dtypes, done[name]) for name in SPLITS
-        }
-        with tokenize_io.abandon_on_error(writers):
-            batches = _raw_batches(files, split, resume)
+    dtypes = {"bin": dtype, "mask": MASK_DTYPE, "docs": DOCS_DTYPE}
+    with output.writing():
+        _copy_tokenizer(encoder, output.out)
+        with output.shards(shard_tokens, dtypes, corpus) as writers:
+            batches = _raw_batches(files, split, output.resume)
             workers = default_workers(files) if workers is None else workers
             for batch in encoded_batches(source, encoder, batches, workers):
                 for name, writer in writers.items():
                     chosen = [k for k, s in enumerate(batch.splits) if s == name]
 
                     def on_close(index: int, name=name, chosen=chosen, batch=batch) -> None:
-                        resume[name] = (batch.documents[chosen[index]] + 1, 0)
-                        done[name] = writers[name].shards
-                        write_progress()
+                        output.shard_closed(name, (batch.documents[chosen[index]] + 1, 0))
 
                     if chosen:
                         _write(writer, batch, name, chosen, on_close)
-        summaries = tokenize_io.close_splits(writers, corpus)
-    record = {
-        "format": FORMAT,
-        "vocab_size": encoder.tokenizer.get_vocab_size(),
-        "token_dtype": dtype,
-        "eos_token": encoder.eos_token,
-        "eos_id": encoder.eos_id,
-        "tokenizer_sha256": settings["tokenizer"],
-        "trained_tokenizer": False,
-        "loss_mask": True,
-        "chat_template_sha256": settings["chat_template"],
-        "source": {
-            "description": f"chat records {str(corpus)!r}, {len(files)} file(s)",
-            "fingerprint": settings["source"],
-        },
-        "settings": settings,
-        "splits": summaries,
-    }
-    fields = tokenize_io.finish(out, record, fresh=state.fresh)
+    record, fields = output.finish(
+        f"chat records {str(corpus)!r}, {len(files)} file(s)",
+        vocab_size=encoder.tokenizer.get_vocab_size(),
+        token_dtype=dtype,
+        eos_token=encoder.eos_token,
+        eos_id=encoder.eos_id,
+        tokenizer_sha256=tokenizer_id,
+        trained_tokenizer=False,
+        loss_mask=True,
+        chat_template_sha256=own["chat_template"],
+    )
     return _result(TokenizedCorpus(**fields, seconds=time.perf_counter() - start), record, seq_len)
 
 
@@ -252,8 +225,7 @@ def _write(writer: ShardWriter, batch: EncodedBatch, name: str, chosen: list[int
 
 def _copy_tokenizer(encoder: ChatEncoder, out: Path) -> None:
     """tokenizer.json, tokenizer_config.json and the template used, beside the shards."""
-    shutil.copyfile(encoder.folder / TOKENIZER_FILE, out / TOKENIZER_FILE)
-    shutil.copyfile(encoder.folder / TOKENIZER_CONFIG_FILE, out / TOKENIZER_CONFIG_FILE)
+    encoder.folder.copy_config(out)
     if encoder.template is not None:
         (out / CHAT_TEMPLATE_FILE).write_text(encoder.template.source)
 
@@ -267,7 +239,3 @@ def _result(corpus: TokenizedCorpus, record: dict, seq_len: int | None) -> ChatT
     if seq_len is not None:  # the seed orders examples in buffers: efficiency barely depends on it
         packing = pack(lengths["train"], seq_len + 1, 0, "truncate", f"chat corpus {folder}")
     return ChatTokenized(corpus, train, validation, longest, packing)
-
-
-def _sha256(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()

@@ -24,7 +24,6 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 
 import jinja2
 import jinja2.ext
@@ -32,17 +31,6 @@ import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from theseus.data.shards import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG_FILE
-
-SPECIAL_TOKEN_NAMES = (
-    "bos_token",
-    "eos_token",
-    "unk_token",
-    "sep_token",
-    "pad_token",
-    "cls_token",
-    "mask_token",
-)
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 Span = tuple[int, int]  # characters [start, end) of a rendered conversation
@@ -154,41 +142,6 @@ def normalized(messages: list[dict]) -> list[dict]:
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
         result.append(message)
     return result
-
-
-def load_chat_template(folder: Path, template_file: Path | None) -> ChatTemplate | None:
-    """The template of a tokenizer folder (``chat_template.jinja``, where transformers 5 saves
-    it, else ``tokenizer_config.json``'s
-    ``chat_template``; a named list takes ``default``) or ``template_file``, with the special
-    tokens of ``tokenizer_config.json``; None when there is no template."""
-    config_path = folder / TOKENIZER_CONFIG_FILE
-    if not config_path.is_file():
-        raise ValueError(
-            f"tokenizer folder {folder} has no {TOKENIZER_CONFIG_FILE}; pass the model's tokenizer "
-            "folder (tokenizer.json and tokenizer_config.json, as save_pretrained writes them)"
-        )
-    try:
-        config = json.loads(config_path.read_text())
-    except ValueError as error:
-        raise ValueError(f"cannot read {config_path}: {error}; fix or replace it") from None
-    special = {}
-    for name in SPECIAL_TOKEN_NAMES:
-        value = config.get(name)
-        if isinstance(value, dict):
-            value = value.get("content")
-        if isinstance(value, str):
-            special[name] = value
-    if template_file is not None:
-        if not Path(template_file).is_file():
-            raise ValueError(f"--chat-template {template_file} does not exist; pass a Jinja file")
-        return ChatTemplate(Path(template_file).read_text(), special)
-    if (folder / CHAT_TEMPLATE_FILE).is_file():
-        return ChatTemplate((folder / CHAT_TEMPLATE_FILE).read_text(), special)
-    template = config.get("chat_template")
-    if isinstance(template, list):
-        named = {item.get("name"): item.get("template") for item in template}
-        template = named.get("default")
-    return ChatTemplate(template, special) if isinstance(template, str) else None
 
 
 @functools.cache

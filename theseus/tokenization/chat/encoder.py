@@ -1,6 +1,6 @@
 """Chat records to token ids and loss masks, as transformers makes them.
 
-A conversation is rendered by its model's chat template (:mod:`theseus.data.chat_template`) and
+A conversation is rendered by its model's chat template (:mod:`theseus.tokenization.chat.template`) and
 encoded with the ``tokenizers`` library without adding special tokens (what
 ``apply_chat_template(messages, tokenize=True)`` does: the template writes them). A token trains
 when its characters overlap a trained span, the rule of transformers' ``assistant_masks``; for
@@ -23,10 +23,9 @@ from pathlib import Path
 import numpy as np
 from tokenizers.pre_tokenizers import ByteLevel
 
-from theseus.data.bpe import end_of_text, load_tokenizer
-from theseus.data.chat_records import Conversation, Record, TextCompletion
-from theseus.data.chat_template import ChatTemplate, Span, load_chat_template
-from theseus.data.shards import TOKENIZER_FILE
+from theseus.tokenization.chat.records import Conversation, Record, TextCompletion
+from theseus.tokenization.chat.template import ChatTemplate, Span
+from theseus.tokenization.folder import TokenizerFolder
 
 
 @dataclass(frozen=True)
@@ -123,7 +122,7 @@ class ChatEncoder:
     template: ChatTemplate | None
     eos_token: str
     eos_id: int
-    folder: Path
+    folder: TokenizerFolder
     spelling: ByteSpelling | None
 
     @classmethod
@@ -135,20 +134,18 @@ class ChatEncoder:
     ) -> ChatEncoder:
         """The tokenizer of a model's tokenizer folder (``tokenizer.json`` and
         ``tokenizer_config.json``), with its chat template or ``chat_template`` (a Jinja file);
-        the end-of-text token is ``eos_token``, else the configuration's, else a usual one."""
-        folder = Path(folder)
-        if not folder.is_dir():
+        the end-of-text token is ``eos_token``, else the folder's
+        (:meth:`TokenizerFolder.eos_token`)."""
+        if not Path(folder).is_dir():
             raise ValueError(
                 f"chat records need the model's tokenizer folder (tokenizer.json and "
                 f"tokenizer_config.json), but --tokenizer {folder} is not a folder; pass the folder"
             )
-        tokenizer = load_tokenizer(folder / TOKENIZER_FILE)
-        template = load_chat_template(
-            folder, None if chat_template is None else Path(chat_template)
-        )
-        name = eos_token or (template.special_tokens.get("eos_token") if template else None)
-        name, eos_id = end_of_text(tokenizer, name, f"tokenizer {folder}")
-        return cls(tokenizer, template, name, eos_id, folder, ByteSpelling.of(tokenizer))
+        tokenizer_folder = TokenizerFolder.at(folder)
+        tokenizer = tokenizer_folder.tokenizer
+        template = tokenizer_folder.chat_template(chat_template)
+        name, eos_id = tokenizer_folder.eos_token(eos_token)
+        return cls(tokenizer, template, name, eos_id, tokenizer_folder, ByteSpelling.of(tokenizer))
 
     def render(self, record: Record) -> Example:
         """A record as text and trained spans (the template runs here)."""
@@ -160,7 +157,7 @@ class ChatEncoder:
         assert isinstance(record, Conversation)
         if self.template is None:
             raise ValueError(
-                f"{record.where} is a conversation, but tokenizer folder {self.folder} has no chat "
+                f"{record.where} is a conversation, but tokenizer folder {self.folder.path} has no chat "
                 "template (neither chat_template.jinja nor a chat_template in "
                 "tokenizer_config.json); pass the template with --chat-template FILE"
             )

@@ -11,7 +11,6 @@ with the end-of-text token. ``load_corpus(folder)`` reads it back.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import shutil
 import time
@@ -19,22 +18,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import theseus.data.tokenize_io as tokenize_io
 from theseus.data.readers import Piece, estimated_text_bytes, fingerprint, read_pieces
-from theseus.data.shards import (
-    FORMAT,
-    PROGRESS_FILE,
-    SPLITS,
-    TOKENIZER_FILE,
-    ShardWriter,
-    write_json_atomic,
-)
-from theseus.data.streaming import batches, encode_stream
+from theseus.data.shards import TOKENIZER_FILE
 from theseus.data.tokens import BYTE_VOCAB_SIZE
+from theseus.tokenization.folder import EOS_TOKEN, candidate_eos, load_tokenizer
+from theseus.tokenization.inputs import corpus_inputs, tail_cut
+from theseus.tokenization.output import Output, settings, sha256
+from theseus.tokenization.streaming import batches, encode_stream
 
-EOS_TOKEN = "<|endoftext|>"  # the end-of-text token of tokenizers theseus trains
-# End-of-text tokens of common tokenizers, looked for (in this order) in a reused one.
-EOS_CANDIDATES = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "<|im_end|>")
 DEFAULT_SAMPLE_BYTES = 64 * 2**20  # text a tokenizer is trained on, spread over the corpus
 DEFAULT_SHARD_TOKENS = 2**26
 _PROGRESS_MIN_BYTES = 4 * 2**20  # show progress bars from this corpus size on
@@ -115,27 +106,10 @@ def check_vocab_size(vocab_size: int) -> None:
         )
 
 
-def load_tokenizer(path: str | os.PathLike):
-    """A ``tokenizers.Tokenizer`` from a ``tokenizer.json``, or a model's tokenizer folder holding
-    one (a clear error when unreadable)."""
-    from tokenizers import Tokenizer
-
-    path = Path(path)
-    if path.is_dir():
-        path = path / TOKENIZER_FILE
-    if not path.is_file():
-        raise ValueError(f"tokenizer {str(path)!r} does not exist; pass a tokenizer.json")
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as error:  # noqa: BLE001 - the Rust library raises a plain Exception
-        raise ValueError(
-            f"cannot read tokenizer {str(path)!r}: {error}; pass a Hugging Face tokenizer.json"
-        ) from None
-
-
 def end_of_text(tokenizer, name: str | None, where: str) -> tuple[str, int]:
-    """The end-of-text token (text and id): ``name`` when given, else the first of
-    ``EOS_CANDIDATES`` among the tokenizer's special tokens."""
+    """The token that ends each document (text and id): ``name`` when given, else the first of
+    :data:`~theseus.tokenization.folder.EOS_CANDIDATES` among the tokenizer's special tokens
+    (Qwen's ``<|endoftext|>``, not its chat's end of turn)."""
     if name is not None:
         token_id = tokenizer.token_to_id(name)
         if token_id is None:
@@ -143,15 +117,15 @@ def end_of_text(tokenizer, name: str | None, where: str) -> tuple[str, int]:
                 f"--eos-token {name!r} is not a token of {where}; name one of its tokens"
             )
         return name, token_id
-    special = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
-    for candidate in EOS_CANDIDATES:
-        if candidate in special:
-            return candidate, tokenizer.token_to_id(candidate)
-    raise ValueError(
-        f"{where} has no end-of-text token among its special tokens "
-        f"({', '.join(sorted(special)) or 'none'}); name the token that ends a document with "
-        "--eos-token"
-    )
+    candidate = candidate_eos(tokenizer)
+    if candidate is None:
+        special = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
+        raise ValueError(
+            f"{where} has no end-of-text token among its special tokens "
+            f"({', '.join(sorted(special)) or 'none'}); name the token that ends a document with "
+            "--eos-token"
+        )
+    return candidate, tokenizer.token_to_id(candidate)
 
 
 def tokenize(
@@ -185,42 +159,34 @@ def tokenize(
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if vocab_size is not None:
         check_vocab_size(vocab_size)
-    source = tokenize_io.corpus_inputs(corpus, text_field, validation_fraction, seed)
+    source = corpus_inputs(corpus, text_field, validation_fraction, seed)
     inputs = source.files
     reused = None if tokenizer is None else load_tokenizer(tokenizer)
     if reused is not None:
         eos_token, _ = end_of_text(reused, eos_token, f"tokenizer {tokenizer}")
-    settings = {
-        "format": FORMAT,
-        "source": fingerprint(inputs),
-        "tokenizer": _sha256(reused.to_str()) if reused else f"train {vocab_size}",
+    own = {
         "train_sample_bytes": None if reused else train_sample_bytes,
         "eos_token": eos_token,
         "text_field": text_field,
-        **tokenize_io.split_settings(validation_fraction, seed, shard_tokens),
     }
-    out = Path(out_dir)
-    state = tokenize_io.prepare_output(out, settings, overwrite=overwrite)
-    if state.finished is not None:
-        return TokenizedCorpus(**state.finished, seconds=time.perf_counter() - start)
+    tokenizer_id = sha256(reused.to_str()) if reused else f"train {vocab_size}"
+    output = Output.prepare(
+        out_dir,
+        settings(fingerprint(inputs), tokenizer_id, own, validation_fraction, seed, shard_tokens),
+        overwrite=overwrite,
+    )
+    if output.finished is not None:
+        return TokenizedCorpus(**output.finished, seconds=time.perf_counter() - start)
+    out = output.out
     total_bytes = estimated_text_bytes(inputs)
     progress = total_bytes >= _PROGRESS_MIN_BYTES if progress is None else progress
-    cut = tokenize_io.tail_cut(source, validation_fraction)
+    cut = tail_cut(source, validation_fraction)
     split_of = source.splitter(validation_fraction, seed)
 
     def pieces() -> Iterator[Piece]:
         return read_pieces(inputs, text_field, cut=cut)
 
-    resume = {name: tuple(state.splits[name]["next"]) for name in SPLITS}
-    done = {name: list(state.splits[name]["shards"]) for name in SPLITS}
-
-    def write_progress() -> None:
-        splits = {name: {"shards": done[name], "next": resume[name]} for name in SPLITS}
-        write_json_atomic(out / PROGRESS_FILE, {"settings": settings, "splits": splits})
-
-    with tokenize_io.cleanup_on_error(out, fresh=state.fresh):
-        out.mkdir(parents=True, exist_ok=True)
-        write_progress()  # first: a run killed while training its tokenizer resumes too
+    with output.writing():  # a run killed while training its tokenizer resumes too
         if reused is None and not (out / TOKENIZER_FILE).is_file():
             texts = sample_texts(pieces(), split_of, total_bytes, train_sample_bytes)
             bpe = train_tokenizer(texts, vocab_size, progress=progress)
@@ -235,41 +201,27 @@ def tokenize(
             )
         eos_token, eos_id = end_of_text(bpe, eos_token, f"tokenizer {out / TOKENIZER_FILE}")
         dtype = token_dtype(bpe.get_vocab_size())
-        writers = {
-            name: ShardWriter(out, name, shard_tokens, {"bin": dtype}, done[name])
-            for name in SPLITS
-        }
-
-        def on_shard(name: str, position: tuple[int, int]) -> None:
-            resume[name], done[name] = position, writers[name].shards
-            write_progress()
-
         with (
-            tokenize_io.abandon_on_error(writers),
+            output.shards(shard_tokens, {"bin": dtype}, corpus) as writers,
             _byte_progress(progress, total_bytes) as advance,
         ):
             encode_stream(
-                batches(pieces(), split_of, resume),
+                batches(pieces(), split_of, output.resume),
                 bpe,
                 eos_id=eos_id,
                 writers=writers,
-                on_shard=on_shard,
+                on_shard=output.shard_closed,
                 advance=advance,
             )
-        summaries = tokenize_io.close_splits(writers, corpus)
-    record = {
-        "format": FORMAT,
-        "vocab_size": bpe.get_vocab_size(),
-        "token_dtype": dtype,
-        "eos_token": eos_token,
-        "eos_id": eos_id,
-        "tokenizer_sha256": _sha256(bpe.to_str()),
-        "trained_tokenizer": reused is None,
-        "source": {"description": source.description, "fingerprint": settings["source"]},
-        "settings": settings,
-        "splits": summaries,
-    }
-    result = tokenize_io.finish(out, record, fresh=state.fresh)
+    _, result = output.finish(
+        source.description,
+        vocab_size=bpe.get_vocab_size(),
+        token_dtype=dtype,
+        eos_token=eos_token,
+        eos_id=eos_id,
+        tokenizer_sha256=sha256(bpe.to_str()),
+        trained_tokenizer=reused is None,
+    )
     return TokenizedCorpus(**result, seconds=time.perf_counter() - start)
 
 
@@ -292,10 +244,6 @@ def sample_texts(
                 return
             taken += size
             yield piece.text
-
-
-def _sha256(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 @contextlib.contextmanager
