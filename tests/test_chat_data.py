@@ -8,6 +8,7 @@ Tiny byte-level BPE tokenizers are made here with the chat templates of Llama 3,
 
 import gzip
 import json
+import shutil
 
 import numpy as np
 import pyarrow as pa
@@ -333,6 +334,83 @@ def test_prompt_completion_trains_the_completion_only(folders):
     last = np.flatnonzero(whole.mask)
     assert both.mask.sum() < whole.mask.sum() and both.mask[last[-1]] == 1
     assert hf.decode(both.ids[both.mask == 1]) == "The fourth letter, after gamma.<|im_end|>"
+
+
+# generation_config.json as Llama 3.1 Instruct, Llama 3 (base) and Qwen2.5 Instruct publish it,
+# their ids those of the same tokens here; None: the folder has none (the tokenizer's eos ends).
+GENERATION_CONFIGS = {
+    "llama3-instruct": (
+        "llama3",
+        {
+            "bos_token_id": "<|begin_of_text|>",
+            "eos_token_id": ["<|end_of_text|>", "<|eot_id|>"],
+            "do_sample": True,
+            "temperature": 0.6,
+            "top_p": 0.9,
+        },
+    ),
+    "llama3-base": (
+        "llama3",
+        {
+            "bos_token_id": "<|begin_of_text|>",
+            "eos_token_id": ("<|end_of_text|>"),
+            "do_sample": True,
+            "temperature": 0.6,
+            "top_p": 0.9,
+        },
+    ),
+    "qwen25-instruct": (
+        "qwen25",
+        {
+            "bos_token_id": "<|endoftext|>",
+            "pad_token_id": ("<|endoftext|>"),
+            "do_sample": True,
+            "eos_token_id": ["<|im_end|>", "<|endoftext|>"],
+            "repetition_penalty": 1.05,
+            "temperature": 0.7,
+            "top_p": 0.8,
+            "top_k": 20,
+        },
+    ),
+    "generation": ("generation", None),
+}
+
+
+def test_end_of_sequence_ids_equal_transformers(folders, tmp_path):
+    """Chat generation, the evaluation harness and the codec of ``theseus generate`` end on the
+    ids transformers' generate stops on (GenerationConfig's eos_token_id, an id or a list),
+    else, for a folder without generation_config.json, its tokenizer's eos_token_id: for run
+    folders holding tokenizer files laid out as Llama 3's and Qwen2.5's are published."""
+    from theseus.inference.chat import chat_folder
+    from theseus.inference.codec import resolve_codec
+    from theseus.inference.harness import find_tokenizer
+
+    transformers = libraries().transformers
+    for name, (base, generation) in GENERATION_CONFIGS.items():
+        run = tmp_path / name
+        shutil.copytree(folders[base], run)
+        tokenizer = Tokenizer.from_file(str(run / "tokenizer.json"))
+        if generation is not None:
+            ids = {
+                key: [tokenizer.token_to_id(t) for t in value]
+                if isinstance(value, list)
+                else tokenizer.token_to_id(value)
+                for key, value in generation.items()
+                if key.endswith("token_id")
+            }
+            (run / "generation_config.json").write_text(json.dumps({**generation, **ids}))
+            wanted = transformers.GenerationConfig.from_pretrained(run).eos_token_id
+        else:
+            wanted = transformers.PreTrainedTokenizerFast.from_pretrained(run).eos_token_id
+        wanted = wanted if isinstance(wanted, list) else [wanted]
+        assert len(wanted) == (2 if name.endswith("instruct") else 1), name
+        codec = resolve_codec([run], None, None, tokenizer.get_vocab_size())
+        got = {
+            "chat": chat_folder(run, None).eos_ids,
+            "harness": find_tokenizer([run], None).eos_ids,
+            "codec": codec.eos_ids,
+        }
+        assert got == dict.fromkeys(got, tuple(wanted)), name
 
 
 def _records(count: int) -> list[dict]:

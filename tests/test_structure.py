@@ -215,3 +215,21 @@ def test_import_theseus_and_the_command_line_start_without_jax():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert done.stdout.strip() == "[]", done.stdout
+
+
+TOKENIZER_FOLDER = "tokenization.folder"
+FOLDER_FILES = ("tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
+
+
+def test_one_module_names_the_tokenizer_folder_files():
+    """A tokenizer folder's configuration files are string constants of one module (where its
+    type, TokenizerFolder, reads them); everything else asks it."""
+    namers = sorted(
+        name
+        for name, path in MODULES.items()
+        if any(
+            isinstance(node, ast.Constant) and node.value in FOLDER_FILES
+            for node in ast.walk(ast.parse(path.read_text()))
+        )
+    )
+    assert namers == [TOKENIZER_FOLDER], namers

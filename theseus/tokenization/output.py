@@ -86,8 +86,9 @@ class Output:
         self.out = out
         self.settings = settings
         self.state = state
-        self.resume = {name: tuple(state.splits[name]["next"]) for name in SPLITS}
-        self.done = {name: list(state.splits[name]["shards"]) for name in SPLITS}
+        splits = state.splits if state.finished is None else {}  # a finished folder goes on nowhere
+        self.resume = {name: tuple(split["next"]) for name, split in splits.items()}
+        self.done = {name: list(split["shards"]) for name, split in splits.items()}
         self.writers: dict[str, ShardWriter] = {}
         self.summaries: dict = {}
 
