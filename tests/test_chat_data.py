@@ -411,6 +411,18 @@ def test_end_of_sequence_ids_equal_transformers(folders, tmp_path):
             "codec": codec.eos_ids,
         }
         assert got == dict.fromkeys(got, tuple(wanted)), name
+    # A run keeps only the tokenizer.json of the tokenized folder it trained on: all three find
+    # the folder with its configuration.
+    run, data = tmp_path / "trained-on-chat", tmp_path / "qwen25-instruct"
+    run.mkdir()
+    shutil.copyfile(data / "tokenizer.json", run / "tokenizer.json")
+    (run / "config.yaml").write_text(f"data:\n  path: {data}\n")
+    found = [
+        chat_folder(run, None).path,
+        find_tokenizer([run], str(data)).folder.path,
+        resolve_codec([run], None, str(data), 400).folder.path,
+    ]
+    assert found == [data] * 3
 
 
 def _records(count: int) -> list[dict]:

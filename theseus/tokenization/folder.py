@@ -98,15 +98,16 @@ class TokenizerFolder:
     def find(
         cls, given: str | os.PathLike | None, folders: Sequence[str | os.PathLike | None]
     ) -> TokenizerFolder | None:
-        """``given`` when the user named a folder or file; else the first of ``folders`` (a run,
-        the run it fine-tunes, the tokenized folder it trained on; None entries skipped) holding a
-        ``tokenizer.json``; else None."""
+        """``given`` when the user named a folder or file; else, of ``folders`` (a run, the run
+        it fine-tunes, the tokenized folder it trained on; None entries skipped), the first
+        holding ``tokenizer.json`` with its ``tokenizer_config.json``, else the first holding
+        ``tokenizer.json`` (a run keeps only the tokenizer.json of the tokenized folder it trained
+        on, whose folder keeps the configuration too); else None."""
         if given is not None:
             return cls.at(given)
-        for folder in folders:
-            if folder is not None and (Path(folder) / TOKENIZER_FILE).is_file():
-                return cls.at(folder)
-        return None
+        held = [Path(f) for f in folders if f is not None and (Path(f) / TOKENIZER_FILE).is_file()]
+        configured = [f for f in held if (f / TOKENIZER_CONFIG_FILE).is_file()]
+        return cls.at(next(iter(configured + held))) if held else None
 
     @functools.cached_property
     def tokenizer(self):
