@@ -16,12 +16,11 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 from theseus.data.readers import Piece, estimated_text_bytes, fingerprint, read_pieces
 from theseus.data.shards import TOKENIZER_FILE
 from theseus.data.tokens import BYTE_VOCAB_SIZE
-from theseus.tokenization.folder import EOS_TOKEN, candidate_eos, load_tokenizer
+from theseus.tokenization.folder import EOS_TOKEN, TokenizerFolder, candidate_eos, load_tokenizer
 from theseus.tokenization.inputs import corpus_inputs, tail_cut
 from theseus.tokenization.output import Output, settings, sha256
 from theseus.tokenization.streaming import batches, encode_stream
@@ -161,7 +160,8 @@ def tokenize(
         check_vocab_size(vocab_size)
     source = corpus_inputs(corpus, text_field, validation_fraction, seed)
     inputs = source.files
-    reused = None if tokenizer is None else load_tokenizer(tokenizer)
+    given = None if tokenizer is None else TokenizerFolder.at(tokenizer)
+    reused = None if given is None else given.tokenizer
     if reused is not None:
         eos_token, _ = end_of_text(reused, eos_token, f"tokenizer {tokenizer}")
     own = {
@@ -195,10 +195,7 @@ def tokenize(
             bpe = load_tokenizer(out / TOKENIZER_FILE)  # trained before the interruption
         else:
             bpe = reused
-            given = Path(tokenizer)
-            shutil.copyfile(
-                given / TOKENIZER_FILE if given.is_dir() else given, out / TOKENIZER_FILE
-            )
+            shutil.copyfile(given.tokenizer_file, out / TOKENIZER_FILE)
         eos_token, eos_id = end_of_text(bpe, eos_token, f"tokenizer {out / TOKENIZER_FILE}")
         dtype = token_dtype(bpe.get_vocab_size())
         with (
