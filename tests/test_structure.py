@@ -3,6 +3,7 @@ functions too) points one way, no import cycle, every module placed in a layer, 
 map of the code in docs/design.md matching the tree."""
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -50,10 +51,16 @@ def layer_of(name: str) -> int | None:
     return max(matches)[1] if matches else None
 
 
+@functools.cache
+def nodes_of(path: Path) -> list[ast.AST]:
+    """Every node of the syntax tree of ``path`` (parsed once for all the tests)."""
+    return list(ast.walk(ast.parse(path.read_text())))
+
+
 def imports_of(path: Path) -> set[str]:
     """Every module ``path`` imports, at module level or inside functions and classes."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in nodes_of(path):
         if isinstance(node, ast.ImportFrom) and node.module:
             found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
         elif isinstance(node, ast.Import):
@@ -228,8 +235,7 @@ def test_one_module_names_the_tokenizer_folder_files():
         name
         for name, path in MODULES.items()
         if any(
-            isinstance(node, ast.Constant) and node.value in FOLDER_FILES
-            for node in ast.walk(ast.parse(path.read_text()))
+            isinstance(node, ast.Constant) and node.value in FOLDER_FILES for node in nodes_of(path)
         )
     )
     assert namers == [TOKENIZER_FOLDER], namers
