@@ -53,22 +53,21 @@ class HarnessTokenizer:
     beginning-of-text token when there is one, else end of text), and the ids that end a
     generation."""
 
-    tokenizer: Any  # tokenizers.Tokenizer
     folder: TokenizerFolder
     eot_id: int
     prefix_id: int
     eos_ids: tuple[int, ...]
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.folder.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self.folder.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 
 def find_tokenizer(run_dirs: Sequence[Path], data_path: str | None) -> HarnessTokenizer:
-    """The tokenizer of the first of ``run_dirs`` (a run, then its base) holding a
-    ``tokenizer.json``, else of the tokenized folder it trained on (``data_path``)."""
+    """The tokenizer folder of ``run_dirs`` (a run, then its base) or of the tokenized folder it
+    trained on (``data_path``), found by :meth:`TokenizerFolder.find`."""
     folder = TokenizerFolder.find(None, [*run_dirs, data_path])
     if folder is None:
         raise ValueError(
@@ -82,7 +81,7 @@ def find_tokenizer(run_dirs: Sequence[Path], data_path: str | None) -> HarnessTo
     bos = folder.special_tokens.get("bos_token")
     bos_id = None if bos is None else folder.tokenizer.token_to_id(bos)
     prefix = bos_id if bos_id is not None else eos
-    return HarnessTokenizer(folder.tokenizer, folder, eos, prefix, folder.eos_ids)
+    return HarnessTokenizer(folder, eos, prefix, folder.eos_ids)
 
 
 @dataclass(frozen=True)
