@@ -71,9 +71,9 @@ class TokenizerCodec:
 def resolve_codec(
     run_dirs: list[Path], tokenizer: str | Path | None, data_path: str | None, model_vocab: int
 ) -> Codec:
-    """``tokenizer`` when given, else the ``tokenizer.json`` of the first of ``run_dirs`` (the
-    run, then the run it fine-tunes) that has one, else the tokenizer of the tokenized folder it
-    trained on (``data_path``, the run's ``data.path``), else bytes over the model's
+    """``tokenizer`` when given, else the tokenizer folder of ``run_dirs`` (the run, then the
+    run it fine-tunes) or of the tokenized folder it trained on (``data_path``, the run's
+    ``data.path``), found by :meth:`TokenizerFolder.find`, else bytes over the model's
     vocabulary; it must fit the model's vocabulary."""
     found = TokenizerFolder.find(tokenizer, [*run_dirs, data_path])
     data = Path(data_path) if data_path else None
