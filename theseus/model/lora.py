@@ -38,8 +38,9 @@ ADAPTERS = ("lora_a", "lora_b")
 
 @dataclass(frozen=True)
 class LoraSpec:
-    """Which projections get adapters (``targets``: patterns; None: every projection the model
-    declares adaptable), of which ``rank``, scaled by ``alpha / rank``."""
+    """Which projections get adapters (``targets``: patterns; None: every
+    :class:`~theseus.model.parts.Projection` of the model), of which ``rank``, scaled by
+    ``alpha / rank``."""
 
     rank: int
     alpha: float

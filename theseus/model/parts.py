@@ -105,25 +105,27 @@ class Projection:
         return (out if self.bias is None else out + self.bias).astype(x.dtype)
 
 
-def _projection_children(p: Projection) -> tuple[tuple, tuple]:
+def _keyed_children(p: Projection) -> tuple[tuple, tuple]:
+    """The leaves under their checkpoint names (absent ones None) and the structure: the
+    layout and the adapters' scale (None: no adapters)."""
     a, b = (None, None) if p.lora is None else (p.lora.a, p.lora.b)
     children = ((WEIGHT_NAME[p.layout], p.weight), ("bias", p.bias), ("lora_a", a), ("lora_b", b))
     scale = None if p.lora is None else p.lora.scale
     return tuple((GetAttrKey(name), child) for name, child in children), (p.layout, scale)
 
 
-def _projection_of(aux: tuple, children: Any) -> Projection:
-    (layout, scale), (weight, bias, a, b) = aux, children
+def _children(p: Projection) -> tuple[tuple, tuple]:
+    keyed, structure = _keyed_children(p)
+    return tuple(child for _, child in keyed), structure
+
+
+def _projection_of(structure: tuple, children: Any) -> Projection:
+    (layout, scale), (weight, bias, a, b) = structure, children
     lora = None if scale is None else Lora(a=a, b=b, scale=scale)
     return Projection(weight=weight, bias=bias, lora=lora, layout=layout)
 
 
-jax.tree_util.register_pytree_with_keys(
-    Projection,
-    _projection_children,
-    _projection_of,
-    lambda p: (tuple(c for _, c in _projection_children(p)[0]), _projection_children(p)[1]),
-)
+jax.tree_util.register_pytree_with_keys(Projection, _keyed_children, _projection_of, _children)
 
 
 def stacked_projection(
