@@ -255,8 +255,7 @@ def attention_projections(
 
 
 def mlp_projections(c: GQAConfig, rngs: nnx.Rngs) -> dict[str, Projection]:
-    """Each layer's gated MLP: gate and up (n_embd to n_mlp), down (an :class:`MLP`'s
-    fields)."""
+    """Each layer's gated MLP: gate and up (n_embd to n_mlp), down (:class:`MLP`'s fields)."""
     n, e, mlp = c.num_layers, c.hidden_size, c.intermediate_size
 
     def proj(d_in, d_out, names):
@@ -289,8 +288,7 @@ def rms_norms(c: GQAConfig, rngs: nnx.Rngs, offset: float = 0.0) -> Callable[...
 def add_head(model: Model, c: GQAConfig, rngs: nnx.Rngs, offset: float = 0.0) -> None:
     """The final RMSNorm ``norm`` (scale ``offset``) and, unless the head is tied, ``lm_head``
     (created last)."""
-    final = RMSNorm.create((c.hidden_size,), (None,), c.rms_norm_eps, rngs=rngs, offset=offset)
-    model.norm = final
+    model.norm = RMSNorm.create((c.hidden_size,), (None,), c.rms_norm_eps, rngs=rngs, offset=offset)
     model.lm_head = None if c.tie_word_embeddings else token_table(c, rngs)
 
 
