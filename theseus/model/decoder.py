@@ -106,9 +106,10 @@ class Skeleton:
     ``embed(weights, tokens, positions, settings)`` gives the float32 stream (batch, seq,
     n_embd) of ``tokens`` at ``positions`` (batch or 1, seq); ``layer(weights, x, inputs,
     settings)`` one layer's new stream from its typed weights; ``features(positions, settings)``
-    what every layer reads of the positions (default: nothing). ``settings`` holds the family's own constants (a frozen
-    dataclass). ``per_layer``: each layer's window and rotary frequencies; ``attention``: how
-    every layer attends besides its mask (:class:`AttentionOptions`); ``logit_softcap`` caps the
+    what every layer reads of the positions (default: nothing). ``settings`` holds the family's
+    own constants (a frozen dataclass); ``context`` the longest sequence and the config key that
+    sets it. ``per_layer``: each layer's window and rotary frequencies; ``attention``: how every
+    layer attends besides its mask (:class:`AttentionOptions`); ``logit_softcap`` caps the
     logits at ``±cap`` with ``cap · tanh(x / cap)`` (None: uncapped).
     """
 
