@@ -1,9 +1,11 @@
 """Model families: the registry, the one attention function's mask against a naive reference,
-and Hugging Face dispatch through a family's spec (a GPT subclass under its own job is GPT-2)."""
+typed weights under their checkpoint names, and Hugging Face dispatch through a family's spec (a
+GPT subclass under its own job is GPT-2)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from support import GPT_FAMILY, GPTTrainer, invoke
 
 import theseus
@@ -11,6 +13,8 @@ import theseus.jobs
 from theseus.hf.config import export_model_type, hf_config, trainer_family
 from theseus.jobs import get_job, register_job
 from theseus.model.attention import AttentionMask, attention
+from theseus.model.lora import LoraSpec, add_adapters
+from theseus.model.parts import LayerNorm, RMSNorm, arrays, stacked_projection, weights
 from theseus.sharding.axis import ShardingPolicy
 from theseus.sharding.topology import Topology
 
@@ -75,6 +79,53 @@ def test_attention_mask_matches_a_naive_reference():
     check(packed, positions, (segments, segments))
     windowed = AttentionMask(positions, positions, window=jnp.int32(3))
     check(windowed, positions, window=3)
+
+
+@weights
+class _Pieces:
+    io: object
+    oi: object
+    rms: RMSNorm
+    layer: LayerNorm
+
+
+class _Holder(nnx.Module):
+    pieces: _Pieces = nnx.data()
+
+    def __init__(self, rngs):
+        def proj(layout, bias):
+            return stacked_projection(2, 5, 3, ("a", "b"), layout, bias=bias, std=1.0, rngs=rngs)
+
+        rms = RMSNorm.create((2, 3), ("n_layer", None), 1e-6, rngs=rngs, offset=1.0)
+        layer = LayerNorm.create((3,), None, 1e-5, rngs=rngs)
+        self.pieces = _Pieces(io=proj("io", True), oi=proj("oi", False), rms=rms, layer=layer)
+
+
+def test_typed_weights_keep_their_checkpoint_names_and_types():
+    """A projection's leaves are named as checkpoints store them (``kernel`` in layout io,
+        ``weight`` in oi, ``bias``, ``lora_a``, ``lora_b``), norms' as theirs; a parameter dict
+        merges back into the same types, static fields included, and arrays() gives its arrays
+    themselves."""
+
+    def build():
+        holder = _Holder(nnx.Rngs(0))
+        add_adapters(holder, LoraSpec(rank=2, alpha=4.0, targets=("oi",)), rngs=nnx.Rngs(1))
+        return holder
+
+    holder = nnx.eval_shape(build)  # shapes only: nothing to compute
+    graphdef, state = nnx.split(holder, nnx.Param)
+    params = nnx.to_pure_dict(state)
+    shapes = jax.tree.map(jnp.shape, params["pieces"])
+    assert shapes == {
+        "io": {"kernel": (2, 5, 3), "bias": (2, 3)},
+        "oi": {"weight": (2, 3, 5), "lora_a": (2, 2, 5), "lora_b": (2, 3, 2)},
+        "rms": {"weight": (2, 3)},
+        "layer": {"scale": (3,), "bias": (3,)},
+    }
+    pieces = arrays(nnx.merge(graphdef, params).pieces)
+    assert (pieces.io.layout, pieces.io.lora, pieces.oi.layout) == ("io", None, "oi")
+    assert (pieces.oi.lora.scale, pieces.rms.offset, pieces.layer.eps) == (2.0, 1.0, 1e-5)
+    assert pieces.oi.lora.b is params["pieces"]["oi"]["lora_b"]
 
 
 def test_a_gpt_subclass_under_its_own_job_is_gpt2(monkeypatch):

@@ -197,10 +197,10 @@ def test_gpt2_initialization(initialized):
     for param, std in [
         (initialized.wte, 0.02),
         (initialized.wpe, 0.02),
-        (blocks.attn_q.kernel, 0.02),
-        (blocks.mlp_fc.kernel, 0.02),
-        (blocks.attn_out.kernel, residual_std),
-        (blocks.mlp_proj.kernel, residual_std),
+        (blocks.attn_q.weight, 0.02),
+        (blocks.mlp_fc.weight, 0.02),
+        (blocks.attn_out.weight, residual_std),
+        (blocks.mlp_proj.weight, residual_std),
     ]:
         np.testing.assert_allclose(np.std(param[...]), std, rtol=0.1)
     assert not np.any(blocks.mlp_fc.bias[...]) and not np.any(initialized.ln_f.bias[...])

@@ -239,3 +239,78 @@ def test_one_module_names_the_tokenizer_folder_files():
         )
     )
     assert namers == [TOKENIZER_FOLDER], namers
+
+
+# Model code reads typed weights by attribute; what it computes never depends on which keys a
+# dict holds. A key test is `"k" in d` / `"k" not in d` (a string constant on the left), any
+# `.get(...)` call, `hasattr(...)`, a three-argument `getattr(...)` and `isinstance(x, dict)`.
+# Under theseus/model/ one may appear only inside a function (or a function nested in one) with
+# a parameter annotated `dict[str, Any]`: the JSON dicts of the Hugging Face mapping
+# (config.json, a model section), the only dicts model code reads.
+CONFIG_DICT = "dict[str, Any]"
+
+
+def key_tests(source: str) -> list[str]:
+    """``line: code`` of each key test in ``source`` outside a function that takes a
+    ``dict[str, Any]``."""
+    tree = ast.parse(source)
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+
+    def reads_config(node: ast.AST) -> bool:
+        while node in parents:
+            node = parents[node]
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+                if any(a.annotation and ast.unparse(a.annotation) == CONFIG_DICT for a in args):
+                    return True
+        return False
+
+    def is_key_test(node: ast.AST) -> bool:
+        if isinstance(node, ast.Compare):
+            tests_in = any(isinstance(op, ast.In | ast.NotIn) for op in node.ops)
+            return tests_in and isinstance(node.left, ast.Constant) and type(node.left.value) is str
+        if not isinstance(node, ast.Call):
+            return False
+        func = node.func
+        if isinstance(func, ast.Attribute):
+            return func.attr == "get"
+        if not isinstance(func, ast.Name):
+            return False
+        dict_type = [ast.unparse(a) for a in node.args[1:]] == ["dict"]
+        return (
+            func.id == "hasattr"
+            or (func.id == "getattr" and len(node.args) == 3)
+            or (func.id == "isinstance" and dict_type)
+        )
+
+    return [
+        f"{node.lineno}: {ast.unparse(node)}"
+        for node in ast.walk(tree)
+        if is_key_test(node) and not reads_config(node)
+    ]
+
+
+def test_the_key_test_finder_finds_key_tests():
+    old_project = (
+        "def project(x, proj: dict):\n"
+        "    if 'bias' not in proj:\n"
+        "        return dense(x, proj['weight'])\n"
+        "def head(params: dict, x, paths):\n"
+        "    return params.get(paths.head, params[paths.embed])\n"
+        "def find(module):\n"
+        "    return getattr(module, 'lora_weight', None), hasattr(module, 'kernel')\n"
+        "def scaled(layer):\n"
+        "    return layer if not isinstance(layer, dict) else {}\n"
+    )
+    assert len(key_tests(old_project)) == 5, key_tests(old_project)
+    config = "def from_hf(hf: dict[str, Any], where: str):\n    return 'x' in hf, hf.get('y')\n"
+    assert key_tests(config) == []
+
+
+def test_no_branch_on_the_presence_of_a_dict_key_in_model_code():
+    found = {
+        str(path.relative_to(PACKAGE)): hits
+        for path in sorted((PACKAGE / "model").rglob("*.py"))
+        if (hits := key_tests(path.read_text()))
+    }
+    assert not found, f"model code tests dict keys (use typed weights, read by attribute): {found}"

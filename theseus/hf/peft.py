@@ -15,8 +15,9 @@ import jax
 
 from theseus.jobs import RegisteredFamily
 from theseus.model.family import HFTensor, Part
+from theseus.model.lora import merged_params
 from theseus.sharding.layout import leaf_at
-from theseus.training.finetune import Partition, is_adapter, merged_params
+from theseus.training.finetune import Partition, is_adapter
 from theseus.training.trainer import BaseTrainer
 
 #: The prefix peft gives a causal language model's module names.
@@ -87,9 +88,7 @@ def merged_run_params(trainer: BaseTrainer, params: Any) -> Any:
         return params
     adapters = Partition(frozenset(p.path for p in trainer.abstract_leaves if is_adapter(p.path)))
     layout = adapters.split(trainer.layouts.storage)[0]
-    merge = jax.jit(
-        lambda p: merged_params(trainer.abstract_leaves, p, spec.scale), out_shardings=layout
-    )
+    merge = jax.jit(lambda p: merged_params(trainer.graphdef, p), out_shardings=layout)
     return merge(params)
 
 

@@ -92,7 +92,8 @@ class Context:
 class Family:
     """A model family (see the module docstring). ``model_class(config, rngs=, compute_dtype=,
     remat=, lora=)`` builds the model, whose ``__call__(tokens, keys, deterministic=)`` gives
-    logits; ``decoder(config, compute_dtype, lora_scale)`` its cached decoding."""
+    logits; ``decoder(config, compute_dtype, graphdef)`` its cached decoding of the parameters
+    of the model ``graphdef`` (adapters and their scale included)."""
 
     name: str
     trainer_name: str
@@ -102,6 +103,6 @@ class Family:
     context: Callable[[Any], Context]
     matmuls: Callable[[Any], Matmuls]
     num_params: Callable[[Any], int]  # the exact parameter count of a config's model
-    decoder: Callable[[Any, Any, float], Decoder]
+    decoder: Callable[[Any, Any, Any], Decoder]
     hf: HFSpec
     descriptions: dict[str, str] = field(default_factory=dict)  # job suffix -> description

@@ -19,9 +19,9 @@ from flax import nnx
 
 from theseus.config import Section
 from theseus.model import windows as sliding
-from theseus.model.decoder import CachedDecoder, DecoderModel, LayerInputs, Paths, Skeleton
+from theseus.model.decoder import CachedDecoder, DecoderModel, LayerInputs, Skeleton, Weights
 from theseus.model.family import Context, Family, HFSpec, HFTensor, Matmuls, whole
-from theseus.model.parts import StackedProjection, param, project
+from theseus.model.parts import Norm, Projection, RMSNorm, param, stacked_projection, weights
 from theseus.model.rotary import apply_rotary, inverse_frequencies, rotary
 from theseus.sharding.axis import Axis, ShardingPlan
 
@@ -162,14 +162,55 @@ class Settings:
     """What a plain rotary layer reads besides its weights (Llama, OLMo 2)."""
 
     head_dim: int
-    eps: float
     inv_freq: tuple[float, ...]
     compute_dtype: jnp.dtype
 
 
-def embed(params: dict, tokens: jax.Array, positions: jax.Array, s: Any) -> jax.Array:
+@weights
+class Attention:
+    """The weights of grouped-query self-attention (Hugging Face's names): the q, k, v and o
+    projections and, in families that have them, the q and k norms."""
+
+    q_proj: Projection
+    k_proj: Projection
+    v_proj: Projection
+    o_proj: Projection
+    q_norm: Norm | None = None
+    k_norm: Norm | None = None
+
+
+@weights
+class MLP:
+    """The weights of a gated MLP: gate and up (n_embd to n_mlp), down."""
+
+    gate_proj: Projection
+    up_proj: Projection
+    down_proj: Projection
+
+
+@weights
+class OutputNorms:
+    """The norms of the attention's and the MLP's outputs (OLMo 2, Gemma)."""
+
+    post_attention_layernorm: RMSNorm
+    post_feedforward_layernorm: RMSNorm
+
+
+class Model(DecoderModel):
+    """A rotary grouped-query decoder: ``embed_tokens``, ``layers`` (the family's layer type),
+    the final ``norm`` and ``lm_head`` (None: tied to the token table)."""
+
+    layers: Any = nnx.data()
+    norm: Norm = nnx.data()
+
+    def weights(self) -> Weights:
+        table, norm = self.embed_tokens, self.norm
+        return Weights(table=table, layers=self.layers, final_norm=norm, head=self.lm_head)
+
+
+def embed(w: Weights, tokens: jax.Array, positions: jax.Array, s: Any) -> jax.Array:
     del positions, s  # positions enter through the rotary features
-    return params["embed_tokens"][tokens].astype(jnp.float32)  # (batch, seq, n_embd)
+    return w.table[tokens].astype(jnp.float32)  # (batch, seq, n_embd)
 
 
 def features(positions: jax.Array, s: Settings) -> tuple[jax.Array, jax.Array]:
@@ -177,51 +218,48 @@ def features(positions: jax.Array, s: Settings) -> tuple[jax.Array, jax.Array]:
 
 
 def rotary_skeleton(
-    c: GQAConfig, layer: Callable, compute_dtype: Any, remat: bool | str, lora_scale: float
+    c: GQAConfig, compute_dtype: Any, remat: bool | str = False, *, layer: Callable
 ) -> Skeleton:
     """The skeleton of a decoder of ``layer``s that reads :class:`Settings`: the plain token
-    table, rotary features of ``c``'s frequencies, Hugging Face's parameter names."""
+    table, rotary features of ``c``'s frequencies."""
     dtype = jnp.dtype(compute_dtype)
     inv_freq = tuple(float(f) for f in inverse_frequencies(c.dim_per_head, dict(c)))
     return Skeleton(
         embed=embed,
         features=features,
         layer=layer,
-        settings=Settings(c.dim_per_head, c.rms_norm_eps, inv_freq, dtype),
-        paths=Paths(embed="embed_tokens", layers="layers", final_norm="norm", head="lm_head"),
-        eps=c.rms_norm_eps,
+        settings=Settings(c.dim_per_head, inv_freq, dtype),
         compute_dtype=dtype,
-        context_len=c.max_position_embeddings,
-        context_key="model.max_position_embeddings",
+        context=c.context,
         remat=remat,
-        lora_scale=lora_scale,
     )
 
 
 def attention_projections(
-    c: GQAConfig, rngs: nnx.Rngs, *, bias: bool = False
-) -> dict[str, StackedProjection]:
+    c: GQAConfig, rngs: nnx.Rngs, bias: bool = False, head_norm: Callable | None = None
+) -> dict[str, Any]:
     """Each layer's q, k, v (with biases when ``bias``) and o projections, Hugging Face's
-    ``(d_out, d_in)`` layout, stacked along ``n_layer``."""
-    n, e = c.num_layers, c.hidden_size
+    ``(d_out, d_in)`` layout, stacked along ``n_layer``, then per-head q and k norms
+    ``head_norm(head_dim)`` when given (an :class:`Attention`'s fields)."""
+    n, e, hd = c.num_layers, c.hidden_size, c.dim_per_head
 
     def proj(d_in, d_out, names, with_bias):
-        return StackedProjection(n, d_in, d_out, names, "oi", bias=with_bias, std=0.02, rngs=rngs)
+        return stacked_projection(n, d_in, d_out, names, "oi", bias=with_bias, std=0.02, rngs=rngs)
 
     return {
         "q_proj": proj(e, c.n_q, ("n_embd", "n_q"), bias),
         "k_proj": proj(e, c.n_kv, ("n_embd", "n_kv"), bias),
         "v_proj": proj(e, c.n_kv, ("n_embd", "n_kv"), bias),
         "o_proj": proj(c.n_q, e, ("n_q", "n_embd"), False),
-    }
+    } | ({} if head_norm is None else {"q_norm": head_norm(hd), "k_norm": head_norm(hd)})
 
 
-def mlp_projections(c: GQAConfig, rngs: nnx.Rngs) -> dict[str, StackedProjection]:
-    """Each layer's gated MLP: gate and up (n_embd to n_mlp), down."""
+def mlp_projections(c: GQAConfig, rngs: nnx.Rngs) -> dict[str, Projection]:
+    """Each layer's gated MLP: gate and up (n_embd to n_mlp), down (:class:`MLP`'s fields)."""
     n, e, mlp = c.num_layers, c.hidden_size, c.intermediate_size
 
     def proj(d_in, d_out, names):
-        return StackedProjection(n, d_in, d_out, names, "oi", bias=False, std=0.02, rngs=rngs)
+        return stacked_projection(n, d_in, d_out, names, "oi", bias=False, std=0.02, rngs=rngs)
 
     return {
         "gate_proj": proj(e, mlp, ("n_embd", "n_mlp")),
@@ -236,35 +274,48 @@ def token_table(c: GQAConfig, rngs: nnx.Rngs) -> nnx.Param:
     return param(rngs, shape, ("vocab", "n_embd"), nnx.initializers.normal(0.02))
 
 
-def add_head(model: nnx.Module, c: GQAConfig, final_norm: nnx.Module, rngs: nnx.Rngs) -> None:
-    """The final ``norm`` and, unless the head is tied, ``lm_head`` (created last)."""
-    model.norm = final_norm
-    if not c.tie_word_embeddings:
-        model.lm_head = token_table(c, rngs)
+def rms_norms(c: GQAConfig, rngs: nnx.Rngs, offset: float = 0.0) -> Callable[..., RMSNorm]:
+    """``norm(dim, name=None)``: a stacked RMSNorm (n_layer, dim) named (``n_layer``, name),
+    of ``c``'s epsilon and the scale ``offset``."""
+
+    def norm(dim: int, name: str | None = None) -> RMSNorm:
+        names = ("n_layer", name)
+        return RMSNorm.create((c.num_layers, dim), names, c.rms_norm_eps, rngs=rngs, offset=offset)
+
+    return norm
+
+
+def add_head(model: Model, c: GQAConfig, rngs: nnx.Rngs, offset: float = 0.0) -> None:
+    """The final RMSNorm ``norm`` (scale ``offset``) and, unless the head is tied, ``lm_head``
+    (created last)."""
+    model.norm = RMSNorm.create((c.hidden_size,), (None,), c.rms_norm_eps, rngs=rngs, offset=offset)
+    model.lm_head = None if c.tie_word_embeddings else token_table(c, rngs)
 
 
 def self_attention(
-    layer: dict,
+    a: Attention,
     h: jax.Array,
     inputs: LayerInputs,
     rotation: tuple[jax.Array, jax.Array],
     head_dim: int,
-    head_norm: Callable[[jax.Array, dict], jax.Array],
 ) -> jax.Array:
     """Grouped-query self-attention of the normed stream ``h`` (batch, seq, n_embd): q, k, v
-    heads, ``head_norm(heads, params)`` of q and k per head when the layer has ``q_norm`` and
-    ``k_norm``, the rotary ``rotation`` (cos, sin), ``inputs.attend``, then ``o_proj``.
-    Returns (batch, seq, n_embd) in ``h``'s dtype."""
+    heads, q and k normed per head when ``a`` has q/k norms, the rotary ``rotation`` (cos, sin),
+    ``inputs.attend``, then ``o_proj``. Returns (batch, seq, n_embd) in ``h``'s dtype."""
     batch, seq, _ = h.shape
     cos, sin = rotation
     q, k, v = (
-        project(h, layer[name]).reshape(batch, seq, -1, head_dim)
-        for name in ("q_proj", "k_proj", "v_proj")
+        proj(h).reshape(batch, seq, -1, head_dim) for proj in (a.q_proj, a.k_proj, a.v_proj)
     )  # q (batch, seq, heads, head_dim); k, v (batch, seq, kv_heads, head_dim)
-    if "q_norm" in layer:
-        q, k = head_norm(q, layer["q_norm"]), head_norm(k, layer["k_norm"])
+    if a.q_norm is not None and a.k_norm is not None:
+        q, k = a.q_norm(q, q.dtype), a.k_norm(k, k.dtype)
     attended = inputs.attend(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
-    return project(attended.reshape(batch, seq, -1), layer["o_proj"])  # (batch, seq, n_embd)
+    return a.o_proj(attended.reshape(batch, seq, -1))  # (batch, seq, n_embd)
+
+
+def gated_mlp(m: MLP, h: jax.Array, activation: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    """``down(activation(gate(h)) · up(h))`` of ``h`` (batch, seq, n_embd), in ``h``'s dtype."""
+    return m.down_proj(activation(m.gate_proj(h)) * m.up_proj(h))  # (batch, seq, n_embd)
 
 
 def matmuls(c: GQAConfig) -> Matmuls:
@@ -300,11 +351,13 @@ def family(
 
 
 def cached_decoder(
-    skeleton_of: Callable[..., Skeleton], c: GQAConfig, compute_dtype: Any, lora_scale: float
+    skeleton_of: Callable[..., Skeleton], c: GQAConfig, compute_dtype: Any, graphdef: Any
 ) -> CachedDecoder:
-    """The KV-cache decoder of ``skeleton_of(c, ...)``: caches n_kv wide, split as k/v are."""
-    sk = skeleton_of(c, compute_dtype, lora_scale=lora_scale)
-    return CachedDecoder(sk, c.vocab_size, c.num_layers, c.dim_per_head, c.n_kv, (None, "n_kv"))
+    """The KV-cache decoder of ``skeleton_of(c, ...)`` and the model ``graphdef``: caches n_kv
+    wide, split as k/v are."""
+    sk = skeleton_of(c, compute_dtype)
+    dims = (c.vocab_size, c.num_layers, c.dim_per_head, c.n_kv)
+    return CachedDecoder(sk, graphdef, *dims, (None, "n_kv"))
 
 
 # --- Hugging Face ---------------------------------------------------------------------------

@@ -1,10 +1,10 @@
-"""LoRA adapters as ordinary annotated parameters: creation beside a model's projections, their
-contribution to a projection's output, and the merged weight ``W + (alpha / rank) · ΔW``.
+"""LoRA adapters as ordinary annotated parameters: creation beside a model's projections, which
+projections a pattern selects, and the merged weight ``W + (alpha / rank) · ΔW``.
 
-A module whose weight LoRA may adapt says so with two attributes: ``lora_weight`` (the name
-of its weight parameter) and ``lora_layout`` (``"io"``: the weight is ``(.., d_in, d_out)``;
-``"oi"``: ``(.., d_out, d_in)``, Hugging Face's layout). :func:`add_adapters` gives each targeted
-module two parameters in the weight's own layout, each with one dimension replaced by the rank:
+LoRA adapts the weight of each :class:`~theseus.model.parts.Projection` a model holds: its
+``lora`` becomes a :class:`~theseus.model.parts.Lora`, two parameters in the weight's own layout
+(stored beside the weight as ``lora_a`` and ``lora_b``), each with one dimension replaced by the
+rank:
 
 - ``lora_a``: the output dimension replaced, ``(.., d_in, rank)`` or ``(.., rank, d_in)``;
 - ``lora_b``: the input dimension replaced, ``(.., rank, d_out)`` or ``(.., d_out, rank)``.
@@ -21,15 +21,14 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from theseus.model.layers import dense
+from theseus.model.parts import WEIGHT_NAME, Lora, Projection, projections, replace_projections
 
 #: The logical name of an adapter's rank dimension; no rule shards it.
 LORA_RANK = "lora_rank"
@@ -39,8 +38,9 @@ ADAPTERS = ("lora_a", "lora_b")
 
 @dataclass(frozen=True)
 class LoraSpec:
-    """Which projections get adapters (``targets``: patterns; None: every projection the model
-    declares adaptable), of which ``rank``, scaled by ``alpha / rank``."""
+    """Which projections get adapters (``targets``: patterns; None: every
+    :class:`~theseus.model.parts.Projection` of the model), of which ``rank``, scaled by
+    ``alpha / rank``."""
 
     rank: int
     alpha: float
@@ -53,33 +53,24 @@ class LoraSpec:
 
 @dataclass(frozen=True)
 class Adaptable:
-    """One projection weight LoRA can adapt: its module, path, shape, logical names, layout."""
+    """One projection weight LoRA can adapt: the projection's ``key`` (its path as a tuple),
+    the weight's ``path``, shape, logical names and layout."""
 
-    module: nnx.Module
+    key: tuple[str, ...]
     path: str
     shape: tuple[int, ...]
     names: tuple[str | None, ...]
     layout: str
 
 
-def _names_of(param: nnx.Param, ndim: int) -> tuple[str | None, ...]:
-    names = param.get_metadata().get("out_sharding") or (None,) * ndim
-    return tuple(names)
-
-
 def adaptable(model: nnx.Module) -> list[Adaptable]:
     """Every projection weight of ``model`` that LoRA can adapt, in the model's order."""
     found = []
-    for path, module in nnx.iter_modules(model):
-        name = getattr(module, "lora_weight", None)
-        if name is None:
-            continue
-        param = getattr(module, name)
-        shape = tuple(param.shape)
-        full = "/".join([*(str(p) for p in path), name])
-        found.append(
-            Adaptable(module, full, shape, _names_of(param, len(shape)), module.lora_layout)
-        )
+    for key, proj in projections(model):
+        shape = tuple(proj.weight.shape)
+        names = tuple(proj.weight.get_metadata()["out_sharding"])
+        path = "/".join([*key, WEIGHT_NAME[proj.layout]])
+        found.append(Adaptable(key, path, shape, names, proj.layout))
     return found
 
 
@@ -109,8 +100,8 @@ def targets(candidates: list[Adaptable], patterns: tuple[str, ...] | None) -> li
     return [c for c in candidates if any(matches(p, c.path, c.names) for p in patterns)]
 
 
-def adapter_shapes(target: Adaptable, rank: int) -> dict[str, tuple[tuple[int, ...], tuple]]:
-    """``{"lora_a": (shape, names), "lora_b": (shape, names)}`` of a target's adapters."""
+def adapter_shapes(target: Adaptable, rank: int) -> tuple[tuple[tuple[int, ...], tuple], ...]:
+    """``((shape, names) of lora_a, (shape, names) of lora_b)`` of a target's adapters."""
     shape, names = target.shape, target.names
     out_dim, in_dim = (-1, -2) if target.layout == "io" else (-2, -1)
 
@@ -119,7 +110,7 @@ def adapter_shapes(target: Adaptable, rank: int) -> dict[str, tuple[tuple[int, .
         new_shape[dim], new_names[dim] = rank, LORA_RANK
         return tuple(new_shape), tuple(new_names)
 
-    return {"lora_a": replaced(out_dim), "lora_b": replaced(in_dim)}
+    return replaced(out_dim), replaced(in_dim)
 
 
 def add_adapters(model: nnx.Module, spec: LoraSpec, *, rngs: nnx.Rngs) -> None:
@@ -127,68 +118,45 @@ def add_adapters(model: nnx.Module, spec: LoraSpec, *, rngs: nnx.Rngs) -> None:
     ``±1/sqrt(d_in)``, as peft initialises it) and ``lora_b`` (zeros) float32 parameters."""
     if spec.rank <= 0:
         raise ValueError(f"finetune.lora_rank={spec.rank} must be > 0 for LoRA adapters.")
+    adapters = {}
     for target in targets(adaptable(model), spec.targets):
         d_in = target.shape[-2] if target.layout == "io" else target.shape[-1]
         bound = 1.0 / math.sqrt(d_in)
-        inits = {
-            "lora_a": lambda key, shape, dtype, b=bound: jax.random.uniform(
-                key, shape, dtype, -b, b
-            ),
-            "lora_b": nnx.initializers.zeros,
-        }
-        for name, (shape, names) in adapter_shapes(target, spec.rank).items():
-            init = nnx.with_partitioning(inits[name], names, eager_sharding=False)
-            value = init(rngs.params(), shape, jnp.float32)
-            setattr(target.module, name, nnx.Param(value, eager_sharding=False))
+
+        def uniform(key, shape, dtype, b=bound):
+            return jax.random.uniform(key, shape, dtype, -b, b)
+
+        made = []
+        for init, (shape, names) in zip(
+            (uniform, nnx.initializers.zeros), adapter_shapes(target, spec.rank), strict=True
+        ):
+            init = nnx.with_partitioning(init, names, eager_sharding=False)
+            made.append(nnx.Param(init(rngs.params(), shape, jnp.float32), eager_sharding=False))
+        adapters[target.key] = Lora(a=made[0], b=made[1], scale=spec.scale)
+    replace_projections(
+        model, lambda key, proj: replace(proj, lora=adapters[key]) if key in adapters else proj
+    )
 
 
-def adapter_out(x: jax.Array, proj: dict, *, transposed: bool) -> jax.Array:
-    """The adapters' share of a projection of ``x`` (.., d_in): ``x ΔWᵀ`` (``transposed``, the
-    ``oi`` layout) or ``x ΔW`` (``io``), (.., d_out) float32, through the rank-wide product."""
-    low = dense(x, proj["lora_a"], transposed=transposed)  # (.., rank)
-    return dense(low, proj["lora_b"], jnp.float32, transposed=transposed)  # (.., d_out)
-
-
-def scaled(layer: Any, scale: float) -> Any:
-    """``layer`` (a dict of one layer's parameters) with each ``lora_b`` multiplied by
-    ``scale`` (alpha / rank): the model applies it once per layer, inside the layer scan, so
-    the projection code needs no scale."""
-    if not isinstance(layer, dict):
-        return layer
-    return {k: (v * scale if k == "lora_b" else scaled(v, scale)) for k, v in layer.items()}
-
-
-def delta(lora_a: jax.Array, lora_b: jax.Array, layout: str) -> jax.Array:
-    """``ΔW`` in the weight's layout, float32 at full precision (stacked dims batch)."""
-    a, b = (lora_a, lora_b) if layout == "io" else (lora_b, lora_a)
+def delta(lora: Lora, layout: str) -> jax.Array:
+    """``ΔW`` of adapter arrays in the weight's layout, float32 at full precision (stacked dims
+    batch)."""
+    a, b = (lora.a, lora.b) if layout == "io" else (lora.b, lora.a)
     return jnp.matmul(a.astype(jnp.float32), b.astype(jnp.float32), precision="highest")
 
 
-def has_adapters(params: Any) -> bool:
-    """Whether a parameter dict holds any adapter."""
-    if not isinstance(params, dict):
-        return False
-    return any(k in ADAPTERS or has_adapters(v) for k, v in params.items())
+def merged_params(graphdef: nnx.GraphDef, params: Any) -> Any:
+    """The parameter dict ``params`` of the model ``graphdef`` with every adapted weight
+    replaced by ``W + scale · ΔW`` (float32) and the adapters removed: the model as the base
+    architecture computes it (for export)."""
+    model = nnx.merge(graphdef, params)
 
+    def merge(key: tuple[str, ...], proj: Projection) -> Projection:
+        if proj.lora is None:
+            return proj
+        lora = Lora(a=proj.lora.a.get_value(), b=proj.lora.b.get_value(), scale=proj.lora.scale)
+        weight = proj.weight.get_value().astype(jnp.float32) + lora.scale * delta(lora, proj.layout)
+        return replace(proj, weight=proj.weight.replace(weight), lora=None)
 
-def merged(params: Any, scale: float, layout_of: Callable[[str], str], prefix: str = "") -> Any:
-    """``params`` (a nested dict) with every adapted weight replaced by ``W + scale · ΔW``
-    (float32) and the adapters removed: the model as the base architecture computes it.
-    ``layout_of(path)`` is the layout (``io``/``oi``) of the adapters at ``path/lora_a``; the
-    adapted weight is their sibling that is neither an adapter nor a ``bias``."""
-    if not isinstance(params, dict):
-        return params
-    if "lora_a" not in params:
-        return {k: merged(v, scale, layout_of, f"{prefix}{k}/") for k, v in params.items()}
-    rest = {k: v for k, v in params.items() if k not in ADAPTERS}
-    (weight,) = [k for k in rest if k != "bias"]
-    layout = layout_of(f"{prefix}lora_a")
-    update = scale * delta(params["lora_a"], params["lora_b"], layout)
-    rest[weight] = rest[weight].astype(jnp.float32) + update
-    return rest
-
-
-def adapter_layout(lora_a_names: tuple[str | None, ...]) -> str:
-    """The layout of adapters whose ``lora_a`` has these logical names: ``io`` when the rank
-    is its last dimension (``(.., d_in, rank)``), else ``oi``."""
-    return "io" if lora_a_names[-1] == LORA_RANK else "oi"
+    replace_projections(model, merge)
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))

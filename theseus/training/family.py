@@ -48,9 +48,7 @@ class FamilyTrainer(BaseTrainer):
 
     def decoder(self) -> Decoder:
         """Cached decoding for ``theseus generate`` (see theseus.model.decode)."""
-        spec = self.lora_spec
-        scale = 0.0 if spec is None else spec.scale
-        return self.family.decoder(self.config.model, self.compute_dtype, scale)
+        return self.family.decoder(self.config.model, self.compute_dtype, self.graphdef)
 
     def loss(self, model: nnx.Module, tokens: jax.Array, keys: Keys, *, train: bool) -> jax.Array:
         """Next-token loss; dropout (when the model has any) in training only."""

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import pydantic
 
 from theseus.config import Section
-from theseus.model.lora import ADAPTERS, LoraSpec, adapter_layout, matches, merged
+from theseus.model.lora import ADAPTERS, LoraSpec, matches
 from theseus.sharding.layout import AbstractLeaf
 
 
@@ -153,11 +153,3 @@ def partition(leaves: list[AbstractLeaf], config: FinetuneConfig, model: str) ->
             "would be trained; freeze fewer, or set finetune.lora_rank for adapters."
         )
     return Partition(frozenset(frozen))
-
-
-def merged_params(leaves: list[AbstractLeaf], params: Any, scale: float) -> Any:
-    """``params`` with each LoRA-adapted weight merged, ``W + scale · ΔW`` (float32), and no
-    adapters: what the base architecture computes (for export). ``leaves``: the trainer's
-    abstract leaves, whose logical names tell each adapter pair's layout."""
-    names = {leaf.path: leaf.names for leaf in leaves}
-    return merged(params, scale, lambda path: adapter_layout(names[path]))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import jax
@@ -27,11 +28,10 @@ from jax.typing import DTypeLike
 from theseus.model import gqa
 from theseus.model import windows as sliding
 from theseus.model.attention import AttentionOptions
-from theseus.model.decoder import DecoderModel, LayerInputs
+from theseus.model.decoder import LayerInputs, PerLayer, Weights
 from theseus.model.family import HFSpec, HFTensor
 from theseus.model.gqa import WindowedConfig, field
-from theseus.model.layers import rms_norm
-from theseus.model.parts import Stack, param, project
+from theseus.model.parts import RMSNorm, weights
 from theseus.model.rotary import (
     inverse_frequencies,
     rope_from_hf,
@@ -76,14 +76,21 @@ class Settings:
     """What a Gemma layer and its embedding read besides their weights."""
 
     head_dim: int
-    eps: float
     embed_scale: float  # sqrt(hidden_size) rounded to the compute dtype
     compute_dtype: jnp.dtype
 
 
-def embed(params: dict, tokens: jax.Array, positions: jax.Array, s: Settings) -> jax.Array:
+@weights
+class Layer(gqa.Attention, gqa.MLP, gqa.OutputNorms):
+    """A Gemma layer's weights: a norm before and after both attention and the MLP."""
+
+    input_layernorm: RMSNorm
+    pre_feedforward_layernorm: RMSNorm
+
+
+def embed(w: Weights, tokens: jax.Array, positions: jax.Array, s: Settings) -> jax.Array:
     del positions  # they enter through each layer's rotary angles
-    return params["embed_tokens"][tokens].astype(jnp.float32) * s.embed_scale  # (b, s, n_embd)
+    return w.table[tokens].astype(jnp.float32) * s.embed_scale  # (batch, seq, n_embd)
 
 
 def features(positions: jax.Array, s: Settings) -> jax.Array:
@@ -91,54 +98,34 @@ def features(positions: jax.Array, s: Settings) -> jax.Array:
     return positions  # each layer rotates with its own frequencies
 
 
-def gemma_norm(x: jax.Array, params: dict, eps: float, dtype: DTypeLike) -> jax.Array:
-    """Gemma's RMSNorm of ``x`` over its last axis: float32 statistics, scaled by ``1 +
-    params["weight"]`` in float32 (as transformers does), cast to ``dtype``."""
-    return rms_norm(x, 1.0 + params["weight"], eps, dtype)
-
-
-def block(layer: dict, x: jax.Array, inputs: LayerInputs, s: Settings) -> jax.Array:
+def block(layer: Layer, x: jax.Array, inputs: LayerInputs, s: Settings) -> jax.Array:
     """One layer on the float32 stream ``x`` (batch, seq, n_embd): normed attention (per-head
     q/k norms when the layer has them, the layer's rotary angles), its output normed and added;
-    the GeGLU MLP likewise."""
-    rotation = rotary(inputs.features, inputs.inv_freq)  # cos, sin (batch or 1, seq, head_dim)
-    h = gemma_norm(x, layer["input_layernorm"], s.eps, s.compute_dtype)  # (batch, seq, n_embd)
-
-    def head_norm(heads, params):
-        return gemma_norm(heads, params, s.eps, heads.dtype)
-
-    out = gqa.self_attention(layer, h, inputs, rotation, s.head_dim, head_norm)
-    x = x + gemma_norm(out, layer["post_attention_layernorm"], s.eps, jnp.float32)
-    h = gemma_norm(x, layer["pre_feedforward_layernorm"], s.eps, s.compute_dtype)
-    gate = jax.nn.gelu(project(h, layer["gate_proj"]), approximate=True)  # (.., n_mlp)
-    out = project(gate * project(h, layer["up_proj"]), layer["down_proj"])  # (.., n_embd)
-    return x + gemma_norm(out, layer["post_feedforward_layernorm"], s.eps, jnp.float32)
+    the GeGLU MLP likewise. Gemma's norms scale by ``1 + weight`` (``RMSNorm.offset``)."""
+    rotation = rotary(inputs.features, inputs.data.inv_freq)  # cos, sin (batch or 1, seq, hd)
+    h = layer.input_layernorm(x, s.compute_dtype)  # (batch, seq, n_embd)
+    out = gqa.self_attention(layer, h, inputs, rotation, s.head_dim)
+    x = x + layer.post_attention_layernorm(out, jnp.float32)
+    h = layer.pre_feedforward_layernorm(x, s.compute_dtype)
+    out = gqa.gated_mlp(layer, h, partial(jax.nn.gelu, approximate=True))  # (.., n_embd)
+    return x + layer.post_feedforward_layernorm(out, jnp.float32)
 
 
-def skeleton(c: GemmaConfig, compute_dtype: DTypeLike, remat: bool | str = False, lora_scale=0.0):
-    sk = gqa.rotary_skeleton(c, block, compute_dtype, remat, lora_scale)
+def skeleton(c: GemmaConfig, compute_dtype: DTypeLike, remat: bool | str = False):
+    sk = gqa.rotary_skeleton(c, compute_dtype, remat, layer=block)
     scale = float(np.asarray(math.sqrt(c.hidden_size), sk.compute_dtype))
     return replace(
         sk,
         embed=embed,
         features=features,
-        settings=Settings(c.dim_per_head, c.rms_norm_eps, scale, sk.compute_dtype),
-        windows=c.windows,
-        inv_freqs=c.inv_freqs,
+        settings=Settings(c.dim_per_head, scale, sk.compute_dtype),
+        per_layer=PerLayer(windows=c.windows, inv_freqs=c.inv_freqs),
         attention=AttentionOptions(c.query_pre_attn_scalar**-0.5, c.attn_logit_softcapping),
         logit_softcap=c.final_logit_softcapping,
-        final_norm=gemma_norm,
     )
 
 
-class GemmaNorm(nnx.Module):
-    """A Gemma RMSNorm's ``weight`` of ``shape`` (logical ``names``), zero: a scale of 1."""
-
-    def __init__(self, shape: tuple[int, ...], names: tuple, *, rngs: nnx.Rngs):
-        self.weight = param(rngs, shape, names, nnx.initializers.zeros)
-
-
-class Gemma(DecoderModel):
+class Gemma(gqa.Model):
     """A Gemma 2 or 3 decoder (see the module docstring). State paths are Hugging Face's names,
     layers stacked: ``embed_tokens``, ``norm/weight``, ``lm_head`` when untied; under
     ``layers/``: the four norms, ``q_proj`` (n_layer, n_q, n_embd), ``k_proj``/``v_proj``
@@ -148,19 +135,16 @@ class Gemma(DecoderModel):
 
     def build(self, c: GemmaConfig, rngs: nnx.Rngs) -> None:
         self.embed_tokens = gqa.token_table(c, rngs)
-
-        def norm(dim):
-            return GemmaNorm((c.num_layers, dim), ("n_layer", None), rngs=rngs)
-
-        layers = {"input_layernorm": norm(c.hidden_size)} | gqa.attention_projections(c, rngs)
-        if c.qk_norm:
-            layers |= {"q_norm": norm(c.dim_per_head), "k_norm": norm(c.dim_per_head)}
-        for name in ("post_attention_layernorm", "pre_feedforward_layernorm"):
-            layers[name] = norm(c.hidden_size)
-        layers |= gqa.mlp_projections(c, rngs)
-        layers["post_feedforward_layernorm"] = norm(c.hidden_size)
-        self.layers = Stack(layers)
-        gqa.add_head(self, c, GemmaNorm((c.hidden_size,), (None,), rngs=rngs), rngs)
+        norm = gqa.rms_norms(c, rngs, offset=1.0)  # weights start at 0: a scale of 1
+        self.layers = Layer(
+            input_layernorm=norm(c.hidden_size),
+            **gqa.attention_projections(c, rngs, head_norm=norm if c.qk_norm else None),
+            post_attention_layernorm=norm(c.hidden_size),
+            pre_feedforward_layernorm=norm(c.hidden_size),
+            **gqa.mlp_projections(c, rngs),
+            post_feedforward_layernorm=norm(c.hidden_size),
+        )
+        gqa.add_head(self, c, rngs, offset=1.0)
 
 
 def num_params(c: GemmaConfig) -> int:

@@ -15,10 +15,10 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from theseus.config import Section
-from theseus.model.decoder import CachedDecoder, DecoderModel, LayerInputs, Paths, Skeleton
+from theseus.model.decoder import CachedDecoder, DecoderModel, LayerInputs, Skeleton, Weights
 from theseus.model.family import Context, Family, HFSpec, HFTensor, Matmuls, Part, whole
 from theseus.model.layers import apply_dropout, keep_masks
-from theseus.model.parts import Norm, Stack, StackedProjection, norm, param, project
+from theseus.model.parts import LayerNorm, Projection, param, stacked_projection, weights
 from theseus.sharding.axis import Axis, ShardingPlan
 
 # TP splits the attention width and the MLP width over `shard`; everything else is whole on each
@@ -95,65 +95,67 @@ class Settings:
     compute_dtype: jnp.dtype
 
 
-def embed(params: dict, tokens: jax.Array, positions: jax.Array, s: Settings) -> jax.Array:
+@weights
+class Block:
+    """One GPT-2 block's weights (GPT-2's names), stacked along ``n_layer``: LayerNorms (n_layer,
+    None); kernels (n_layer, d_in, d_out) named (``n_layer``, in, out); biases named after their
+    output, replicated (n_layer, None) when it is n_embd."""
+
+    ln1: LayerNorm
+    attn_q: Projection
+    attn_k: Projection
+    attn_v: Projection
+    attn_out: Projection
+    ln2: LayerNorm
+    mlp_fc: Projection
+    mlp_proj: Projection
+
+
+def embed(w: Weights, tokens: jax.Array, positions: jax.Array, s: Settings) -> jax.Array:
     """Token plus position embedding, (batch, seq, n_embd) float32."""
-    return params["wte"][tokens].astype(jnp.float32) + params["wpe"][positions].astype(jnp.float32)
+    return w.table[tokens].astype(jnp.float32) + w.positions[positions].astype(jnp.float32)
 
 
-def no_features(positions: jax.Array, s: Settings) -> None:
-    del positions, s  # GPT's layers read no positions (they are in the embedding)
-
-
-def block(layer: dict, x: jax.Array, inputs: LayerInputs, s: Settings) -> jax.Array:
+def block(layer: Block, x: jax.Array, inputs: LayerInputs, s: Settings) -> jax.Array:
     """One pre-LayerNorm block on the float32 stream ``x`` (batch, seq, n_embd); with this
     layer's per-example keys, attention probabilities and both residual branches drop out."""
     batch, seq, n_embd = x.shape
     shapes = [(s.n_head, seq, seq), (seq, n_embd), (seq, n_embd)]  # one draw of bits per example
     probs_keep, attn_keep, mlp_keep = keep_masks(inputs.keys, s.dropout, shapes)
-    h = norm(x, layer["ln1"], EPS, s.compute_dtype)  # (batch, seq, n_embd)
+    h = layer.ln1(x, s.compute_dtype)  # (batch, seq, n_embd)
     q, k, v = (
-        project(h, layer[f"attn_{name}"]).reshape(batch, seq, s.n_head, -1) for name in "qkv"
+        p(h).reshape(batch, seq, s.n_head, -1) for p in (layer.attn_q, layer.attn_k, layer.attn_v)
     )  # (batch, seq, n_head, head_dim)
     attended = inputs.attend(q, k, v, probs_keep).reshape(batch, seq, -1)  # (batch, seq, n_attn)
-    branch = apply_dropout(project(attended, layer["attn_out"]), attn_keep, s.dropout)
+    branch = apply_dropout(layer.attn_out(attended), attn_keep, s.dropout)
     x = x + branch.astype(jnp.float32)  # (batch, seq, n_embd)
-    h = norm(x, layer["ln2"], EPS, s.compute_dtype)
-    h = jax.nn.gelu(project(h, layer["mlp_fc"]), approximate=True)  # (batch, seq, n_mlp)
-    branch = apply_dropout(project(h, layer["mlp_proj"]), mlp_keep, s.dropout)
+    h = layer.ln2(x, s.compute_dtype)
+    h = jax.nn.gelu(layer.mlp_fc(h), approximate=True)  # (batch, seq, n_mlp)
+    branch = apply_dropout(layer.mlp_proj(h), mlp_keep, s.dropout)
     return x + branch.astype(jnp.float32)  # (batch, seq, n_embd)
 
 
-def skeleton(c: GPTConfig, compute_dtype: DTypeLike, remat: bool | str = False, lora_scale=0.0):
+def skeleton(c: GPTConfig, compute_dtype: DTypeLike, remat: bool | str = False):
     dtype = jnp.dtype(compute_dtype)
     return Skeleton(
         embed=embed,
-        features=no_features,
         layer=block,
         settings=Settings(c.n_head, c.dropout, dtype),
-        paths=Paths(embed="wte", layers="blocks", final_norm="ln_f", head="lm_head"),
-        eps=EPS,
         compute_dtype=dtype,
-        context_len=c.block_size,
-        context_key="model.block_size",
+        context=Context(c.block_size, "model.block_size"),
         dropout=c.dropout,
         remat=remat,
-        lora_scale=lora_scale,
     )
 
 
 class GPT(DecoderModel):
-    """GPT-2 (see the module docstring).
-
-    State paths and logical names: ``wte`` (vocab, n_embd); ``wpe`` (block_size, n_embd);
-    ``ln_f/scale``, ``ln_f/bias`` unannotated; under ``blocks/``, stacked along ``n_layer``:
-    ``ln1``, ``ln2`` (``scale``, ``bias``: n_layer, None), ``attn_q``, ``attn_k``, ``attn_v``
-    (``kernel``: n_layer, n_embd, n_attn; ``bias``: n_layer, n_attn), ``attn_out`` (n_layer,
-    n_attn, n_embd), ``mlp_fc`` (n_layer, n_embd, n_mlp; bias n_mlp), ``mlp_proj`` (n_layer,
-    n_mlp, n_embd); n_embd-wide biases are replicated (n_layer, None). Dropout
-    (``GPTConfig.dropout``) applies only with ``deterministic=False``, one key per example.
-    """
+    """GPT-2 (see the module docstring). State paths: ``wte`` (vocab, n_embd), ``wpe``
+    (block_size, n_embd), ``blocks`` (a :class:`Block`), ``ln_f`` unannotated. Dropout
+    (``GPTConfig.dropout``) applies only with ``deterministic=False``, one key per example."""
 
     skeleton_of = staticmethod(skeleton)
+    blocks: Block = nnx.data()
+    ln_f: LayerNorm = nnx.data()
 
     def build(self, c: GPTConfig, rngs: nnx.Rngs) -> None:
         normal = nnx.initializers.normal(0.02)
@@ -163,19 +165,23 @@ class GPT(DecoderModel):
         residual = 0.02 / math.sqrt(2 * n)  # GPT-2: projections into the residual stream
 
         def proj(d_in, d_out, names, std):
-            return StackedProjection(n, d_in, d_out, names, "io", bias=True, std=std, rngs=rngs)
+            return stacked_projection(n, d_in, d_out, names, "io", bias=True, std=std, rngs=rngs)
 
         def layer_norm():
-            return Norm((n, e), ("n_layer", None), kind="layer", rngs=rngs)
+            return LayerNorm.create((n, e), ("n_layer", None), EPS, rngs=rngs)
 
-        layers = {"ln1": layer_norm()}
-        layers |= {f"attn_{x}": proj(e, c.n_attn, ("n_embd", "n_attn"), std) for x in "qkv"}
-        layers["attn_out"] = proj(c.n_attn, e, ("n_attn", "n_embd"), residual)
-        layers["ln2"] = layer_norm()
-        layers["mlp_fc"] = proj(e, c.n_mlp, ("n_embd", "n_mlp"), std)
-        layers["mlp_proj"] = proj(c.n_mlp, e, ("n_mlp", "n_embd"), residual)
-        self.blocks = Stack(layers)
-        self.ln_f = Norm((e,), None, kind="layer", rngs=rngs)
+        self.blocks = Block(
+            ln1=layer_norm(),
+            **{f"attn_{x}": proj(e, c.n_attn, ("n_embd", "n_attn"), std) for x in "qkv"},
+            attn_out=proj(c.n_attn, e, ("n_attn", "n_embd"), residual),
+            ln2=layer_norm(),
+            mlp_fc=proj(e, c.n_mlp, ("n_embd", "n_mlp"), std),
+            mlp_proj=proj(c.n_mlp, e, ("n_mlp", "n_embd"), residual),
+        )
+        self.ln_f = LayerNorm.create((e,), None, EPS, rngs=rngs)
+
+    def weights(self) -> Weights:
+        return Weights(table=self.wte, layers=self.blocks, final_norm=self.ln_f, positions=self.wpe)
 
 
 def num_params(c: GPTConfig) -> int:
@@ -193,15 +199,9 @@ def matmuls(c: GPTConfig) -> Matmuls:
     return Matmuls(c.n_layer, weights, (e, c.vocab_size), c.n_attn)
 
 
-def decoder(c: GPTConfig, compute_dtype: DTypeLike, lora_scale: float) -> CachedDecoder:
-    return CachedDecoder(
-        skeleton(c, compute_dtype, lora_scale=lora_scale),
-        c.vocab_size,
-        c.n_layer,
-        c.n_attn // c.n_head,
-        c.n_attn,
-        ("block_size", "n_attn"),
-    )
+def decoder(c: GPTConfig, compute_dtype: DTypeLike, graphdef: Any) -> CachedDecoder:
+    dims = (c.vocab_size, c.n_layer, c.n_attn // c.n_head, c.n_attn)
+    return CachedDecoder(skeleton(c, compute_dtype), graphdef, *dims, ("block_size", "n_attn"))
 
 
 # --- Hugging Face: GPT2LMHeadModel -------------------------------------------------------------

@@ -20,10 +20,10 @@ from jax.typing import DTypeLike
 
 from theseus.model import gqa
 from theseus.model import windows as sliding
-from theseus.model.decoder import DecoderModel, LayerInputs
+from theseus.model.decoder import LayerInputs, PerLayer
 from theseus.model.family import HFSpec, HFTensor, whole
 from theseus.model.gqa import Settings, WindowedConfig, field
-from theseus.model.parts import Norm, Stack, norm, project
+from theseus.model.parts import RMSNorm, weights
 from theseus.model.rotary import rope_from_hf, rope_to_hf
 
 
@@ -38,27 +38,30 @@ class LlamaConfig(WindowedConfig):
     qk_norm: bool = field(False, "per-head q/k RMSNorm")
 
 
-def block(layer: dict, x: jax.Array, inputs: LayerInputs, s: Settings) -> jax.Array:
+@weights
+class Layer(gqa.Attention, gqa.MLP):
+    """A Llama-family layer's weights: attention (q/k norms with qk_norm), norms, the MLP."""
+
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
+
+
+def block(layer: Layer, x: jax.Array, inputs: LayerInputs, s: Settings) -> jax.Array:
     """One pre-RMSNorm layer on the float32 stream ``x`` (batch, seq, n_embd): attention with
     per-head q/k norms (when the layer has them) and rotary q/k, then the SwiGLU MLP."""
-    h = norm(x, layer["input_layernorm"], s.eps, s.compute_dtype)  # (batch, seq, n_embd)
-
-    def head_norm(heads, params):
-        return norm(heads, params, s.eps, heads.dtype)
-
-    out = gqa.self_attention(layer, h, inputs, inputs.features, s.head_dim, head_norm)
+    h = layer.input_layernorm(x, s.compute_dtype)  # (batch, seq, n_embd)
+    out = gqa.self_attention(layer, h, inputs, inputs.features, s.head_dim)
     x = x + out.astype(jnp.float32)
-    h = norm(x, layer["post_attention_layernorm"], s.eps, s.compute_dtype)
-    gated = jax.nn.silu(project(h, layer["gate_proj"])) * project(h, layer["up_proj"])  # n_mlp
-    return x + project(gated, layer["down_proj"]).astype(jnp.float32)  # (batch, seq, n_embd)
+    h = layer.post_attention_layernorm(x, s.compute_dtype)
+    return x + gqa.gated_mlp(layer, h, jax.nn.silu).astype(jnp.float32)  # (batch, seq, n_embd)
 
 
-def skeleton(c: LlamaConfig, compute_dtype: DTypeLike, remat: bool | str = False, lora_scale=0.0):
-    sk = gqa.rotary_skeleton(c, block, compute_dtype, remat, lora_scale)
-    return replace(sk, windows=c.windows)
+def skeleton(c: LlamaConfig, compute_dtype: DTypeLike, remat: bool | str = False):
+    sk = gqa.rotary_skeleton(c, compute_dtype, remat, layer=block)
+    return replace(sk, per_layer=PerLayer(windows=c.windows))
 
 
-class Llama(DecoderModel):
+class Llama(gqa.Model):
     """A Llama-family decoder (see the module docstring). State paths are Hugging Face's names,
     layers stacked: ``embed_tokens``, ``norm/weight``, ``lm_head`` unless tied; under
     ``layers/``: the norms, ``q_proj`` (n_layer, n_q, n_embd), ``k_proj``/``v_proj`` (n_layer,
@@ -68,17 +71,14 @@ class Llama(DecoderModel):
 
     def build(self, c: LlamaConfig, rngs: nnx.Rngs) -> None:
         self.embed_tokens = gqa.token_table(c, rngs)
-
-        def rms(dim):
-            return Norm((c.num_layers, dim), ("n_layer", None), kind="rms", rngs=rngs)
-
-        layers = {"input_layernorm": rms(c.hidden_size)}
-        layers |= gqa.attention_projections(c, rngs, bias=c.attention_bias)
-        if c.qk_norm:
-            layers |= {"q_norm": rms(c.dim_per_head), "k_norm": rms(c.dim_per_head)}
-        layers["post_attention_layernorm"] = rms(c.hidden_size)
-        self.layers = Stack(layers | gqa.mlp_projections(c, rngs))
-        gqa.add_head(self, c, Norm((c.hidden_size,), (None,), kind="rms", rngs=rngs), rngs)
+        rms = gqa.rms_norms(c, rngs)
+        self.layers = Layer(
+            input_layernorm=rms(c.hidden_size),
+            **gqa.attention_projections(c, rngs, c.attention_bias, rms if c.qk_norm else None),
+            post_attention_layernorm=rms(c.hidden_size),
+            **gqa.mlp_projections(c, rngs),
+        )
+        gqa.add_head(self, c, rngs)
 
 
 def num_params(c: LlamaConfig) -> int:

@@ -12,19 +12,19 @@ statistics then sum over ``shard``).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import pydantic
 from flax import nnx
-from jax.typing import DTypeLike
 
 from theseus.model import gqa
-from theseus.model.decoder import DecoderModel, LayerInputs
+from theseus.model.decoder import LayerInputs
 from theseus.model.family import HFSpec, HFTensor
 from theseus.model.gqa import GQAConfig, Settings, field
-from theseus.model.parts import Norm, Stack, norm, project
+from theseus.model.parts import weights
 from theseus.model.rotary import apply_rotary, rope_from_hf, rope_to_hf
 
 
@@ -36,51 +36,49 @@ class Olmo2Config(GQAConfig):
     rope_theta: float = field(500000.0, "rotary base", gt=0)
 
 
-def block(layer: dict, x: jax.Array, inputs: LayerInputs, s: Settings) -> jax.Array:
+@weights
+class Layer(gqa.Attention, gqa.MLP, gqa.OutputNorms):
+    """An OLMo 2 layer's weights: q/k norms over all heads, each sublayer's output normed."""
+
+
+def block(layer: Layer, x: jax.Array, inputs: LayerInputs, s: Settings) -> jax.Array:
     """One layer on the float32 stream ``x`` (batch, seq, n_embd): attention with q/k normed
     over all heads then rotated, its output normed and added; the SwiGLU MLP likewise."""
     batch, seq, _ = x.shape
     cos, sin = inputs.features
     h = x.astype(s.compute_dtype)  # no pre-norm
-    q = norm(project(h, layer["q_proj"]), layer["q_norm"], s.eps, s.compute_dtype)  # n_q
-    k = norm(project(h, layer["k_proj"]), layer["k_norm"], s.eps, s.compute_dtype)  # n_kv
-    v = project(h, layer["v_proj"])  # (batch, seq, n_kv)
+    q = layer.q_norm(layer.q_proj(h), s.compute_dtype)  # (batch, seq, n_q)
+    k = layer.k_norm(layer.k_proj(h), s.compute_dtype)  # (batch, seq, n_kv)
+    v = layer.v_proj(h)  # (batch, seq, n_kv)
     q, k, v = (t.reshape(batch, seq, -1, s.head_dim) for t in (q, k, v))  # (.., heads, head_dim)
     attended = inputs.attend(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
-    out = project(attended.reshape(batch, seq, -1), layer["o_proj"])  # (batch, seq, n_embd)
-    x = x + norm(out, layer["post_attention_layernorm"], s.eps, jnp.float32)
-    h = x.astype(s.compute_dtype)
-    gated = jax.nn.silu(project(h, layer["gate_proj"])) * project(h, layer["up_proj"])  # n_mlp
-    out = project(gated, layer["down_proj"])  # (batch, seq, n_embd)
-    return x + norm(out, layer["post_feedforward_layernorm"], s.eps, jnp.float32)
+    out = layer.o_proj(attended.reshape(batch, seq, -1))  # (batch, seq, n_embd)
+    x = x + layer.post_attention_layernorm(out, jnp.float32)
+    out = gqa.gated_mlp(layer, x.astype(s.compute_dtype), jax.nn.silu)  # (batch, seq, n_embd)
+    return x + layer.post_feedforward_layernorm(out, jnp.float32)
 
 
-def skeleton(c: Olmo2Config, compute_dtype: DTypeLike, remat: bool | str = False, lora_scale=0.0):
-    return gqa.rotary_skeleton(c, block, compute_dtype, remat, lora_scale)
-
-
-class Olmo2(DecoderModel):
+class Olmo2(gqa.Model):
     """An OLMo 2 decoder (see the module docstring). State paths are Hugging Face's names, layers
     stacked: ``embed_tokens``, ``norm/weight``, ``lm_head`` unless tied; under ``layers/``:
     ``q_proj`` (n_layer, n_q, n_embd), ``k_proj``/``v_proj`` (n_layer, n_kv, n_embd),
     ``o_proj``, ``q_norm`` (n_layer, n_q), ``k_norm`` (n_layer, n_kv), the MLP's projections
     and the two output norms."""
 
-    skeleton_of = staticmethod(skeleton)
+    skeleton_of = staticmethod(partial(gqa.rotary_skeleton, layer=block))
 
     def build(self, c: Olmo2Config, rngs: nnx.Rngs) -> None:
         self.embed_tokens = gqa.token_table(c, rngs)
-
-        def rms(dim, name=None):
-            return Norm((c.num_layers, dim), ("n_layer", name), kind="rms", rngs=rngs)
-
-        layers = gqa.attention_projections(c, rngs)
-        layers |= {"q_norm": rms(c.n_q, "n_q"), "k_norm": rms(c.n_kv, "n_kv")}
-        layers["post_attention_layernorm"] = rms(c.hidden_size)
-        layers |= gqa.mlp_projections(c, rngs)
-        layers["post_feedforward_layernorm"] = rms(c.hidden_size)
-        self.layers = Stack(layers)
-        gqa.add_head(self, c, Norm((c.hidden_size,), (None,), kind="rms", rngs=rngs), rngs)
+        rms = gqa.rms_norms(c, rngs)
+        self.layers = Layer(
+            **gqa.attention_projections(c, rngs),
+            q_norm=rms(c.n_q, "n_q"),
+            k_norm=rms(c.n_kv, "n_kv"),
+            post_attention_layernorm=rms(c.hidden_size),
+            **gqa.mlp_projections(c, rngs),
+            post_feedforward_layernorm=rms(c.hidden_size),
+        )
+        gqa.add_head(self, c, rngs)
 
 
 def num_params(c: Olmo2Config) -> int:
