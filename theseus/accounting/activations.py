@@ -243,10 +243,10 @@ def activation_memory(
     gathered_layer_bytes: int,
 ) -> ActivationMemory:
     """One microbatch's activation memory per device. ``gradient_bytes``: the microbatch's
-    float32 gradient (as stored: the accumulator's size); ``gathered_layer_bytes``: one
-    layer's weights in the compute layout when the step gathers them per layer (FSDP; 0
-    otherwise), of which the scan holds two (the layer running and the next)."""
-    other = outside_layers(shape, device) + gradient_bytes + 2 * gathered_layer_bytes
+    float32 gradient (as stored: the accumulator's size); ``gathered_layer_bytes``: the layer
+    the scan is running, its weights in the compute layout and the dtype they are gathered in,
+    when the step gathers them per layer (FSDP; 0 otherwise)."""
+    other = outside_layers(shape, device) + gradient_bytes + gathered_layer_bytes
     return ActivationMemory(
         kernel=kernel.name,
         remat=remat,

@@ -26,6 +26,7 @@ from theseus.plan.results import ClosedForm, Plan, PolicyOption, RematOption, Ve
 from theseus.sharding.axis import MESH_AXES, REMAT_POLICIES, Axis, ShardingPolicy, partition_spec
 from theseus.sharding.layout import LayoutError, shard_shape
 from theseus.sharding.topology import Topology, mesh_grid_shape, resolve_devices_per_host
+from theseus.training.gathering import gather_dtype
 from theseus.training.summary import plan_rows, replicated_share
 from theseus.training.trainer import BaseTrainer, TrainerConfig
 
@@ -224,9 +225,11 @@ def activations(
     if shape is None or batch_plan is None or totals is None:
         return None
     device = Device.of(batch_plan, policy.tp, np.dtype(trainer.compute_dtype).itemsize)
-    gathered = 0  # FSDP gathers each layer's weights, float32 once there
+    gathered = 0  # FSDP gathers each layer's weights, in the compute dtype when castable
     if policy.fsdp and batch_plan.replicas > 1:
-        gathered = shape.layer_weights * FLOAT32 // policy.tp
+        cast = gather_dtype(trainer)
+        itemsize = FLOAT32 if cast is None else np.dtype(cast).itemsize
+        gathered = shape.layer_weights * itemsize // policy.tp
     return activation_memory(
         shape,
         trainer.attention_kernel(),
