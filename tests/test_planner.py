@@ -657,3 +657,52 @@ def test_llama_3_1_8b_at_32k_tokens_on_8_devices_does_not_fit_with_dense_attenti
     # At 2,048 tokens the same model fits.
     short = invoke("plan", *flags, "training.seq_len=2048", *batch, "--device-memory", "80GiB")
     assert short.exit_code == 0 and "verdict: ok" in short.output, short.output
+
+
+# --- train --budget ---------------------------------------------------------------------------
+
+# A tiny GPT on the 8 devices: 16 examples, 2 per device. Its estimates (bytes per device):
+# DP without recompute 3,364,360 at 2 examples and 2,072,072 at 1; with dots 2,276,872 and
+# 1,495,560; FSDP with full recompute and 1 example 796,520.
+BUDGET_RUN = (
+    "model.n_layer=2",
+    "model.n_embd=32",
+    "model.n_head=4",
+    "model.block_size=64",
+    "training.batch_size=16",
+    "training.per_device_batch_size=2",
+    "logging.progress_bar=false",
+)
+
+
+def test_train_budget_chooses_policy_recompute_and_batch_says_so_and_trains(tmp_path):
+    out = tmp_path / "run"
+    result = invoke("train", "--budget", "1600000", "--steps", "1", "--out", out, *BUDGET_RUN)
+    assert result.exit_code == 0, result.output
+    first = result.output.splitlines()[0]
+    assert first.startswith("budget 1.53 MiB per device on 8 devices: chose DP, recompute dots, ")
+    assert "1 examples per device (batch: 1 per replica × 8 replicas × 2 accumulation" in first
+    assert first.endswith("= 1.43 MiB fits")
+    record = json.loads((out / "run.json").read_text())
+    assert record["policy"] == {
+        "tp": 1,
+        "zero": False,
+        "fsdp": False,
+        "activation_checkpointing": "dots",
+    }
+    assert record["per_device_batch_size"] == 1 and record["accumulation_steps"] == 2
+    assert record["global_batch_size"] == 16  # the global batch stays
+
+    for flags in (["--fsdp"], ["--activation-checkpointing", "full"]):
+        refused = invoke("train", "--budget", "1GiB", *flags, "--out", tmp_path / "no", *BUDGET_RUN)
+        assert refused.exit_code == 2 and "--budget chooses the policy, recompute" in refused.output
+
+
+def test_train_budget_that_nothing_fits_is_one_paragraph_and_writes_nothing(tmp_path):
+    out = tmp_path / "run"
+    result = invoke("train", "--budget", "100000", "--out", out, *BUDGET_RUN)
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("error: nothing fits 8 devices in 97.7 KiB per device")
+    assert result.output.count("\n") == 1 and "Traceback" not in result.output
+    assert "FSDP: even with recompute full and 1 examples per device" in result.output
+    assert not out.exists()
