@@ -706,3 +706,27 @@ def test_train_budget_that_nothing_fits_is_one_paragraph_and_writes_nothing(tmp_
     assert result.output.count("\n") == 1 and "Traceback" not in result.output
     assert "FSDP: even with recompute full and 1 examples per device" in result.output
     assert not out.exists()
+
+
+def test_blockwise_attention_estimate_grows_linearly_with_the_context():
+    """The blockwise kernel's terms (from its algorithm, until it is measured): from 8,192 to
+    32,768 tokens a Llama 3.1 8B layer's activations grow 4×, the dense kernel's about 16×."""
+    from theseus.accounting.activations import (
+        AttentionKernel,
+        DecoderShape,
+        Device,
+        activation_memory,
+    )
+
+    shape = DecoderShape(32, 4096, 32, 8, 128, 14336, 128256, gated_mlp=True)
+
+    def total(kernel: str, seq_len: int, remat: str = "none") -> int:
+        device = Device(examples=1, seq_len=seq_len, tp=1, dtype_bytes=2)
+        return activation_memory(
+            shape, AttentionKernel(kernel), remat, device, gradient_bytes=0, gathered_layer_bytes=0
+        ).total
+
+    assert total("blockwise", 32768) / total("blockwise", 8192) == pytest.approx(4, rel=0.01)
+    assert total("xla", 32768) / total("xla", 8192) > 14
+    # With full recompute the logits (3 × 128,256 × 32,768 × 4 bytes = 50 GB) are most of it.
+    assert total("blockwise", 32768, "full") < total("xla", 32768, "full") / 8
