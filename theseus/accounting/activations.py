@@ -142,14 +142,14 @@ def attention_saved(shape: DecoderShape, kernel: AttentionKernel, device: Device
 def attention_transient(
     shape: DecoderShape, kernel: AttentionKernel, remat: str, device: Device
 ) -> float:
-    """Attention's temporaries at the peak of one layer's backward. ``xla``: the gradients of
-    the probabilities and of the scores, float32, and the mask again (measured: 9 bytes per
-    score in float32 compute, :data:`XLA_BACKWARD_BYTES`). ``blockwise``: per query block,
+    """Attention's temporaries at the peak of one layer's backward. ``xla``: the float32
+    gradients of the probabilities and of the scores and the mask again (measured on the
+    compiled step, float32 and bfloat16 alike: :data:`XLA_BACKWARD_BYTES`). ``blockwise``: per
+    query block,
     float32 scores, probabilities and their gradients (``block_q × block_k`` per head), and the
     float32 gradient accumulators of q, k and v."""
     if kernel.name == "xla":
-        per_score = XLA_BACKWARD_BYTES[remat != "none", device.dtype_bytes]
-        return score_elements(shape, device) * per_score
+        return score_elements(shape, device) * XLA_BACKWARD_BYTES[remat]
     heads = shape.num_heads / device.tp
     blocks = device.examples * heads * min(kernel.block_q, device.seq_len)
     blocks *= min(kernel.block_k, device.seq_len) * 3 * FLOAT32
@@ -165,9 +165,10 @@ def attention_invariant(shape: DecoderShape, kernel: AttentionKernel, device: De
     return shape.num_heads / device.tp * device.seq_len**2 * FLOAT32
 
 
-#: Bytes per dense score of the xla kernel's backward temporaries, by (recomputing, compute
-#: dtype bytes) (measured on the compiled step: docs/performance.md).
-XLA_BACKWARD_BYTES = {(False, 4): 9.0, (True, 4): 8.0, (False, 2): 9.0, (True, 2): 8.0}
+#: Bytes per dense score of the xla kernel's backward temporaries, by recompute policy: 9
+#: without recomputation (beside the hoisted invariant), 8 after recomputing the layer's
+#: residuals (measured on the compiled step: docs/performance.md).
+XLA_BACKWARD_BYTES = {"none": 9.0, "dots": 8.0, "full": 8.0}
 
 
 # --- one layer ----------------------------------------------------------------------------------
@@ -178,7 +179,7 @@ def layer_tokens_bytes(shape: DecoderShape, device: Device) -> float:
     core aside: the float32 stream and both norms' float32 intermediates (6 × width, 4
     statistics), in the compute dtype both norms' outputs, q, k, v and the attention output
     (2 × width + 2 × query width + 2 × kv width) and six MLP-wide intermediates (the up
-    projections and the activation's), and two float32 softmax statistics per head."""
+    projections and the activation's); heads and the MLP divided by tp."""
     c, tp = device.dtype_bytes, device.tp
     stream = (6 * shape.width + 4) * FLOAT32
     heads = (2 * shape.query_width + 2 * shape.kv_width) / tp
