@@ -11,7 +11,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from support import GPT_7_5B, GPTTrainer, GPTTrainerConfig, invoke, subprocess_env
+from support import FAMILIES, GPT_7_5B, GPTTrainer, GPTTrainerConfig, invoke, subprocess_env
 
 import theseus.jobs
 import theseus.plan as planner
@@ -228,19 +228,33 @@ def test_replicated_share_names_the_largest_tensors_above_two_percent():
 
 
 def test_budget_picks_the_least_communication_that_fits():
+    """Model state and one microbatch's activations (full recomputation) must fit; the
+    microbatch's float32 gradient is whole under DP and ZeRO (4Ψ = 27.8 GiB)."""
     config = gpt(*BIG)
-    chosen = planner.plan_for_budget(GPTTrainer, config, 64, planner.parse_bytes("80GiB"))
-    assert chosen.name == "ZeRO" and chosen.verdict.ok
+    budget = planner.parse_bytes("100GiB")
+    chosen = planner.plan_for_budget(
+        GPTTrainer, config, 64, budget, activation_checkpointing="full"
+    )
+    assert chosen.name == "ZeRO" and chosen.verdict.ok and chosen.device_memory == budget
     reasons = dict(chosen.budget.reasons)
-    assert reasons["DP"].startswith("model state needs 111 GiB > budget")
-    assert reasons["FSDP"].startswith("fits (1.75 GiB) but communicates more than ZeRO")
+    assert reasons["DP"].startswith("model state needs 111 GiB + activations 32.8 GiB > budget")
+    assert reasons["FSDP"].startswith("fits (7.94 GiB) but communicates more than ZeRO")
     assert next(iter(reasons)) == "DP" and len(reasons) == 12
+    zero = chosen.option("ZeRO")
+    assert zero.total == zero.totals.total + zero.activations.total == chosen.total
+    assert chosen.budget.measure == "model state and activations"
 
     with pytest.raises(ValueError, match="no valid policy fits 64 devices in 1 GiB") as failure:
-        planner.plan_for_budget(GPTTrainer, config, 64, 2**30)
-    assert "FSDP: model state needs 1.75 GiB > budget" in str(failure.value)
+        planner.plan_for_budget(GPTTrainer, config, 64, 2**30, activation_checkpointing="full")
+    assert "FSDP: model state needs 1.75 GiB + activations 6.19 GiB > budget" in str(failure.value)
 
-    odd = planner.plan_for_budget(GPTTrainer, gpt(*BIG, "model.vocab_size=50304"), 256, 2**30)
+    odd = planner.plan_for_budget(
+        GPTTrainer,
+        gpt(*BIG, "model.vocab_size=50304"),
+        256,
+        20 * 2**30,
+        activation_checkpointing="full",
+    )
     assert odd.name == "FSDP tp=2"  # 50304 = 128 × 393 divides over batch=128, not 256
     assert dict(odd.budget.reasons)["FSDP"].startswith("invalid: Layout check failed")
 
@@ -458,10 +472,11 @@ def test_cli_reads_a_config_yaml_a_chain_yaml_and_registered_jobs(tmp_path, monk
 
 
 def test_cli_budget_and_failures():
-    ok = invoke("plan", "--devices", "64", "--budget", "10GiB", *BIG)
+    full = ["--activation-checkpointing", "full"]
+    ok = invoke("plan", "--devices", "64", "--budget", "10GiB", *full, *BIG)
     assert ok.exit_code == 0 and "chose FSDP, the least communication that fits" in ok.output
-    assert "ZeRO: model state needs 56.5 GiB > budget" in ok.output
-    none = invoke("plan", "--devices", "64", "--budget", "1GiB", *BIG)
+    assert "ZeRO: model state needs 56.5 GiB + activations 32.8 GiB > budget" in ok.output
+    none = invoke("plan", "--devices", "64", "--budget", "1GiB", *full, *BIG)
     assert none.exit_code == 1 and "no valid policy fits" in none.output
     failing = invoke("plan", "--devices", "8", "--fsdp", *SMALL, "model.vocab_size=257")
     assert failing.exit_code == 1 and "Layout check failed" in failing.output
@@ -517,3 +532,201 @@ def test_cli_compile_in_a_fresh_process_simulates_the_devices():
     assert list(collectives) == list(OPS)
     assert collectives["all-gather"]["count"] > 0 and collectives["all-gather"]["bytes"] > 0
     assert "one layer at a time inside the layer scan" in data["verdict"]["gathering"]
+
+
+# --- activation memory ------------------------------------------------------------------------
+
+# Small decoders whose compiled temporaries are their activations: 2 layers, distinct widths
+# (48 wide, 4 heads; Llama 2 kv heads, MLP 136), one example per device.
+ACTIVATION_MODELS = {
+    "gpt": ("model.vocab_size=264", "model.n_layer=2", "model.n_head=4", "model.n_embd=48"),
+    "llama": (
+        "model.vocab_size=264",
+        "model.num_layers=2",
+        "model.hidden_size=48",
+        "model.num_heads=4",
+        "model.num_kv_heads=2",
+        "model.intermediate_size=136",
+    ),
+}
+CONTEXT_KEY = {"gpt": "model.block_size", "llama": "model.max_position_embeddings"}
+
+
+def activation_config(family: str, seq_len: int, replicas: int):
+    trainer_class = FAMILIES[family].trainer_class
+    overrides = [
+        *ACTIVATION_MODELS[family],
+        f"{CONTEXT_KEY[family]}={seq_len}",
+        f"training.seq_len={seq_len}",
+        f"training.batch_size={replicas}",
+        "training.per_device_batch_size=1",
+        "training.dtype=bfloat16",
+    ]
+    return trainer_class, apply_overrides(trainer_class.config_class(), overrides)
+
+
+ONE_DEVICE, TP2_FSDP = ShardingPolicy(zero=False), ShardingPolicy(tp=2, fsdp=True)
+
+
+@pytest.mark.parametrize(
+    ("family", "seq_len", "policy"),
+    [
+        ("gpt", 512, ONE_DEVICE),
+        ("gpt", 1536, TP2_FSDP),
+        ("llama", 1536, ONE_DEVICE),
+        ("llama", 512, TP2_FSDP),
+    ],
+    ids=["gpt-512-one device", "gpt-1536-tp2+fsdp", "llama-1536-one device", "llama-512-tp2+fsdp"],
+)
+def test_activation_bytes_are_the_compiled_steps_temporaries(family, seq_len, policy):
+    """The plan's activation estimate (dense attention) against the compiled step's temp
+    bytes: within 15%; each family at two lengths, one device and tp=2 + FSDP on 4 devices
+    (docs/performance.md has the figures at 2,048 and 8,192 tokens)."""
+    num_devices = 1 if policy == ONE_DEVICE else 4
+    trainer_class, config = activation_config(family, seq_len, num_devices // policy.tp)
+    plan = planner.plan(
+        trainer_class,
+        config,
+        policy,
+        num_devices,
+        compile=True,
+        alternatives=False,
+        compare_remat=False,
+    )
+    assert plan.activations.kernel == "xla" and plan.activations.examples == 1
+    assert plan.activation_bytes == pytest.approx(plan.compiled.temporaries, rel=0.15)
+    assert plan.to_json()["activation_bytes"] == plan.activation_bytes
+
+
+def test_recompute_and_tensor_parallelism_divide_the_estimate():
+    trainer_class, config = activation_config("llama", 1536, 1)
+    acts = {
+        remat: planner.plan(
+            trainer_class, config, ShardingPolicy(activation_checkpointing=remat), 1
+        ).activations
+        for remat in ("none", "dots", "full")
+    }
+    assert acts["full"].saved < acts["dots"].saved < acts["none"].saved
+    assert acts["full"].total < acts["none"].total  # the dense scores of one layer remain
+    tp2 = planner.plan(trainer_class, config, ShardingPolicy(tp=2), 2).activations
+    assert tp2.layer_peak < acts["none"].layer_peak / 1.9  # heads split, the stream is not
+    assert tp2.logits == acts["none"].logits  # the vocabulary is whole on every TP device
+
+
+# Llama 3.1 8B's config.json (the planner reads no weights).
+LLAMA_3_1_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 131072,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "rms_norm_eps": 1e-05,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+}
+
+
+def test_llama_3_1_8b_at_32k_tokens_on_8_devices_does_not_fit_with_dense_attention(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_1_8B))
+    flags = ["--hf", tmp_path, "--devices", "8", "--fsdp", "--activation-checkpointing", "full"]
+    batch = ["training.batch_size=8", "training.per_device_batch_size=1"]
+    run = [*flags, "training.seq_len=32768", "training.dtype=bfloat16", *batch]
+    result = invoke("plan", *run, "--device-memory", "80GiB", "--json")
+    assert result.exit_code == 1, result.output
+    data = json.loads(result.output)
+    acts = data["activations"]
+    # One layer's dense float32 scores alone: 32 heads × 32,768² × 4 bytes = 137 GB.
+    assert acts["activation_bytes"] > 32 * 32768**2 * 4 > 80 * 2**30
+    assert data["total_bytes"] == data["totals"]["total_bytes"] + acts["activation_bytes"]
+    assert data["verdict"]["error"].startswith("out of memory: FSDP needs")
+    text = invoke("plan", *run, "--device-memory", "80GiB").output
+    assert "activations of FSDP, one microbatch per device (xla attention, recompute full)" in text
+    assert "verdict: FAILED" in text and "out of memory" in text
+    # At 2,048 tokens the same model fits.
+    short = invoke("plan", *flags, "training.seq_len=2048", *batch, "--device-memory", "80GiB")
+    assert short.exit_code == 0 and "verdict: ok" in short.output, short.output
+
+
+# --- train --budget ---------------------------------------------------------------------------
+
+# A tiny GPT on the 8 devices: 16 examples, 2 per device. Its estimates (bytes per device):
+# DP without recompute 3,364,360 at 2 examples and 2,072,072 at 1; with dots 2,276,872 and
+# 1,495,560; FSDP with full recompute and 1 example 796,520.
+BUDGET_RUN = (
+    "model.n_layer=2",
+    "model.n_embd=32",
+    "model.n_head=4",
+    "model.block_size=64",
+    "training.batch_size=16",
+    "training.per_device_batch_size=2",
+    "logging.progress_bar=false",
+)
+
+
+def test_train_budget_chooses_policy_recompute_and_batch_says_so_and_trains(tmp_path):
+    out = tmp_path / "run"
+    result = invoke("train", "--budget", "1600000", "--steps", "1", "--out", out, *BUDGET_RUN)
+    assert result.exit_code == 0, result.output
+    first = result.output.splitlines()[0]
+    assert first.startswith("budget 1.53 MiB per device on 8 devices: chose DP, recompute dots, ")
+    assert "1 examples per device (batch: 1 per replica × 8 replicas × 2 accumulation" in first
+    assert first.endswith("= 1.43 MiB fits")
+    record = json.loads((out / "run.json").read_text())
+    assert record["policy"] == {
+        "tp": 1,
+        "zero": False,
+        "fsdp": False,
+        "activation_checkpointing": "dots",
+    }
+    assert record["per_device_batch_size"] == 1 and record["accumulation_steps"] == 2
+    assert record["global_batch_size"] == 16  # the global batch stays
+
+    for flags in (["--fsdp"], ["--activation-checkpointing", "full"]):
+        refused = invoke("train", "--budget", "1GiB", *flags, "--out", tmp_path / "no", *BUDGET_RUN)
+        assert refused.exit_code == 2 and "--budget chooses the policy, recompute" in refused.output
+
+
+def test_train_budget_that_nothing_fits_is_one_paragraph_and_writes_nothing(tmp_path):
+    out = tmp_path / "run"
+    result = invoke("train", "--budget", "100000", "--out", out, *BUDGET_RUN)
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("error: nothing fits 8 devices in 97.7 KiB per device")
+    assert result.output.count("\n") == 1 and "Traceback" not in result.output
+    assert "FSDP: even with recompute full and 1 examples per device" in result.output
+    assert not out.exists()
+
+
+def test_blockwise_attention_estimate_grows_linearly_with_the_context():
+    """The blockwise kernel's terms (from its algorithm, until it is measured): from 8,192 to
+    32,768 tokens a Llama 3.1 8B layer's activations grow 4×, the dense kernel's about 16×."""
+    from theseus.accounting.activations import (
+        AttentionKernel,
+        DecoderShape,
+        Device,
+        activation_memory,
+    )
+
+    shape = DecoderShape(32, 4096, 32, 8, 128, 14336, 128256, gated_mlp=True)
+
+    def total(kernel: str, seq_len: int, remat: str = "none") -> int:
+        device = Device(examples=1, seq_len=seq_len, tp=1, dtype_bytes=2)
+        return activation_memory(
+            shape, AttentionKernel(kernel), remat, device, gradient_bytes=0, gathered_layer_bytes=0
+        ).total
+
+    assert total("blockwise", 32768) / total("blockwise", 8192) == pytest.approx(4, rel=0.01)
+    assert total("xla", 32768) / total("xla", 8192) > 14
+    # With full recompute the logits (3 × 128,256 × 32,768 × 4 bytes = 50 GB) are most of it.
+    assert total("blockwise", 32768, "full") < total("xla", 32768, "full") / 8

@@ -18,7 +18,7 @@ MAX_ROOT_MODULES = 6
 LAYERS = [
     ["config", "accounting", "distributed", "checkpoint.meta"],
     ["sharding", "accounting.memory"],
-    ["accounting.preflight", "checkpoint"],
+    ["accounting.preflight", "accounting.activations", "checkpoint"],
     ["data"],
     ["tokenization"],
     ["model"],

@@ -53,6 +53,14 @@ def plan_command(
             "communication that fits (instead of --tp/--zero/--fsdp)"
         ),
     ] = None,
+    device_memory: Annotated[
+        str | None,
+        typer.Option(
+            help="memory of one device, e.g. 80GiB: the verdict fails when the model state plus "
+            "one microbatch's activations does not fit [default: this machine's accelerator's, "
+            "when it reports one]"
+        ),
+    ] = None,
     json_output: Annotated[
         bool, typer.Option("--json", help="print the plan as JSON, for tools")
     ] = False,
@@ -101,6 +109,13 @@ def plan_command(
                 devices,
                 devices_per_host=devices_per_host,
                 compile=compile_step,
+                device_memory=local_memory()
+                if device_memory is None
+                else parse_bytes(device_memory),
+            )
+        elif device_memory is not None:
+            raise ValueError(
+                "--budget is the per-device memory the plan must fit; drop --device-memory."
             )
         elif {"tp", "zero", "fsdp"} & set(sharding):
             raise ValueError(
@@ -120,6 +135,14 @@ def plan_command(
     typer.echo(json.dumps(result.to_json(), indent=2) if json_output else render(result))
     if not result.verdict.ok:
         raise typer.Exit(code=1)
+
+
+def local_memory() -> int | None:
+    """The memory of this machine's first accelerator when JAX reports it (None on CPU)."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("bytes_limit")
 
 
 @dataclass(frozen=True)

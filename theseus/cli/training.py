@@ -61,6 +61,15 @@ def train(
     steps: Steps = None,
     seed: Seed = None,
     peak_tflops: PeakTflops = None,
+    budget: Annotated[
+        str | None,
+        typer.Option(
+            help="per-device memory, e.g. 80GiB: choose the policy (least communication), "
+            "recompute (least) and per-device batch (largest) whose model state and activations "
+            "fit, say which, and train with them (instead of --tp/--zero/--fsdp/"
+            "--activation-checkpointing)"
+        ),
+    ] = None,
     out: RunDir = None,
     imports: Imports = None,
     flags: JobFlags | None = None,
@@ -94,8 +103,40 @@ def train(
             session.config = with_model(session.config, spec)
         session.override(*extra)
         session.shard(**flags.sharding)
+        if budget is not None:
+            fit_budget(session, budget, flags.sharding)
         summary = session()
     echo_on_main(summary.describe())
+
+
+def fit_budget(session: Any, budget: str, sharding: dict[str, Any]) -> None:
+    """Set ``session``'s policy, recompute and per-device batch to the plan that fits
+    ``budget`` per device on this process's devices, and say what was chosen."""
+    chosen = {"tp", "zero", "fsdp", "activation_checkpointing"} & set(sharding)
+    if chosen:
+        raise ValueError(
+            f"--budget chooses the policy, recompute and per-device batch itself; drop "
+            f"{', '.join(sorted('--' + c.replace('_', '-') for c in chosen))} (or drop --budget)."
+        )
+    import jax
+
+    from theseus.plan import format_bytes, parse_bytes, plan_training_for_budget
+
+    limit = parse_bytes(budget)
+    devices = jax.device_count()
+    trainer_class = session.job.trainer_class
+    result = plan_training_for_budget(
+        trainer_class, session.config, devices, limit, devices_per_host=jax.local_device_count()
+    )
+    acts = result.activations
+    session.override(f"training.per_device_batch_size={acts.examples}")
+    session.shard(**result.policy.model_dump())
+    echo_on_main(
+        f"budget {format_bytes(limit)} per device on {devices} devices: chose {result.name}, "
+        f"recompute {acts.remat}, {acts.examples} examples per device ({result.batch}); model "
+        f"state {format_bytes(result.totals.total)} + activations {format_bytes(acts.total)} = "
+        f"{format_bytes(result.total)} fits"
+    )
 
 
 @job_options

@@ -11,6 +11,7 @@ from typing import Any
 
 from flax import nnx
 
+from theseus.accounting.activations import DecoderShape
 from theseus.config import Section
 from theseus.model.decode import Decoder
 from theseus.sharding.axis import ShardingPlan
@@ -93,7 +94,8 @@ class Family:
     """A model family (see the module docstring). ``model_class(config, rngs=, compute_dtype=,
     remat=, lora=)`` builds the model, whose ``__call__(tokens, keys, deterministic=)`` gives
     logits; ``decoder(config, compute_dtype, graphdef)`` its cached decoding of the parameters
-    of the model ``graphdef`` (adapters and their scale included)."""
+    of the model ``graphdef`` (adapters and their scale included); ``shape(config)`` the
+    dimensions its activation memory depends on (:mod:`theseus.accounting.activations`)."""
 
     name: str
     trainer_name: str
@@ -103,6 +105,7 @@ class Family:
     context: Callable[[Any], Context]
     matmuls: Callable[[Any], Matmuls]
     num_params: Callable[[Any], int]  # the exact parameter count of a config's model
+    shape: Callable[[Any], DecoderShape]  # the dimensions its activations depend on
     decoder: Callable[[Any, Any, Any], Decoder]
     hf: HFSpec
     descriptions: dict[str, str] = field(default_factory=dict)  # job suffix -> description

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import pydantic
 from flax import nnx
 
+from theseus.accounting.activations import DecoderShape
 from theseus.config import Section
 from theseus.model import windows as sliding
 from theseus.model.decoder import CachedDecoder, DecoderModel, LayerInputs, Skeleton, Weights
@@ -325,6 +326,20 @@ def matmuls(c: GQAConfig) -> Matmuls:
     return Matmuls(c.num_layers, weights, (e, c.vocab_size), c.n_q)
 
 
+def decoder_shape(c: GQAConfig) -> DecoderShape:
+    """The dimensions of a rotary grouped-query decoder's activations (a gated MLP)."""
+    return DecoderShape(
+        num_layers=c.num_layers,
+        width=c.hidden_size,
+        num_heads=c.num_heads,
+        num_kv_heads=c.num_kv_heads,
+        head_dim=c.dim_per_head,
+        mlp_width=c.intermediate_size,
+        vocab_size=c.vocab_size,
+        gated_mlp=True,
+    )
+
+
 def family(
     name: str,
     config_class: type[GQAConfig],
@@ -344,6 +359,7 @@ def family(
         context=lambda c: c.context,
         matmuls=matmuls,
         num_params=num_params,
+        shape=decoder_shape,
         decoder=partial(cached_decoder, model_class.skeleton_of),
         hf=hf,
         descriptions=descriptions,

@@ -2,7 +2,8 @@
 
 - :mod:`theseus.plan.build`: :func:`plan`, one policy with every other side by side, its
   pre-flight verdict (the trainer's own check) and optionally the compiled step's memory;
-- :mod:`theseus.plan.budget`: :func:`plan_for_budget`, the least communication that fits;
+- :mod:`theseus.plan.budget`: :func:`plan_for_budget`, the least communication that fits, and
+  :func:`plan_training_for_budget`, also the recompute and per-device batch (``train --budget``);
 - :mod:`theseus.plan.policies`: the policies a mesh allows and their communication order;
 - :mod:`theseus.plan.results`: the result dataclasses (JSON through ``Plan.to_json()``);
 - :mod:`theseus.plan.render`: :func:`render`, the text ``theseus plan`` prints.
@@ -12,7 +13,7 @@ Per-parameter rows, the replicated share and the one-line plan of a run come fro
 """
 
 from theseus.accounting.memory import format_bytes, parse_bytes
-from theseus.plan.budget import plan_for_budget
+from theseus.plan.budget import plan_for_budget, plan_training_for_budget
 from theseus.plan.build import plan
 from theseus.plan.policies import candidate_policies, communication
 from theseus.plan.render import render
@@ -42,5 +43,6 @@ __all__ = [
     "parse_bytes",
     "plan",
     "plan_for_budget",
+    "plan_training_for_budget",
     "render",
 ]

@@ -6,9 +6,11 @@ import dataclasses
 from typing import TypedDict, Unpack
 
 from theseus.accounting.memory import format_bytes
+from theseus.config import apply_overrides
 from theseus.plan.build import plan
 from theseus.plan.policies import candidate_policies
-from theseus.plan.results import BudgetChoice, NoPolicyFits, Plan, Reason
+from theseus.plan.results import BudgetChoice, NoPolicyFits, Plan, PolicyOption, Reason
+from theseus.sharding.axis import ShardingPolicy
 from theseus.training.trainer import BaseTrainer, TrainerConfig
 
 
@@ -29,7 +31,8 @@ def plan_for_budget(
     ``budget`` bytes, saying why each other policy was not chosen (``options``: see
     :class:`BudgetOptions`).
 
-    Memory is the model state (parameters, gradient accumulator, optimizer state); with
+    Memory is the model state (parameters, gradient accumulator, optimizer state) plus one
+    microbatch's activations (:mod:`theseus.accounting.activations`); with
     ``compile=True`` a policy must also fit by its compiled peak (activations included), and of
     the compiled candidates that fit, the one whose step moves the fewest collective bytes wins
     (ties: the communication order). Raises :class:`NoPolicyFits` listing every
@@ -47,7 +50,7 @@ def plan_for_budget(
     survey = plan(
         trainer_class, config, policies[0], num_devices, devices_per_host=devices_per_host
     )
-    measure = "compiled peak" if compile else "model state"
+    measure = "compiled peak" if compile else "model state and activations"
     reasons: dict[str, str] = {}
     fitting: list[Plan] = []  # compiled plans that fit, ranked by their collectives
     for option in survey.options:
@@ -55,9 +58,9 @@ def plan_for_budget(
         if not option.verdict.ok:
             reasons[name] = f"invalid: {option.verdict.summary}"
             continue
-        total = option.totals.total
+        total = option.total
         if total > budget:
-            reasons[name] = f"model state needs {format_bytes(total)} > budget"
+            reasons[name] = f"{_needs(option)} > budget"
             continue
         if fitting and not compile:  # uncompiled, the communication order decides
             reasons[name] = (
@@ -74,6 +77,7 @@ def plan_for_budget(
                 devices_per_host=devices_per_host,
                 compile=compile,
                 compare_remat=False,  # each candidate under its own recompute policy
+                device_memory=budget,
             )
         if not candidate.verdict.ok:
             reasons[name] = f"invalid: {candidate.verdict.summary}"
@@ -96,10 +100,20 @@ def plan_for_budget(
         raise NoPolicyFits(
             f"no valid policy fits {num_devices} devices in {format_bytes(budget)} per device "
             f"({measure}): {lines}. Add devices, raise the budget, or shrink the model "
-            "(activation checkpointing lowers activations only)."
+            "(recomputation and a smaller per-device batch lower the activations: "
+            "`theseus train --budget` chooses those too)."
         )
     choice = BudgetChoice(budget, measure, chosen.name, ordered)
-    return dataclasses.replace(chosen, budget=choice)
+    return dataclasses.replace(chosen, budget=choice, device_memory=budget)
+
+
+def _needs(option: PolicyOption) -> str:
+    """What ``option`` needs per device, in words: the model state, and the activations when
+    they are known."""
+    state = f"model state needs {format_bytes(option.totals.total)}"
+    if option.activations is None:
+        return state
+    return f"{state} + activations {format_bytes(option.activations.total)}"
 
 
 def _communicated(plan_: Plan) -> int:
@@ -108,4 +122,92 @@ def _communicated(plan_: Plan) -> int:
 
 
 def _measure(plan_: Plan) -> int:
-    return plan_.compiled.peak if plan_.compiled is not None else plan_.totals.total
+    return plan_.compiled.peak if plan_.compiled is not None else plan_.total
+
+
+#: Recompute policies from the least recomputation to the most: a step that fits without
+#: recomputing is chosen before one that recomputes.
+RECOMPUTE_ORDER = ("none", "dots", "full")
+
+
+def plan_training_for_budget(
+    trainer_class: type[BaseTrainer],
+    config: TrainerConfig,
+    num_devices: int,
+    budget: int,
+    *,
+    devices_per_host: int | None = None,
+) -> Plan:
+    """The plan ``theseus train --budget`` runs: of every valid policy (least communication
+    first), recompute policy (least recomputation first) and per-device batch (largest first,
+    at most ``training.per_device_batch_size``; the global batch stays, accumulation grows), the
+    first whose model state and one microbatch's activations fit in ``budget`` bytes per
+    device. Its config is the chosen per-device batch and its policy the chosen one; its
+    ``budget`` says why each other policy was not chosen. Raises :class:`NoPolicyFits` when
+    nothing fits."""
+    if budget <= 0:
+        raise ValueError(f"the memory budget must be positive; got {budget} bytes.")
+    largest = config.training.per_device_batch_size
+    surveys = {  # (recompute, examples per device) -> every policy's plan side by side
+        (remat, size): plan(
+            trainer_class,
+            _with_batch(config, size),
+            ShardingPolicy(activation_checkpointing=remat),
+            num_devices,
+            devices_per_host=devices_per_host,
+        )
+        for remat in RECOMPUTE_ORDER
+        for size in range(largest, 0, -1)
+    }
+    first = surveys["none", largest]
+    reasons: dict[str, str] = {}
+    for rank, option in enumerate(first.options):
+        tried = [(key, s.options[rank]) for key, s in surveys.items()]
+        valid = [(key, o) for key, o in tried if o.verdict.ok]
+        fits = [(key, o) for key, o in valid if o.total <= budget]
+        if fits:
+            (remat, size), chosen = fits[0]
+            reasons[chosen.name] = (
+                f"chosen: recompute {remat}, {size} examples per device, "
+                f"{_needs(chosen)} = {format_bytes(chosen.total)} fits"
+            )
+            result = plan(
+                trainer_class,
+                _with_batch(config, size),
+                chosen.policy,
+                num_devices,
+                devices_per_host=devices_per_host,
+                device_memory=budget,
+            )
+            later = {
+                o.name: f"not tried: communicates more than {chosen.name}"
+                for o in first.options[rank + 1 :]
+            }
+            ordered = tuple(Reason(name, why) for name, why in (reasons | later).items())
+            choice = BudgetChoice(budget, "model state and activations", chosen.name, ordered)
+            return dataclasses.replace(result, budget=choice)
+        if not valid:
+            reasons[option.name] = f"invalid: {option.verdict.summary}"
+            continue
+        least = min(valid, key=lambda item: item[1].total)[1]
+        reasons[option.name] = (
+            f"even with recompute {least.policy.activation_checkpointing} and "
+            f"{_examples(least)} per device, {_needs(least)} > budget"
+        )
+    lines = "; ".join(f"{name}: {why}" for name, why in reasons.items())
+    raise NoPolicyFits(
+        f"nothing fits {num_devices} devices in {format_bytes(budget)} per device (model state "
+        f"and one microbatch's activations, under every policy, recompute policy and "
+        f"per-device batch from {largest} down to 1): {lines}. Add devices, raise the budget, "
+        "shorten training.seq_len or shrink the model."
+    )
+
+
+def _with_batch(config: TrainerConfig, size: int) -> TrainerConfig:
+    return apply_overrides(config, [f"training.per_device_batch_size={size}"])
+
+
+def _examples(option: PolicyOption) -> str:
+    if option.activations is None:
+        return "the configured examples"
+    return f"{option.activations.examples} examples"

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 import optax
 
+from theseus.accounting.activations import FLOAT32, ActivationMemory, Device, activation_memory
 from theseus.accounting.memory import CompiledStep, MemoryTotals, format_bytes, tree_bytes
 from theseus.accounting.preflight import BatchPlan, preflight
 from theseus.config import apply_overrides
@@ -25,6 +26,7 @@ from theseus.plan.results import ClosedForm, Plan, PolicyOption, RematOption, Ve
 from theseus.sharding.axis import MESH_AXES, REMAT_POLICIES, Axis, ShardingPolicy, partition_spec
 from theseus.sharding.layout import LayoutError, shard_shape
 from theseus.sharding.topology import Topology, mesh_grid_shape, resolve_devices_per_host
+from theseus.training.gathering import gather_dtype
 from theseus.training.summary import plan_rows, replicated_share
 from theseus.training.trainer import BaseTrainer, TrainerConfig
 
@@ -39,9 +41,14 @@ def plan(
     compile: bool = False,
     alternatives: bool = True,
     compare_remat: bool = True,
+    device_memory: int | None = None,
 ) -> Plan:
     """The plan of ``policy`` on ``num_devices`` devices, with every other policy side by side
     (``alternatives=False``: this policy alone, which is faster).
+
+    Memory per device is the model state plus one microbatch's activations
+    (:mod:`theseus.accounting.activations`); with ``device_memory`` (bytes per device) the
+    verdict fails when that sum does not fit.
 
     Works from abstract shapes only; nothing the size of the model is allocated. ``compile=True``
     also compiles the real train step on the first ``num_devices`` devices of this process and
@@ -76,6 +83,8 @@ def plan(
         if candidate == policy:
             chosen, batch_plan = option, candidate_batch
     compiled, verdict, remat = None, chosen.verdict, ()
+    if verdict.ok and device_memory is not None:
+        verdict = memory_verdict(chosen, device_memory)
     if verdict.ok:
         verdict = dataclasses.replace(
             verdict, gathering=gathering(shapes, policy, chosen.mesh_shape)
@@ -100,6 +109,30 @@ def plan(
         options=tuple(options),
         compiled=compiled,
         remat=remat,
+        activations=chosen.activations,
+        device_memory=device_memory,
+    )
+
+
+def memory_verdict(option: PolicyOption, device_memory: int) -> Verdict:
+    """Ok when ``option``'s model state and one microbatch's activations fit in
+    ``device_memory`` bytes per device, else the failure with what to change."""
+    total = option.total
+    if total is None or total <= device_memory:
+        return option.verdict
+    state, acts = option.totals.total, option.activations
+    parts = f"model state {format_bytes(state)}"
+    if acts is not None:
+        parts += (
+            f" + activations {format_bytes(acts.total)} of one microbatch (recompute "
+            f"{acts.remat}, {acts.kernel} attention)"
+        )
+    return Verdict(
+        False,
+        f"out of memory: {option.name} needs {format_bytes(total)} per device ({parts}) but a "
+        f"device has {format_bytes(device_memory)}. Recompute more "
+        "(--activation-checkpointing dots or full), lower training.per_device_batch_size, "
+        "shard more (--fsdp, --tp) or add devices; --budget chooses for you.",
     )
 
 
@@ -175,7 +208,36 @@ def _option(
         if layout_error is not None and layout_error != verdict.error:
             verdict = Verdict(False, verdict.error, layout_error)
     zero_model = closed_form(shapes, policy, mesh_shape[Axis.BATCH], totals)
-    return PolicyOption(policy, mesh_shape, totals, verdict, rank, zero_model), batch_plan
+    acts = activations(shapes, policy, batch_plan, totals)
+    option = PolicyOption(policy, mesh_shape, totals, verdict, rank, zero_model, acts)
+    return option, batch_plan
+
+
+def activations(
+    trainer: BaseTrainer,
+    policy: ShardingPolicy,
+    batch_plan: BatchPlan | None,
+    totals: MemoryTotals | None,
+) -> ActivationMemory | None:
+    """One microbatch's activation memory per device under ``policy`` (None when the trainer's
+    model is not a decoder the planner knows, or the batch or layouts do not work out)."""
+    shape = trainer.decoder_shape()
+    if shape is None or batch_plan is None or totals is None:
+        return None
+    device = Device.of(batch_plan, policy.tp, np.dtype(trainer.compute_dtype).itemsize)
+    gathered = 0  # FSDP gathers each layer's weights, in the compute dtype when castable
+    if policy.fsdp and batch_plan.replicas > 1:
+        cast = gather_dtype(trainer)
+        itemsize = FLOAT32 if cast is None else np.dtype(cast).itemsize
+        gathered = shape.layer_weights * itemsize // policy.tp
+    return activation_memory(
+        shape,
+        trainer.attention_kernel(),
+        policy.activation_checkpointing,
+        device,
+        gradient_bytes=totals.grad_accumulator,
+        gathered_layer_bytes=gathered,
+    )
 
 
 def gathering(

@@ -31,19 +31,20 @@ def render(p: Plan) -> str:
 
 def _memory(p: Plan) -> list[str]:
     lines = [
-        "per-device model state in bytes (parameters as stored, float32 gradient accumulator, "
-        "optimizer state; activations not included)"
+        "per-device memory in bytes: model state (parameters as stored, float32 gradient "
+        "accumulator, optimizer state) and the activations of one microbatch"
     ]
-    header = ["", "policy", "mesh", "params", "gradient sum", "optimizer", "total", "", "verdict"]
+    header = ["", "policy", "mesh", "params", "gradient sum", "optimizer", "model state"]
+    header += ["activations", "sum", "verdict"]
     table = []
     for option in p.options:
         mark = "*" if option.policy == p.policy else ""
         mesh = f"{option.mesh_shape[Axis.BATCH]}×{option.mesh_shape[Axis.SHARD]}"
-        cells = ["-", "-", "-", "-", ""]
+        cells = ["-", "-", "-", "-", "-", "-"]
         if option.totals is not None:
-            t = option.totals
+            t, acts = option.totals, option.activations
             cells = [_num(t.params), _num(t.grad_accumulator), _num(t.optimizer), _num(t.total)]
-            cells.append(format_bytes(t.total))
+            cells += ["-" if acts is None else format_bytes(acts.total), format_bytes(option.total)]
         summary = option.verdict.summary
         summary = summary if len(summary) <= 72 else summary[:71] + "…"
         table.append([mark, option.name, mesh, *cells, summary])
@@ -52,6 +53,27 @@ def _memory(p: Plan) -> list[str]:
         "  communication, least first: DP < ZeRO < FSDP at tp=1, then each tp > 1 in the same "
         "order (" + "; ".join(f"{k}: {v}" for k, v in COMMUNICATION.items()) + ")"
     )
+    return [*lines, *_activations(p)]
+
+
+def _activations(p: Plan) -> list[str]:
+    a = p.activations
+    if a is None:
+        return [
+            "  activations: not estimated (the model is not a decoder the planner knows, or the "
+            "batch does not split); --compile measures them"
+        ]
+    lines = [
+        f"activations of {p.name}, one microbatch per device ({a.kernel} attention, recompute "
+        f"{a.remat}): {format_bytes(a.total)} ({_num(a.total)} bytes) = kept for the backward "
+        f"{format_bytes(a.saved)} + one layer's backward peak {format_bytes(a.layer_peak)} + "
+        f"logits and loss {format_bytes(a.logits)} + other {format_bytes(a.other)}"
+    ]
+    if p.device_memory is not None:
+        lines.append(
+            f"  sum {format_bytes(p.total)} per device against {format_bytes(p.device_memory)} "
+            "of device memory"
+        )
     return lines
 
 
@@ -116,7 +138,18 @@ def _budget(b: BudgetChoice) -> list[str]:
 def _verdict(p: Plan) -> list[str]:
     if p.verdict.ok:
         gathering = [f"  {p.verdict.gathering}"] if p.verdict.gathering else []
-        return ["verdict: ok (the pre-flight check of a training run passes)", *gathering]
+        memory = []
+        if p.device_memory is not None and p.total is not None:
+            memory = [
+                f"  memory: {format_bytes(p.total)} per device fits in "
+                f"{format_bytes(p.device_memory)}"
+            ]
+        elif p.total is not None:
+            memory = [
+                f"  memory: {format_bytes(p.total)} per device (model state and activations), "
+                "not checked against a device: pass --device-memory (e.g. 80GiB)"
+            ]
+        return ["verdict: ok (the pre-flight check of a training run passes)", *gathering, *memory]
     lines = ["verdict: FAILED, a training run would stop with:"]
     lines += ["  " + line for line in p.verdict.error.splitlines()]
     if p.verdict.also:

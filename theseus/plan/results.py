@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
+from theseus.accounting.activations import ActivationMemory
 from theseus.accounting.memory import CompiledStep, MemoryTotals
 from theseus.accounting.records import as_json, json_field
 from theseus.accounting.text import number_text as _num
@@ -84,8 +85,9 @@ class ClosedForm:
 
 @dataclass(frozen=True)
 class PolicyOption:
-    """One policy on the same devices: its mesh, model-state totals, verdict and rank in the
-    communication order (0 = least; see :mod:`theseus.plan.policies`)."""
+    """One policy on the same devices: its mesh, model-state totals, activation memory of one
+    microbatch, verdict and rank in the communication order (0 = least; see
+    :mod:`theseus.plan.policies`)."""
 
     policy: ShardingPolicy
     mesh_shape: dict[str, int] = json_field("mesh")
@@ -93,10 +95,12 @@ class PolicyOption:
     verdict: Verdict = Verdict(True)
     rank: int = json_field("communication_rank", default=0)
     closed_form: ClosedForm | None = None  # tp=1 with fp32 AdamW only
+    activations: ActivationMemory | None = None  # None: the batch or the model is not known
 
     json_properties: ClassVar[dict[str, str]] = {
         "name": "name",
         "communication": "communication",
+        "total": "total_bytes",
     }
 
     @property
@@ -104,8 +108,21 @@ class PolicyOption:
         return self.policy.name
 
     @property
+    def total(self) -> int | None:
+        """Model state plus one microbatch's activations per device (the model state alone
+        when the activations are not known; None when a layout cannot hold some tensor)."""
+        return memory_sum(self.totals, self.activations)
+
+    @property
     def communication(self) -> str:
         return communication(self.policy)
+
+
+def memory_sum(totals: MemoryTotals | None, activations: ActivationMemory | None) -> int | None:
+    """Per-device bytes of the model state and one microbatch's activations."""
+    if totals is None:
+        return None
+    return totals.total + (0 if activations is None else activations.total)
 
 
 class Reason(NamedTuple):
@@ -119,7 +136,7 @@ class BudgetChoice:
     others (``reasons``, in communication order)."""
 
     budget: int = json_field("budget_bytes")
-    measure: str = json_field("measure")  # "model state" or "compiled peak"
+    measure: str = json_field("measure")  # "model state and activations" or "compiled peak"
     chosen: str = json_field("chosen")
     reasons: tuple[Reason, ...] = ()
 
@@ -157,8 +174,23 @@ class Plan:
     compiled: CompiledStep | None = None
     budget: BudgetChoice | None = None
     remat: tuple[RematOption, ...] = json_field("remat_policies", default=())
+    activations: ActivationMemory | None = None
+    device_memory: int | None = json_field("device_memory_bytes", default=None)
 
-    json_properties: ClassVar[dict[str, str]] = {"policy_record": "policy"}
+    json_properties: ClassVar[dict[str, str]] = {
+        "policy_record": "policy",
+        "activation_bytes": "activation_bytes",
+        "total": "total_bytes",
+    }
+
+    @property
+    def activation_bytes(self) -> int | None:
+        return None if self.activations is None else self.activations.total
+
+    @property
+    def total(self) -> int | None:
+        """Model state plus one microbatch's activations per device."""
+        return memory_sum(self.totals, self.activations)
 
     @property
     def name(self) -> str:

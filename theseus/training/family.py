@@ -10,6 +10,7 @@ import jax
 import pydantic
 from flax import nnx
 
+from theseus.accounting.activations import DecoderShape
 from theseus.accounting.preflight import check_context_length
 from theseus.data import Corpus
 from theseus.model.decode import Decoder
@@ -79,6 +80,9 @@ class FamilyTrainer(BaseTrainer):
 
     def flops_per_token(self) -> float:
         return flops_per_token(self.family.matmuls(self.config.model), seq_len=self.seq_len)
+
+    def decoder_shape(self) -> DecoderShape:
+        return self.family.shape(self.config.model)
 
     def check_corpus(self, corpus: Corpus) -> None:
         vocab = self.config.model.vocab_size

@@ -18,6 +18,7 @@ import optax
 import pydantic
 from flax import nnx
 
+from theseus.accounting.activations import AttentionKernel, DecoderShape
 from theseus.accounting.preflight import preflight
 from theseus.config import (
     CheckpointingConfig,
@@ -117,6 +118,16 @@ class BaseTrainer(TrainerState, TrainerStep, abc.ABC):
     def flops_per_token(self) -> float | None:
         """Training FLOPs (forward and backward) per token, for MFU; None: XLA counts them."""
         return None
+
+    def decoder_shape(self) -> DecoderShape | None:
+        """The dimensions the model's activation memory depends on, for ``theseus plan``
+        (:mod:`theseus.accounting.activations`); None: not a decoder the planner knows (then
+        ``theseus plan --compile`` measures its activations)."""
+        return None
+
+    def attention_kernel(self) -> AttentionKernel:
+        """The attention kernel the model's layers run, for the activation estimate."""
+        return AttentionKernel("xla")
 
     def check_corpus(self, corpus: Corpus) -> None:
         """Reject data the model cannot read (e.g. token ids beyond its vocabulary)."""

@@ -14,6 +14,7 @@ import pydantic
 from flax import nnx
 from jax.typing import DTypeLike
 
+from theseus.accounting.activations import DecoderShape
 from theseus.config import Section
 from theseus.model.decoder import CachedDecoder, DecoderModel, LayerInputs, Skeleton, Weights
 from theseus.model.family import Context, Family, HFSpec, HFTensor, Matmuls, Part, whole
@@ -199,6 +200,21 @@ def matmuls(c: GPTConfig) -> Matmuls:
     return Matmuls(c.n_layer, weights, (e, c.vocab_size), c.n_attn)
 
 
+def decoder_shape(c: GPTConfig) -> DecoderShape:
+    """The dimensions of GPT's activations: one MLP up projection, biased projections."""
+    return DecoderShape(
+        num_layers=c.n_layer,
+        width=c.n_embd,
+        num_heads=c.n_head,
+        num_kv_heads=c.n_head,
+        head_dim=c.n_attn // c.n_head,
+        mlp_width=c.n_mlp,
+        vocab_size=c.vocab_size,
+        gated_mlp=False,
+        biased=True,
+    )
+
+
 def decoder(c: GPTConfig, compute_dtype: DTypeLike, graphdef: Any) -> CachedDecoder:
     dims = (c.vocab_size, c.n_layer, c.n_attn // c.n_head, c.n_attn)
     return CachedDecoder(skeleton(c, compute_dtype), graphdef, *dims, ("block_size", "n_attn"))
@@ -304,6 +320,7 @@ FAMILY = Family(
     context=lambda c: Context(c.block_size, "model.block_size"),
     matmuls=matmuls,
     num_params=num_params,
+    shape=decoder_shape,
     decoder=decoder,
     hf=HFSpec(
         architectures={"gpt2": "GPT2LMHeadModel"},

@@ -1,0 +1,101 @@
+"""The plan's activation estimate against the compiled step's temporaries: small GPT and Llama
+decoders (48 wide, 4 heads; Llama 2 kv heads), one example per device, bfloat16 compute, on one
+device and under tp=2 + FSDP (4 simulated devices), per recompute policy and sequence length.
+
+    PYTHONPATH=. python bench/activation_bench.py [--lengths 2048,8192] [--layers 3]
+        [--remat none,full,dots] [--families gpt,llama]
+
+Compile only (``memory_analysis()`` allocates nothing); prints one row per step: the compiled
+temp bytes, the plan's ``activation_bytes`` and their ratio. Asserts nothing (the tests do).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+).strip()
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO)]
+
+MODELS = {
+    "gpt": ["model.vocab_size=264", "model.n_head=4", "model.n_embd=48"],
+    "llama": [
+        "model.vocab_size=264",
+        "model.hidden_size=48",
+        "model.num_heads=4",
+        "model.num_kv_heads=2",
+        "model.intermediate_size=136",
+    ],
+}
+CONTEXT_KEY = {"gpt": "model.block_size", "llama": "model.max_position_embeddings"}
+LAYERS_KEY = {"gpt": "model.n_layer", "llama": "model.num_layers"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", default="2048,8192")
+    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--remat", default="none,full,dots")
+    parser.add_argument("--families", default="gpt,llama")
+    args = parser.parse_args()
+
+    import theseus.plan as planner
+    from theseus.config import apply_overrides
+    from theseus.jobs import families
+    from theseus.sharding.axis import ShardingPolicy
+
+    registry = families()
+    layouts = {"one device": (1, {"zero": False}), "tp=2 + FSDP": (4, {"tp": 2, "fsdp": True})}
+    print("| family | layout | recompute | tokens | temp bytes | activation_bytes | ratio | s |")
+    print("|---|---|---|---|---|---|---|---|")
+    grid = itertools.product(
+        args.families.split(","),
+        layouts.items(),
+        args.remat.split(","),
+        [int(n) for n in args.lengths.split(",")],
+    )
+    for family, (layout, (devices, policy)), remat, length in grid:
+        trainer_class = registry[family].trainer_class
+        replicas = devices // policy.get("tp", 1)
+        config = apply_overrides(
+            trainer_class.config_class(),
+            [
+                *MODELS[family],
+                f"{LAYERS_KEY[family]}={args.layers}",
+                f"{CONTEXT_KEY[family]}={length}",
+                f"training.seq_len={length}",
+                f"training.batch_size={replicas}",
+                "training.per_device_batch_size=1",
+                "training.dtype=bfloat16",
+            ],
+        )
+        start = time.perf_counter()
+        plan = planner.plan(
+            trainer_class,
+            config,
+            ShardingPolicy(activation_checkpointing=remat, **policy),
+            devices,
+            compile=True,
+            alternatives=False,
+            compare_remat=False,
+        )
+        temp, estimate = plan.compiled.temporaries, plan.activation_bytes
+        seconds = time.perf_counter() - start
+        print(
+            f"| {family} | {layout} | {remat} | {length:,} | {temp:,} | {estimate:,} | "
+            f"{estimate / temp:.3f} | {seconds:.0f} |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,260 @@
+"""Activation memory of one microbatch per device, from a decoder's dimensions alone.
+
+What a training step holds beyond the model state, as XLA lays it out (measured against
+``compiled.memory_analysis()``'s temp bytes; docs/performance.md, "Activation memory"):
+
+- **saved**: what the backward pass keeps of every layer, by recompute policy (``none``: every
+  residual of the layer; ``dots``: the layer's input and the outputs of its weight matmuls;
+  ``full``: the layer's input alone);
+- **layer peak**: the transient peak of one layer's backward (its recomputed residuals under
+  ``full``/``dots``, attention's temporaries by kernel, the gradients flowing through it);
+- **logits**: the float32 logits, their softmax and gradient (vocabulary × tokens), often the
+  largest single term;
+- **other**: buffers outside the layer scan (the stream around it, the dense kernel's
+  loop-invariant mask), one layer's gathered weights under FSDP, and the microbatch's float32
+  gradient before it is added to the accumulator.
+
+Every term is divided as the layout divides it: examples are per device (``per_device_batch_size``
+of a :class:`~theseus.accounting.preflight.BatchPlan`); tensor parallelism splits heads and the
+MLP width, not the residual stream or the vocabulary (theseus's TP rules leave both whole).
+
+Attention kernels: ``xla`` is ``jax.nn.dot_product_attention``'s XLA path, which materialises
+float32 scores, the softmax and the boolean mask per head (memory in the square of the length);
+``blockwise`` is the FlashAttention-2 algorithm (per query block of ``block_q`` rows, float32
+scores ``block_q × block_k`` per head; the backward keeps the output and the log-sum-exp only),
+modelled from its algorithm until it is measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from theseus.accounting.preflight import BatchPlan
+from theseus.accounting.records import json_field
+
+Kernel = Literal["xla", "blockwise"]
+KERNELS: tuple[Kernel, ...] = ("xla", "blockwise")
+FLOAT32 = 4
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """The dimensions of a decoder that its activations depend on (a family derives it from its
+    config). ``query_width`` = heads × head_dim; ``kv_width`` = kv heads × head_dim;
+    ``gated_mlp``: gate and up projections (SwiGLU) rather than one (GELU); ``biased``: the
+    projections add a bias in float32, so their outputs are kept in float32 under ``dots``."""
+
+    num_layers: int
+    width: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    mlp_width: int
+    vocab_size: int
+    gated_mlp: bool
+    biased: bool = False
+
+    @property
+    def query_width(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def layer_weights(self) -> int:
+        """One layer's projection weights (biases and norms left out)."""
+        attention = self.width * (2 * self.query_width + 2 * self.kv_width)
+        return attention + (3 if self.gated_mlp else 2) * self.width * self.mlp_width
+
+
+@dataclass(frozen=True)
+class AttentionKernel:
+    """Which attention runs and, for ``blockwise``, its block sizes (queries × keys)."""
+
+    name: Kernel = "xla"
+    block_q: int = 512
+    block_k: int = 512
+
+
+@dataclass(frozen=True)
+class Device:
+    """What one device computes of a microbatch: ``examples`` of ``seq_len`` tokens, the model's
+    heads and MLP split ``tp`` ways (fractions when tp does not divide them: XLA pads)."""
+
+    examples: int
+    seq_len: int
+    tp: int
+    dtype_bytes: int  # the compute dtype's
+
+    @staticmethod
+    def of(batch: BatchPlan, tp: int, dtype_bytes: int) -> Device:
+        return Device(batch.per_device_batch_size, batch.seq_len, tp, dtype_bytes)
+
+    @property
+    def tokens(self) -> int:
+        return self.examples * self.seq_len
+
+
+@dataclass(frozen=True)
+class ActivationMemory:
+    """Per-device bytes of one microbatch's forward and backward beyond the model state (see
+    the module docstring); ``total`` is what the plan adds to the model state."""
+
+    kernel: str = json_field("attention_kernel")
+    remat: str = json_field("activation_checkpointing")
+    examples: int = json_field("examples_per_device")
+    seq_len: int = json_field("seq_len")
+    saved: int = json_field("saved_bytes")
+    layer_peak: int = json_field("layer_peak_bytes")
+    logits: int = json_field("logits_bytes")
+    other: int = json_field("other_bytes")
+
+    json_properties: ClassVar[dict[str, str]] = {"total": "activation_bytes"}
+
+    @property
+    def total(self) -> int:
+        return self.saved + self.layer_peak + self.logits + self.other
+
+
+# --- attention, per kernel --------------------------------------------------------------------
+
+
+def score_elements(shape: DecoderShape, device: Device) -> float:
+    """Elements of one layer's dense scores on a device: examples × heads / tp × length²."""
+    return device.examples * shape.num_heads / device.tp * device.seq_len**2
+
+
+def attention_saved(shape: DecoderShape, kernel: AttentionKernel, device: Device) -> float:
+    """What the backward keeps of one layer's attention core (q, k, v and the output are
+    counted with the layer). ``xla``: float32 scores, float32 probabilities and the boolean mask
+    per head (XLA:CPU keeps bfloat16 probabilities in float32; a GPU would keep 2 bytes less per
+    score), and two float32 softmax statistics per query and head. ``blockwise``: the float32
+    log-sum-exp per query and head."""
+    per_query = device.tokens * shape.num_heads / device.tp * FLOAT32
+    if kernel.name == "xla":
+        return score_elements(shape, device) * (2 * FLOAT32 + 1) + 2 * per_query
+    return per_query
+
+
+def attention_transient(
+    shape: DecoderShape, kernel: AttentionKernel, remat: str, device: Device
+) -> float:
+    """Attention's temporaries at the peak of one layer's backward. ``xla``: the float32
+    gradients of the probabilities and of the scores and the mask again (measured on the
+    compiled step, float32 and bfloat16 alike: :data:`XLA_BACKWARD_BYTES`). ``blockwise``: per
+    query block,
+    float32 scores, probabilities and their gradients (``block_q × block_k`` per head), and the
+    float32 gradient accumulators of q, k and v."""
+    if kernel.name == "xla":
+        return score_elements(shape, device) * XLA_BACKWARD_BYTES[remat]
+    heads = shape.num_heads / device.tp
+    blocks = device.examples * heads * min(kernel.block_q, device.seq_len)
+    blocks *= min(kernel.block_k, device.seq_len) * 3 * FLOAT32
+    widths = (shape.query_width + 2 * shape.kv_width) / device.tp
+    return blocks + device.tokens * widths * FLOAT32
+
+
+def attention_invariant(shape: DecoderShape, kernel: AttentionKernel, device: Device) -> float:
+    """Buffers XLA hoists out of the layer scan: the ``xla`` kernel's float32 masked-score
+    constant (one example's worth, length² per head) when no recomputation keeps it inside."""
+    if kernel.name != "xla":
+        return 0.0
+    return shape.num_heads / device.tp * device.seq_len**2 * FLOAT32
+
+
+#: Bytes per dense score of the xla kernel's backward temporaries, by recompute policy: 9
+#: without recomputation (beside the hoisted invariant), 8 after recomputing the layer's
+#: residuals (measured on the compiled step: docs/performance.md).
+XLA_BACKWARD_BYTES = {"none": 9.0, "dots": 8.0, "full": 8.0}
+
+
+# --- one layer ----------------------------------------------------------------------------------
+
+
+def layer_tokens_bytes(shape: DecoderShape, device: Device) -> float:
+    """Bytes per token that the backward keeps of one layer without recomputation, attention's
+    core aside: the float32 stream and both norms' float32 intermediates (6 × width, 4
+    statistics), in the compute dtype both norms' outputs, q, k, v and the attention output
+    (2 × width + 2 × query width + 2 × kv width) and six MLP-wide intermediates (the up
+    projections and the activation's); heads and the MLP divided by tp."""
+    c, tp = device.dtype_bytes, device.tp
+    stream = (6 * shape.width + 4) * FLOAT32
+    heads = (2 * shape.query_width + 2 * shape.kv_width) / tp
+    return stream + c * (2 * shape.width + heads + 6 * shape.mlp_width / tp)
+
+
+def matmul_outputs_bytes(shape: DecoderShape, device: Device) -> float:
+    """Bytes per token that ``dots`` keeps of one layer: its float32 input and the weight
+    matmuls' outputs the backward reads (q, k, v, one width-wide projection and the MLP's up
+    projections), in float32 when the projections add biases, else in the compute dtype."""
+    tp = device.tp
+    out = FLOAT32 if shape.biased else device.dtype_bytes
+    ups = (2 if shape.gated_mlp else 1) * shape.mlp_width / tp
+    widths = (shape.query_width + 2 * shape.kv_width) / tp + shape.width + ups
+    return shape.width * FLOAT32 + out * widths
+
+
+def layer_saved(shape: DecoderShape, kernel: AttentionKernel, remat: str, device: Device) -> float:
+    """What the backward keeps of one layer under recompute policy ``remat``."""
+    if remat == "full":
+        return device.tokens * shape.width * FLOAT32  # the layer's input
+    if remat == "dots":
+        return device.tokens * matmul_outputs_bytes(shape, device)
+    return device.tokens * layer_tokens_bytes(shape, device) + attention_saved(
+        shape, kernel, device
+    )
+
+
+def layer_peak(shape: DecoderShape, kernel: AttentionKernel, remat: str, device: Device) -> float:
+    """The transient peak of one layer's backward, reached in its attention (the MLP's
+    residuals are freed by then): attention's backward temporaries and the float32 gradients
+    of the stream; under ``full`` and ``dots`` also the attention half of the layer's residuals,
+    recomputed; without recomputation the dense kernel's loop invariant."""
+    transient = attention_transient(shape, kernel, remat, device)
+    stream_grads = 2 * device.tokens * shape.width * FLOAT32
+    if remat == "none":
+        return transient + stream_grads + attention_invariant(shape, kernel, device)
+    mlp = device.tokens * device.dtype_bytes * 6 * shape.mlp_width / device.tp
+    recomputed = layer_saved(shape, kernel, "none", device) - mlp
+    return recomputed + transient + stream_grads
+
+
+def logits_bytes(shape: DecoderShape, device: Device) -> float:
+    """The loss's buffers: float32 logits, the softmax the loss keeps and the logits' gradient
+    (3 × vocabulary × tokens × 4 bytes; the vocabulary is whole on every TP device)."""
+    return 3 * device.tokens * shape.vocab_size * FLOAT32
+
+
+def outside_layers(shape: DecoderShape, device: Device) -> float:
+    """The stream before and after the layer scan: the embedding's float32 output, the final
+    norm's float32 intermediates and its output in the compute dtype."""
+    return device.tokens * shape.width * (4 * FLOAT32 + device.dtype_bytes)
+
+
+def activation_memory(
+    shape: DecoderShape,
+    kernel: AttentionKernel,
+    remat: str,
+    device: Device,
+    *,
+    gradient_bytes: int,
+    gathered_layer_bytes: int,
+) -> ActivationMemory:
+    """One microbatch's activation memory per device. ``gradient_bytes``: the microbatch's
+    float32 gradient (as stored: the accumulator's size); ``gathered_layer_bytes``: the layer
+    the scan is running, its weights in the compute layout and the dtype they are gathered in,
+    when the step gathers them per layer (FSDP; 0 otherwise)."""
+    other = outside_layers(shape, device) + gradient_bytes + gathered_layer_bytes
+    return ActivationMemory(
+        kernel=kernel.name,
+        remat=remat,
+        examples=device.examples,
+        seq_len=device.seq_len,
+        saved=round(shape.num_layers * layer_saved(shape, kernel, remat, device)),
+        layer_peak=round(layer_peak(shape, kernel, remat, device)),
+        logits=round(logits_bytes(shape, device)),
+        other=round(other),
+    )
