@@ -13,11 +13,11 @@ from theseus.cli.options import (
     DEFAULT_JOB,
     BaseRun,
     ChainFile,
-    CPUDevices,
     Imports,
     JobFlags,
     Overrides,
     PeakTflops,
+    ProcessFlags,
     RunDir,
     RunJob,
     Seed,
@@ -29,8 +29,8 @@ from theseus.cli.options import (
     join_job,
     layout_options,
     log_lines_to_stderr,
+    process_options,
     sharding_options,
-    use_cpu_devices,
     user_errors,
 )
 
@@ -117,6 +117,7 @@ def run(
         echo_on_main(result.describe())
 
 
+@process_options
 @layout_options
 def evaluate(
     run_dir: Annotated[Path, typer.Argument(help="run directory (trained or imported)")],
@@ -146,9 +147,9 @@ def evaluate(
     ] = None,
     job: RunJob = None,
     base: BaseRun = None,
-    cpu_devices: CPUDevices = None,
     imports: Imports = None,
     sharding: dict[str, Any] | None = None,
+    process: ProcessFlags | None = None,
 ) -> None:
     """Score a run's newest good checkpoint on the run's own data and config, or on tasks.
 
@@ -156,10 +157,12 @@ def evaluate(
     RUN_DIR/eval.json. With --tasks, lm-evaluation-harness scores the run on its tasks instead,
     writing results as it does (RUN_DIR/harness/step<N>/results_<date>.json) and printing its
     table. The run is read under its own layout where it fits the devices at hand, else under
-    one that does (named), or under --tp/--zero/--fsdp.
+    one that does (named), or under --tp/--zero/--fsdp. It runs in many processes as `train`
+    does (`theseus launch`, --coordinator, a detected cluster), on the devices of all of them;
+    the first process writes and prints the results.
     """
     log_lines_to_stderr()
-    use_cpu_devices(cpu_devices)
+    join_job(process, run_dir)
     harness_options = {
         "--limit": limit,
         "--num-fewshot": num_fewshot,
@@ -212,7 +215,7 @@ def evaluate(
             job=job,
             base=base,
         )
-    typer.echo(result.describe())
+    echo_on_main(result.describe())
 
 
 @sharding_options

@@ -152,7 +152,7 @@ def train(
         with contextlib.ExitStack() as closing, metrics:  # trackers close after the last row
             for tracker in trackers:
                 closing.enter_context(tracker)
-            preemption = closing.enter_context(PreemptionWatch(checkpointer.reached_preemption))
+            preemption = closing.enter_context(PreemptionWatch())
             _steps(
                 trainer,
                 step_fn=compiled.executable,
@@ -220,7 +220,7 @@ def _steps(
         if evaluator is not None and (step % trainer.config.evaluation.interval == 0 or last):
             with metrics.paused():
                 metrics.add_scores(_scores(evaluator, state.params, step))
-        preempted = preemption.reached(step)
+        preempted = preemption.reached()
         if preempted or step % trainer.config.checkpointing.interval == 0 or last:
             with metrics.paused():
                 metrics.flush()
