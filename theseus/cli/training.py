@@ -30,6 +30,7 @@ from theseus.cli.options import (
     layout_options,
     log_lines_to_stderr,
     process_options,
+    say_processes,
     sharding_options,
     user_errors,
 )
@@ -163,6 +164,7 @@ def evaluate(
     """
     log_lines_to_stderr()
     join_job(process, run_dir)
+    say_processes()
     harness_options = {
         "--limit": limit,
         "--num-fewshot": num_fewshot,
