@@ -101,6 +101,6 @@ class GuardedDashboard:
             first = self.given_up[0] if self.given_up else self.held[0]["step"]
             last = self.held[-1]["step"] if self.held else self.given_up[1]
             logger.warning(
-                f"{self.name} did not get {steps_text(first, last)}; they are in metrics.jsonl"
+                f"{self.name} did not get {steps_text(first, last)} (metrics.jsonl holds every row)"
             )
             self.missed(first)
