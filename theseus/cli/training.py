@@ -163,6 +163,8 @@ def evaluate(
     the first process writes and prints the results.
     """
     log_lines_to_stderr()
+    if not run_dir.is_dir():  # before a supervisor makes RUN_DIR/logs
+        fail(f"{run_dir} is not a folder: give the directory of a trained or imported run")
     join_job(process, run_dir)
     say_processes()
     harness_options = {
