@@ -25,7 +25,12 @@ from wandb_records import read_run, run_files
 
 from theseus.distributed.join import differing_processes, mismatch_message
 from theseus.distributed.launch import check_command, free_port
-from theseus.distributed.supervise import lost_processes, report_uncaught, restart_command
+from theseus.distributed.supervise import (
+    lost_processes,
+    report_uncaught,
+    restart_command,
+    stopped_paragraph,
+)
 from theseus.plot import read_metrics
 
 STEPS = 16  # room after step 5 (the kill) and after the resume (SIGTERM) on a fast machine
@@ -363,6 +368,15 @@ def test_restart_command_resumes_instead_of_overwriting():
     )
     fresh = restart_command(["train", "--resume", "--out", "runs/a"], resume=False)
     assert fresh == "theseus train --out runs/a --overwrite"
+
+
+def test_a_stopped_evaluate_is_started_again_not_resumed(tmp_path):
+    """`evaluate` reads a run that has checkpoints: a lost peer says to start it again."""
+    (tmp_path / "checkpoints" / "4").mkdir(parents=True)
+    argv = ["evaluate", str(tmp_path), "--tasks", "arc_easy"]
+    paragraph = stopped_paragraph(argv, tmp_path, 1, signal.SIGKILL, "")
+    assert f"start every process again, on this one: theseus evaluate {tmp_path}" in paragraph
+    assert "--resume" not in paragraph
 
 
 def test_corpus_mismatch_names_the_processes_that_differ():
