@@ -184,6 +184,80 @@ def test_wandb_online_without_credentials_writes_nothing(tmp_path, monkeypatch):
     assert not out.exists()
 
 
+def assert_same_arrays(step_dir: Path, other: Path) -> None:
+    """Two checkpoint steps hold the same state, array for array, bit for bit (their files
+    differ: orbax names its data files at random and writes times)."""
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    mine, theirs = (
+        ocp.StandardCheckpointer().restore(p.absolute() / "state") for p in (step_dir, other)
+    )
+    assert jax.tree.structure(mine) == jax.tree.structure(theirs)
+    assert all(jax.tree.leaves(jax.tree.map(lambda a, b: np.array_equal(a, b), mine, theirs)))
+
+
+class RefusingWandbRun:
+    """What ``wandb.init`` returns, whose ``log`` refuses the calls numbered in ``refused``
+    (from 1) as a network outage would; it records the steps it got."""
+
+    def __init__(self, refused: range):
+        self.refused, self.calls, self.steps = refused, 0, []
+
+    def log(self, data: dict, step: int) -> None:
+        self.calls += 1
+        if self.calls in self.refused:
+            raise ConnectionError("wandb.ai: Network is unreachable\nretrying later")
+        assert data["loss"] == data["loss"]  # a row, read back or not, holds its loss
+        self.steps.append(step)
+
+    def finish(self, exit_code: int) -> None:
+        self.exit_code = exit_code
+
+
+def test_wandb_failing_mid_run_never_stops_training(finished_run, tmp_path, monkeypatch):
+    """W&B refusing from step 2 on: one line names the cause, training ends with exit 0, every
+    row in metrics.jsonl and the checkpoints of the run without W&B; one line says which steps
+    W&B did not get, and a --resume (from step 2) logs them first; there W&B refuses two calls
+    and catches up at step 4 (one line each way), every step logged once, in order."""
+    import wandb
+
+    wandb_args = ["logging.wandb.project=p", "logging.wandb.mode=offline"]
+    runs = []
+
+    def fake(refused):
+        runs.append(RefusingWandbRun(refused))
+        monkeypatch.setattr(wandb, "init", lambda **settings: runs[-1])
+
+    out = tmp_path / "down"
+    fake(range(2, 1000))
+    result = invoke("train", "--out", out, *TINY, *wandb_args)
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    failed = [line for line in lines if line.startswith("W&B failed")]
+    assert failed == [
+        "W&B failed at step 2 (ConnectionError: wandb.ai: Network is unreachable); training "
+        "goes on and every row is in metrics.jsonl; W&B gets the rows it missed if it works "
+        "again during the run"
+    ]
+    assert "W&B did not get steps 2-4 (metrics.jsonl holds every row)" in lines
+    assert runs[-1].steps == [1] and runs[-1].exit_code == 0
+    assert [row["step"] for row in read_metrics(out)] == [1, 2, 3, 4]
+    assert saved_steps(out) == saved_steps(finished_run) == [2, 4]
+    for step in (2, 4):
+        assert_same_arrays(*(run / "checkpoints" / str(step) for run in (out, finished_run)))
+    shutil.rmtree(out / "checkpoints" / "4")
+    fake(range(1, 3))  # refuses the first two calls
+    result = invoke("train", "--out", out, *TINY, *wandb_args, "--resume")
+    assert result.exit_code == 0, result.output
+    assert runs[-1].steps == [2, 3, 4]  # step 2 from metrics.jsonl, 3 and 4 trained again
+    assert "missed_from" not in json.loads((out / "wandb-run.json").read_text())
+    lines = result.output.splitlines()
+    assert sum(line.startswith("W&B failed at step 2") for line in lines) == 1
+    assert "W&B works again at step 4: it caught up on the rows it missed" in lines
+
+
 def test_resume_without_checkpoints(tmp_path):
     assert_user_error(invoke("train", "--out", tmp_path, *TINY, "--resume"), "nothing to resume")
 

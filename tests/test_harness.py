@@ -294,42 +294,63 @@ def train_from(run: Path, out: Path, steps: int, *overrides: str):
     )  # fmt: skip
 
 
-def test_task_scores_during_training(setup, tmp_path):
-    """With evaluation.tasks, each scored step's row of a LoRA fine-tune holds the scores of the
-    live parameters (adapters applied), which equal `theseus evaluate --tasks` on that step's
-    checkpoint (adapters joined with the base's frozen parameters); the losses are bit-identical
-    to a run without them; two processes give one process's scores and losses. (A failing
-    evaluation is reported and the training goes on: test_long_runs.py, on the loop itself.)"""
-    _, tasks, root = setup
-    scored = (
+def scored_settings(tasks: Path) -> tuple[str, ...]:
+    """Overrides that score two tasks at every step of a training run."""
+    return (
         "evaluation.tasks=[tiny_text,tiny_qa]",
         f"evaluation.include_path={tasks}",
         "evaluation.interval=1",
         "evaluation.limit=3",
         "logging.tensorboard=true",
     )
-    result = train_from(root / "run", tmp_path / "scored", 2, *scored)
+
+
+def run_launch(*argv) -> subprocess.CompletedProcess:
+    """`theseus launch -n 2 --cpu-devices-per-process 4 -- ARGV`, offline; it must succeed."""
+    launch = [sys.executable, "-m", "theseus", "launch", "-n", 2, "--cpu-devices-per-process", 4]
+    env = subprocess_env() | {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(
+        list(map(str, [*launch, "--", *argv])),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+@pytest.fixture(scope="module")
+def two_processes(setup):
+    """A LoRA fine-tune scored during training, in two processes of 4 devices under tp=2 +
+    FSDP: every process takes part in scoring and decoding."""
+    _, tasks, root = setup
+    out = root / "two"
+    run_launch(
+        "train", "--job", "llama/train/pretrain", "--init-from", root / "run", "--out", out,
+        "--steps", "2", "--tp", "2", "--fsdp", *TRAINING, *scored_settings(tasks),
+    )  # fmt: skip
+    return out
+
+
+def test_task_scores_during_training(setup, two_processes, tmp_path):
+    """With evaluation.tasks, each scored step's row of a LoRA fine-tune holds the scores of the
+    live parameters (adapters applied), which equal `theseus evaluate --tasks` on that step's
+    checkpoint (adapters joined with the base's frozen parameters); the losses are bit-identical
+    to a run without them; two processes under tp=2 + FSDP give one process's scores and losses.
+    (A failing evaluation is reported and the training goes on: test_long_runs.py, on the loop
+    itself.)"""
+    _, tasks, root = setup
+    result = train_from(root / "run", tmp_path / "scored", 2, *scored_settings(tasks))
     assert result.exit_code == 0, result.output
     plain = train_from(root / "run", tmp_path / "plain", 2)
     assert plain.exit_code == 0, plain.output
-    rows, plain_rows = (
-        [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-        for name in ("scored", "plain")
+    rows, plain_rows, two = (
+        [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+        for folder in (tmp_path / "scored", tmp_path / "plain", two_processes)
     )
     assert [r["loss"] for r in rows] == [r["loss"] for r in plain_rows]
-    # Two processes of 4 devices: every process takes part in scoring and decoding, the scores
-    # and losses are one process's.
-    launch = [sys.executable, "-m", "theseus", "launch", "-n", 2, "--cpu-devices-per-process", 4]
-    argv = [*launch, "--", "train", "--job", "llama/train/pretrain", "--init-from", root / "run"]
-    argv += ["--out", tmp_path / "two", "--steps", "2", *TRAINING, *scored]
-    env = subprocess_env() | {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run(
-        list(map(str, argv)), env=env, capture_output=True, text=True, timeout=300, check=False
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    two = [
-        json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()
-    ]
     for mine, theirs in zip(two, rows, strict=True):
         assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
         assert mine["tasks"] == pytest.approx(theirs["tasks"], rel=1e-5)
@@ -350,6 +371,34 @@ def test_task_scores_during_training(setup, tmp_path):
         "tiny_qa/exact_match": results["tiny_qa"]["exact_match,none"],
         **{f"tiny_text/{m}": results["tiny_text"][f"{m},none"] for m in PERPLEXITIES},
     }
+
+
+def test_evaluate_in_two_processes_equals_one(setup, two_processes, tmp_path):
+    """`theseus launch -n 2 -- evaluate RUN --tasks ...` of the run trained in two processes
+    under tp=2 + FSDP gives one process's scores (every metric of a multiple-choice and a
+    perplexity task) to 1e-6, written once, by process 0, and printed once. (Validation loss and
+    a SLURM-style environment: test_multiprocess.py.)"""
+    _, tasks, _ = setup
+    args = ["--tasks", "tiny_choice,tiny_text", "--include-path", tasks, "--limit", 3]
+    one = invoke("evaluate", two_processes, *args, "--output-path", tmp_path / "one")
+    assert one.exit_code == 0, one.output
+    done = run_launch("evaluate", two_processes, *args, "--output-path", tmp_path / "two")
+    (mine,), (theirs,) = ((tmp_path / n / "step2").glob("results_*.json") for n in ("two", "one"))
+    mine, theirs = (json.loads(path.read_text()) for path in (mine, theirs))
+    assert mine["config"]["policy"].startswith("tp=2") and "fsdp=True" in mine["config"]["policy"]
+    figures = {
+        (task, metric): value
+        for task, values in theirs["results"].items()
+        for metric, value in values.items()
+        if metric.endswith(",none") and "stderr" not in metric
+    }
+    assert len(figures) == 5  # acc, acc_norm and three perplexities
+    for (task, metric), value in figures.items():
+        assert mine["results"][task][metric] == pytest.approx(value, rel=1e-6), (task, metric)
+    table = [line for line in done.stdout.splitlines() if "|tiny_choice|" in line]
+    written = [line for line in done.stdout.splitlines() if "written: " in line]
+    assert [line[:4] for line in table + written] == ["[0] ", "[0] "], done.stdout
+    assert "theseus evaluate" in (two_processes / "logs" / "process-1.log").read_text()
 
 
 def test_generation_settings_the_decoder_lacks_are_refused_by_name():

@@ -25,7 +25,12 @@ from wandb_records import read_run, run_files
 
 from theseus.distributed.join import differing_processes, mismatch_message
 from theseus.distributed.launch import check_command, free_port
-from theseus.distributed.supervise import lost_processes, report_uncaught, restart_command
+from theseus.distributed.supervise import (
+    lost_processes,
+    report_uncaught,
+    restart_command,
+    stopped_paragraph,
+)
 from theseus.plot import read_metrics
 
 STEPS = 16  # room after step 5 (the kill) and after the resume (SIGTERM) on a fast machine
@@ -169,12 +174,63 @@ def test_slurm_environment_joins_and_a_dead_peer_ends_the_job_cleanly(killed, re
 
 
 @pytest.mark.slow
-def test_resume_after_a_dead_peer_gives_the_uninterrupted_losses(killed, reference):
+def test_resume_after_a_dead_peer_stops_on_sigterm_and_gives_the_uninterrupted_losses(
+    killed, reference
+):
+    """The killed run resumed (2×4 → 2×4) and SIGTERM to process 0 alone once it said it
+    resumed, before its first step: both processes stop after that step and save it (JAX's
+    sync point is keyed by the loop's count of steps; keyed by the run's step, a notice before
+    the first step was ignored by a resumed run: bench/sigterm_resumed.py). Resumed again, the
+    run ends with the uninterrupted losses."""
     out = killed[0]
+    resumed_from = max(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+    port = free_port()
+    processes = [start_slurm_task(i, port, out, "--resume") for i in range(2)]
+    try:
+        line = processes[0].stdout.readline()
+        while line and not line.startswith("resumed from step"):
+            line = processes[0].stdout.readline()
+        assert line.startswith(f"resumed from step {resumed_from}"), finish(processes)
+        processes[0].send_signal(signal.SIGTERM)  # to its supervisor, which passes it on
+    finally:
+        outputs = finish(processes)
+    assert [p.returncode for p in processes] == [4, 4], outputs
+    stop = resumed_from + 1
+    for _, stderr in outputs:
+        assert f"stopped: preempted (SIGTERM): finished step {stop} of {STEPS}" in stderr, outputs
+    assert max(int(p.name) for p in (out / "checkpoints").iterdir()) == stop
     port = free_port()
     finished = finish([start_slurm_task(i, port, out, "--resume") for i in range(2)])
     assert "done:" in finished[0][0], finished
     assert_same_losses(out, reference)  # 2×4 → 2×4
+
+
+@pytest.mark.slow
+def test_evaluate_in_two_slurm_processes_gives_the_recorded_validation_loss(reference):
+    """`theseus evaluate` in a SLURM-style environment of two tasks joins as `train` does and
+    gives the validation loss the one-process run recorded at its last step (tp=2 + FSDP), to
+    1e-6, written once (eval.json) and printed by process 0 alone. (Task scores through
+    `theseus launch`: test_harness.py.)"""
+    port = free_port()
+    processes = [
+        subprocess.Popen(
+            theseus("evaluate", reference, "--cpu-devices", 4, "--distributed", "auto"),
+            env=child_env(**slurm_env(i, port)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for i in range(2)
+    ]
+    (out0, err0), (out1, _) = finish(processes)
+    assert [p.returncode for p in processes] == [0, 0], err0
+    assert err0.startswith("processes: 0 of 2 (slurm cluster detected)"), err0
+    assert out0.startswith(f"evaluated {reference} at step {STEPS}") and out1 == ""
+    recorded = losses(reference)[-1][2]
+    evaluated = json.loads((reference / "eval.json").read_text())
+    assert evaluated["step"] == STEPS and evaluated["policy"]["tp"] == 2
+    assert evaluated["val_loss"] == pytest.approx(recorded, rel=1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -314,6 +370,15 @@ def test_restart_command_resumes_instead_of_overwriting():
     assert fresh == "theseus train --out runs/a --overwrite"
 
 
+def test_a_stopped_evaluate_is_started_again_not_resumed(tmp_path):
+    """`evaluate` reads a run that has checkpoints: a lost peer says to start it again."""
+    (tmp_path / "checkpoints" / "4").mkdir(parents=True)
+    argv = ["evaluate", str(tmp_path), "--tasks", "arc_easy"]
+    paragraph = stopped_paragraph(argv, tmp_path, 1, signal.SIGKILL, "")
+    assert f"start every process again, on this one: theseus evaluate {tmp_path}" in paragraph
+    assert "--resume" not in paragraph
+
+
 def test_corpus_mismatch_names_the_processes_that_differ():
     rows = np.array([[90, 10, 7], [90, 10, 7], [91, 10, 7], [90, 10, 8]])
     differing = differing_processes(rows)
@@ -326,6 +391,7 @@ def test_corpus_mismatch_names_the_processes_that_differ():
 def test_launch_rejects_commands_it_cannot_start():
     with pytest.raises(ValueError, match="starts one of the commands"):
         check_command(["plan"], None)
+    check_command(["evaluate", "runs/a", "--tasks", "arc_easy"], 2)
     with pytest.raises(ValueError, match="--process-id, --cpu-devices"):
         check_command(["train", "--process-id", "1", "--cpu-devices=2"], 4)
     check_command(["train", "--cpu-devices", "8"], None)

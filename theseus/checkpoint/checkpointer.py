@@ -216,11 +216,6 @@ class Checkpointer:
             "space or fix the directory's permissions, then continue with --resume."
         )
 
-    def reached_preemption(self, step: int) -> bool:
-        """Whether all processes agreed to stop and save at ``step`` after a preemption notice
-        (JAX's preemption sync point, through orbax; always False without jax.distributed)."""
-        return self._store.reached_preemption(step)
-
     def close(self) -> None:
         """Wait for pending saves and release the manager's threads."""
         self._store.close()

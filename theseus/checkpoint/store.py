@@ -41,6 +41,18 @@ def _quiet_orbax_warnings() -> Iterator[None]:
         absl.removeFilter(quiet)
 
 
+class _Manager(ocp.CheckpointManager):
+    """Orbax's manager, blind to JAX's preemption sync point: the training loop alone asks for
+    it, keyed by its count of steps (theseus/training/run/preemption.py). Orbax's own look, from
+    ``save`` and from its background commit, would pass the run's step instead (JAX's protocol
+    takes the largest key any process passed), and its commit fails on a resumed run's
+    preemption step (it subtracts a naive time from an aware one)."""
+
+    def reached_preemption(self, step: int) -> bool:
+        del step
+        return False
+
+
 class OrbaxStore:
     """One directory's orbax ``CheckpointManager``, with the ``state`` and ``meta`` items.
 
@@ -75,9 +87,7 @@ class OrbaxStore:
         registry.add(_META, ocp.args.JsonSave, meta_handler)
         registry.add(_META, ocp.args.JsonRestore, meta_handler)
         with _quiet_orbax_warnings():
-            self._manager = ocp.CheckpointManager(
-                directory, options=options, handler_registry=registry
-            )
+            self._manager = _Manager(directory, options=options, handler_registry=registry)
 
     def all_steps(self) -> list[int]:
         """Committed steps, oldest first (uncommitted temporary directories are not steps)."""
@@ -131,9 +141,6 @@ class OrbaxStore:
     def wait(self) -> None:
         """Block until pending saves are committed (raises a background save's error)."""
         self._manager.wait_until_finished()
-
-    def reached_preemption(self, step: int) -> bool:
-        return self._manager.reached_preemption(step)
 
     def close(self) -> None:
         self._manager.close()

@@ -184,6 +184,16 @@ def join_job(process: ProcessFlags, out: Path | None) -> None:
     join.start(membership, process.heartbeat_timeout)
 
 
+def say_processes() -> None:
+    """In a job of several processes, its first line (as training says it), from process 0."""
+    import jax
+
+    if jax.process_count() > 1:
+        from theseus.distributed.join import describe_processes, main_process_logger
+
+        main_process_logger(__name__).info(describe_processes())
+
+
 class _TerminalLines(logging.Handler):
     """theseus's log records as plain lines on ``sys.stdout`` (or ``sys.stderr``), looked up at
     each line: a worker's terminal or a test's captured stream gets them."""

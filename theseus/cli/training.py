@@ -13,11 +13,11 @@ from theseus.cli.options import (
     DEFAULT_JOB,
     BaseRun,
     ChainFile,
-    CPUDevices,
     Imports,
     JobFlags,
     Overrides,
     PeakTflops,
+    ProcessFlags,
     RunDir,
     RunJob,
     Seed,
@@ -29,8 +29,9 @@ from theseus.cli.options import (
     join_job,
     layout_options,
     log_lines_to_stderr,
+    process_options,
+    say_processes,
     sharding_options,
-    use_cpu_devices,
     user_errors,
 )
 
@@ -158,6 +159,7 @@ def run(
         echo_on_main(result.describe())
 
 
+@process_options
 @layout_options
 def evaluate(
     run_dir: Annotated[Path, typer.Argument(help="run directory (trained or imported)")],
@@ -187,9 +189,9 @@ def evaluate(
     ] = None,
     job: RunJob = None,
     base: BaseRun = None,
-    cpu_devices: CPUDevices = None,
     imports: Imports = None,
     sharding: dict[str, Any] | None = None,
+    process: ProcessFlags | None = None,
 ) -> None:
     """Score a run's newest good checkpoint on the run's own data and config, or on tasks.
 
@@ -197,10 +199,15 @@ def evaluate(
     RUN_DIR/eval.json. With --tasks, lm-evaluation-harness scores the run on its tasks instead,
     writing results as it does (RUN_DIR/harness/step<N>/results_<date>.json) and printing its
     table. The run is read under its own layout where it fits the devices at hand, else under
-    one that does (named), or under --tp/--zero/--fsdp.
+    one that does (named), or under --tp/--zero/--fsdp. It runs in many processes as `train`
+    does (`theseus launch`, --coordinator, a detected cluster), on the devices of all of them;
+    the first process writes and prints the results.
     """
     log_lines_to_stderr()
-    use_cpu_devices(cpu_devices)
+    if not run_dir.is_dir():  # before a supervisor makes RUN_DIR/logs
+        fail(f"{run_dir} is not a folder: give the directory of a trained or imported run")
+    join_job(process, run_dir)
+    say_processes()
     harness_options = {
         "--limit": limit,
         "--num-fewshot": num_fewshot,
@@ -253,7 +260,7 @@ def evaluate(
             job=job,
             base=base,
         )
-    typer.echo(result.describe())
+    echo_on_main(result.describe())
 
 
 @sharding_options

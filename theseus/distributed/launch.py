@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TextIO
 
-LAUNCHABLE = ("train", "run", "import-hf")
+LAUNCHABLE = ("train", "run", "import-hf", "evaluate")
 # Flags the launcher sets itself; a command that gives them contradicts it.
 LAUNCHER_FLAGS = ("--coordinator", "--num-processes", "--process-id", "--distributed")
 NUM_TAIL_LINES = 20

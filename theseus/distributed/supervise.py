@@ -40,6 +40,8 @@ from theseus.checkpoint.meta import CHECKPOINTS
 # Set in a worker's environment: the file descriptors of the terminal's stdout and stderr.
 WORKER_ENV = "THESEUS_WORKER_TERMINAL_FDS"
 EXIT_PEER_LOST = 1
+#: The commands that save checkpoints and continue with --resume.
+TRAINING_COMMANDS = ("train", "run")
 _TAIL_BYTES = 64 * 1024
 # Seconds past the heartbeat timeout for JAX's runtime to notice a lost peer and end the worker.
 RUNTIME_VERDICT_GRACE_S = 15
@@ -195,14 +197,19 @@ def stopped_paragraph(
     else:
         cause = f"process {process_id} was ended by {signal.Signals(signum).name}"
     checkpoint = newest_checkpoint(run_dir)
-    if checkpoint is not None:
+    if argv[0] not in TRAINING_COMMANDS:  # it reads a run, or writes one whole: start it again
+        saved, how, again = (
+            "it does not continue from checkpoints",
+            "start every process again",
+            "theseus " + shlex.join(argv),
+        )
+    elif checkpoint is not None:
         saved = f"nothing committed is lost: the newest checkpoint is {checkpoint} (step {checkpoint.name})"
-        how = "continue every process with --resume"
+        how, again = "continue every process with --resume", restart_command(argv, resume=True)
     else:
         saved = "no checkpoint was committed yet"
-        how = "start every process again"
+        how, again = "start every process again", restart_command(argv, resume=False)
     return (
-        f"{cause}; {saved}. When all processes can run, {how}, on this one: "
-        f"{restart_command(argv, resume=checkpoint is not None)}. JAX's own report is in "
-        f"{log_path(run_dir, process_id)}."
+        f"{cause}; {saved}. When all processes can run, {how}, on this one: {again}. JAX's own "
+        f"report is in {log_path(run_dir, process_id)}."
     )

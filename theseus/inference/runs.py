@@ -10,7 +10,6 @@ depend on the layout, so reading under another one gives the run's own function.
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 import jax
 
 from theseus.config import apply_overrides
+from theseus.distributed.join import main_process_logger
 from theseus.jobs import get_job, job_of_run
 from theseus.sharding.axis import ShardingPolicy
 from theseus.sharding.topology import Topology
@@ -26,7 +26,7 @@ from theseus.training.run.evaluation import evaluate as evaluate_checkpoint
 from theseus.training.run.evaluation import run_config
 from theseus.training.trainer import BaseTrainer, TrainerConfig
 
-logger = logging.getLogger(__name__)
+logger = main_process_logger(__name__)  # every process of a job reads alike: one says so
 
 #: The policy fields a user changes with --tp, --zero/--no-zero and --fsdp/--no-fsdp.
 LAYOUT_FIELDS = ("tp", "zero", "fsdp")

@@ -19,6 +19,7 @@ from theseus.data import MixtureSampler
 from theseus.distributed.join import describe_processes, is_main_process, main_process_logger
 from theseus.training.flops import count_flops
 from theseus.training.run.checkpointing import checkpoint_meta, saved_state
+from theseus.training.run.dashboards import GuardedDashboard
 from theseus.training.run.data import (
     Validation,
     batch_shape,
@@ -35,7 +36,7 @@ from theseus.training.run.start import StartingPoint, starting_point
 from theseus.training.run.stops import NonFiniteGuard, Preempted
 from theseus.training.run.tensorboard import TensorBoardWriter
 from theseus.training.run.throughput import speedometer
-from theseus.training.run.wandb_writer import open_wandb, require_wandb
+from theseus.training.run.wandb_writer import keep_missed, missed_rows, open_wandb, require_wandb
 from theseus.training.state import TrainState
 from theseus.training.summary import one_line_plan
 from theseus.training.trainer import BaseTrainer
@@ -139,7 +140,9 @@ def train(
             lambda: _next_move(checkpointer),
         )
         wandb = open_wandb(config, out_dir, resume=mode.resume)
-        trackers = [t for t in (tensorboard, wandb) if t is not None]
+        trackers = [GuardedDashboard(tensorboard, "TensorBoard")] if tensorboard else []
+        if wandb is not None:
+            trackers.append(GuardedDashboard(wandb, "W&B", missed=keep_missed(out_dir)))
         metrics = MetricsWriter(
             out_dir / "metrics.jsonl",
             trainer,
@@ -152,7 +155,10 @@ def train(
         with contextlib.ExitStack() as closing, metrics:  # trackers close after the last row
             for tracker in trackers:
                 closing.enter_context(tracker)
-            preemption = closing.enter_context(PreemptionWatch(checkpointer.reached_preemption))
+            if wandb is not None and mode.resume:
+                for row in missed_rows(out_dir, start.first_step):  # what W&B missed before
+                    trackers[-1].write(row)
+            preemption = closing.enter_context(PreemptionWatch())
             _steps(
                 trainer,
                 step_fn=compiled.executable,
@@ -220,7 +226,7 @@ def _steps(
         if evaluator is not None and (step % trainer.config.evaluation.interval == 0 or last):
             with metrics.paused():
                 metrics.add_scores(_scores(evaluator, state.params, step))
-        preempted = preemption.reached(step)
+        preempted = preemption.reached()
         if preempted or step % trainer.config.checkpointing.interval == 0 or last:
             with metrics.paused():
                 metrics.flush()
