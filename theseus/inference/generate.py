@@ -202,22 +202,22 @@ class Generator:
     def _compile(self, num_rows: int, width: int, cache_len: int, num_valid: int):
         decoder = self.decoder
         arrays = decoder.cache(num_rows, cache_len)
-        cache_layout = {
-            name: NamedSharding(self.mesh, partition_spec(a.names, self.rules))
-            for name, a in arrays.items()
-        }
+        cache_layout = jax.tree.map(
+            lambda a: NamedSharding(self.mesh, partition_spec(a.names, self.rules)), arrays
+        )
         rows = NamedSharding(self.mesh, P(Axis.BATCH))
         replicated = self.replicated
         params_layout = self.trainer.layouts.compute
 
         def prefill(params, tokens, lengths, row_ids, controls):
-            cache = {
-                name: jax.lax.with_sharding_constraint(
-                    jnp.zeros(a.shape, a.dtype), cache_layout[name]
-                )
-                for name, a in arrays.items()
-            }
-            logits, cache = decoder(params, cache, tokens, jnp.zeros_like(lengths))
+            cache = jax.tree.map(
+                lambda a, layout: jax.lax.with_sharding_constraint(
+                    jnp.full(a.shape, a.fill, a.dtype), layout
+                ),
+                arrays,
+                cache_layout,
+            )
+            logits, cache = decoder(params, cache, tokens, jnp.zeros_like(lengths), lengths)
             last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
             keys = sample_keys(controls["seed"], row_ids, lengths)
             return next_tokens(last, keys, controls, num_valid), cache, lengths

@@ -7,9 +7,15 @@ token table, the stacked layers, the final norm and the untied head. :func:`forw
 training (layers through :func:`theseus.scan_layers`), :class:`CachedDecoder` for ``theseus
 generate``; a layer calls ``inputs.attend(q, k, v)``, which attends within the sequence in
 training and writes the keys and values into the cache and attends over it in decoding, so each
-layer is written once. Each layer's attention window (``Skeleton.windows``) and rotary frequencies
-(``Skeleton.inv_freqs``) travel through the layer scan as data, so layers that slide and layers
-that read the whole context, with their own rotary bases, stay one scan.
+layer is written once; it returns what it wrote (:class:`Attended`), and the layer returns that
+with its new stream (:class:`LayerOutput`). Each layer's attention window (``Skeleton.windows``)
+and rotary frequencies (``Skeleton.inv_freqs``) travel through the layer scan as data, so layers
+that slide and layers that read the whole context, with their own rotary bases, stay one scan.
+
+In decoding, the layers of one window share a cache (:class:`CacheGroup`): full-context layers
+keep every position, sliding layers a ring of their window (position ``p`` in slot ``p mod
+window``), and each group keeps the position of every slot as data, so the attention mask reads
+real key positions and an empty slot sits at :data:`EMPTY`, later than any query.
 """
 
 from __future__ import annotations
@@ -37,10 +43,32 @@ from theseus.model.parts import norm
 from theseus.sharding.layer_scan import scan_layers
 
 
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Attended:
+    """What a layer's attention gives: its ``output`` (``attend``: heads (batch, seq, heads,
+    head_dim); a family's helper may return its projection instead) and the decoding ``cache``
+    with this layer's keys and values written (None in training), which the layer returns."""
+
+    output: jax.Array
+    cache: Any = None
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class LayerOutput:
+    """What a layer returns: the new float32 ``stream`` (batch, seq, n_embd) and the ``cache``
+    its attention returned (:attr:`Attended.cache`)."""
+
+    stream: jax.Array
+    cache: Any = None
+
+
 @dataclass(frozen=True)
 class LayerInputs:
     """What one layer reads besides its weights and the residual stream: ``attend(q, k, v,
-    keep=None)`` (heads (batch, seq, heads, head_dim) in, the same shape out), the position
+    keep=None)`` (heads (batch, seq, heads, head_dim) in, an :class:`Attended` of the same
+    shape out), the position
     ``features``, the layer's per-example dropout ``keys`` (None: no dropout) and its rotary
     inverse frequencies ``inv_freq`` (head_dim / 2,) (None: the skeleton has no per-layer ones)."""
 
@@ -68,7 +96,8 @@ class Skeleton:
     ``embed(params, tokens, positions, settings)`` gives the float32 stream (batch, seq, n_embd)
     of ``tokens`` at ``positions`` (batch or 1, seq); ``features(positions, settings)`` what every
     layer reads of the positions; ``layer(weights, x, inputs, settings)`` one layer's new stream.
-    ``settings`` holds the family's own constants (a frozen dataclass). ``windows``: each
+    ``layer`` returns a :class:`LayerOutput`. ``settings`` holds the family's own constants (a
+    frozen dataclass). ``windows``: each
     layer's sliding attention window (None: the layer reads the whole context; empty: no layer
     slides). ``inv_freqs``: each layer's rotary inverse frequencies (empty: none per layer).
     ``attention``: how every layer attends besides its mask (scale, soft cap: see
@@ -79,7 +108,7 @@ class Skeleton:
 
     embed: Callable[[dict, jax.Array, jax.Array, Any], jax.Array]
     features: Callable[[jax.Array, Any], Any]
-    layer: Callable[[dict, jax.Array, LayerInputs, Any], jax.Array]
+    layer: Callable[[dict, jax.Array, LayerInputs, Any], LayerOutput]
     settings: Any
     paths: Paths
     eps: float  # of the final norm
@@ -213,10 +242,10 @@ def forward(
         layer_mask = replace(mask, window=window)
 
         def attend(q, k, v, keep=None):
-            return sk.attend(q, k, v, layer_mask, dropout_rate=sk.dropout, keep=keep)
+            return Attended(sk.attend(q, k, v, layer_mask, dropout_rate=sk.dropout, keep=keep))
 
         layer_inputs = LayerInputs(attend, features, fold_in(keys, index + 1), inv_freq)
-        return sk.layer(sk.weights(layer), x, layer_inputs, sk.settings)
+        return sk.layer(sk.weights(layer), x, layer_inputs, sk.settings).stream
 
     layers = params[sk.paths.layers]  # arrays of shape (n_layer, ...)
     num_layers = jax.tree.leaves(layers)[0].shape[0]
@@ -235,12 +264,100 @@ def head(params: dict, x: jax.Array, skeleton: Skeleton) -> jax.Array:
     return soft_cap(dense(h, table, jnp.float32, transposed=True), skeleton.logit_softcap)
 
 
+#: The key position of a cache slot nothing was written to: later than every query, so no query
+#: reads it (and a kernel that skips keys past every query's position never computes it).
+EMPTY = int(jnp.iinfo(jnp.int32).max)
+
+
+@dataclass(frozen=True)
+class CacheGroup:
+    """The layers (their indices, in order) that attend with one ``window`` (None: the whole
+    context), and so share one cache layout: ``length(cache_len)`` slots per row, position ``p``
+    in slot ``p mod length``. A sliding group's ring holds its window, a full group every
+    position."""
+
+    name: str
+    window: int | None
+    layers: tuple[int, ...]
+
+    def length(self, cache_len: int) -> int:
+        return cache_len if self.window is None else min(self.window, cache_len)
+
+
+def cache_groups(windows: tuple[int | None, ...], num_layers: int) -> tuple[CacheGroup, ...]:
+    """The layers grouped by window (full context first, then windows in increasing order)."""
+    windows = windows or (None,) * num_layers
+    kinds = sorted(set(windows), key=lambda w: -1 if w is None else w)
+    return tuple(
+        CacheGroup(
+            "full" if w is None else f"window_{w}",
+            w,
+            tuple(i for i, layer_window in enumerate(windows) if layer_window == w),
+        )
+        for w in kinds
+    )
+
+
+@dataclass(frozen=True)
+class Ring:
+    """One call's writes into one group's cache: where each new position goes (``slots``
+    (rows, n); the slot count, out of range, for a position not kept), the slots' key positions
+    ``before`` and ``after`` the call (rows, length), the queries' ``positions`` (rows, n), the
+    group's ``window``, and whether the queries read keys the write evicts (``read_first``: a
+    call of more new positions than the ring's slack, such as the prefill of a prompt longer
+    than the window), in which case they attend over the cache before the write and the new
+    keys together instead of over the cache after it."""
+
+    slots: jax.Array
+    before: jax.Array
+    after: jax.Array
+    positions: jax.Array
+    window: int | None
+    read_first: bool
+
+    @staticmethod
+    def of(group: CacheGroup, before: jax.Array, positions: jax.Array, lengths: jax.Array) -> Ring:
+        """The writes of queries at ``positions`` (rows, n) into a group's cache whose slots
+        hold key positions ``before`` (rows, length): of each row's first ``lengths`` (rows,)
+        new positions (the rest is padding), the last ``length`` ones."""
+        num_new = positions.shape[1]
+        length = before.shape[1]
+        index = jnp.arange(num_new)[None]  # (1, n)
+        kept = (index < lengths[:, None]) & (index >= lengths[:, None] - length)  # (rows, n)
+        slots = jnp.where(kept, positions % length, length)  # (rows, n)
+        stale = before >= positions[:, :1]  # (rows, length): at or past the first new position
+        before = jnp.where(stale, EMPTY, before)
+        evicts = group.window is not None and length >= group.window
+        read_first = evicts and num_new > length - group.window + 1
+        after = _write(before[..., None], positions[..., None], slots)[..., 0]
+        return Ring(slots, before, after, positions, group.window, read_first)
+
+    @property
+    def mask(self) -> AttentionMask:
+        """What the queries read of :meth:`write`'s keys."""
+        key_positions = self.after
+        if self.read_first:
+            key_positions = jnp.concatenate([self.before, self.positions], axis=1)
+        return AttentionMask(self.positions, key_positions, window=self.window)
+
+    def write(self, cache: jax.Array, new: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``cache`` (rows, length, width) with ``new`` (rows, n, width) written, and what the
+        queries read: the written cache, or (``read_first``) the cache before the write and
+        the new entries (rows, length + n, width)."""
+        new = new.astype(cache.dtype)
+        written = _write(cache, new, self.slots)
+        if self.read_first:
+            return written, jnp.concatenate([cache, new], axis=1)
+        return written, written
+
+
 @dataclass(frozen=True)
 class CachedDecoder:
-    """A family's decoder with a cache of keys and values (:class:`theseus.model.decode.Decoder`):
-    ``k`` and ``v`` of shape (n_layer, rows, cache_len, kv_width) in the compute dtype, named
-    (``n_layer``, rows, ``names[0]``, ``names[1]``): rows over ``batch``, the key/value heads
-    as the family's plan splits their projections in training."""
+    """A family's decoder with a cache of keys and values (:class:`theseus.model.decode.Decoder`)
+    per :class:`CacheGroup`: ``k`` and ``v`` of shape (layers of the group, rows, length,
+    kv_width) in the compute dtype, named (``n_layer``, rows, ``names[0]``, ``names[1]``): rows
+    over ``batch``, the key/value heads as the family's plan splits their projections in
+    training; and ``positions`` (rows, length) int32, each slot's key position."""
 
     skeleton: Skeleton
     vocab_size: int
@@ -253,52 +370,91 @@ class CachedDecoder:
     def context_len(self) -> int:
         return self.skeleton.context_len
 
-    def cache(self, num_rows: int, cache_len: int) -> dict[str, CacheArray]:
-        shape = (self.num_layers, num_rows, cache_len, self.kv_width)
-        names = ("n_layer", ROWS, *self.names)
+    @property
+    def groups(self) -> tuple[CacheGroup, ...]:
+        return cache_groups(self.skeleton.windows, self.num_layers)
+
+    def cache(self, num_rows: int, cache_len: int) -> dict[str, dict[str, CacheArray]]:
         dtype = self.skeleton.compute_dtype
-        return {name: CacheArray(shape, dtype, names) for name in ("k", "v")}
+        arrays = {}
+        for group in self.groups:
+            length = group.length(cache_len)
+            shape = (len(group.layers), num_rows, length, self.kv_width)
+            kv = CacheArray(shape, dtype, ("n_layer", ROWS, *self.names))
+            positions = CacheArray((num_rows, length), jnp.int32, (ROWS, None), fill=EMPTY)
+            arrays[group.name] = {"k": kv, "v": kv, "positions": positions}
+        return arrays
 
     def __call__(
-        self, params: Any, cache: dict[str, jax.Array], tokens: jax.Array, positions: jax.Array
-    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        self,
+        params: Any,
+        cache: dict[str, dict[str, jax.Array]],
+        tokens: jax.Array,
+        positions: jax.Array,
+        lengths: jax.Array | None = None,
+    ) -> tuple[jax.Array, dict[str, dict[str, jax.Array]]]:
         sk = self.skeleton
         rows, num_new = tokens.shape
         query_positions = positions[:, None] + jnp.arange(num_new)  # (rows, n)
+        if lengths is None:
+            lengths = jnp.full((rows,), num_new, jnp.int32)
         x = sk.embed(params, tokens, query_positions, sk.settings)  # (rows, n, n_embd)
         features = sk.features(query_positions, sk.settings)
-        cache_len = cache["k"].shape[2]
-        mask = AttentionMask.cached(query_positions, cache_len)
+        groups = self.groups
+        rings = [Ring.of(g, cache[g.name]["positions"], query_positions, lengths) for g in groups]
 
-        def layer_step(x, inputs):
-            layer, k_cache, v_cache, window, inv_freq = inputs  # caches (rows, cache_len, kv)
-            layer_mask = replace(mask, window=window)
-            written = []
+        def group_attention(group: int, q, k, v):
+            """Write layer ``index`` of ``group``'s keys and values ``k``, ``v`` (rows, n,
+            kv_heads, head_dim) into its cache and attend with queries ``q``: one branch of the
+            switch over groups."""
+
+            def attend(stacks, index):
+                stacks = list(stacks)
+                ring, read = rings[group], {}
+                for name, new in (("k", k), ("v", v)):
+                    stack = stacks[group][name]  # (layers of the group, rows, length, kv_width)
+                    written, read[name] = ring.write(stack[index], new.reshape(rows, num_new, -1))
+                    stacks[group] = {**stacks[group], name: stack.at[index].set(written)}
+                keys, values = (
+                    read[name].reshape(rows, -1, k.shape[2], self.head_dim).astype(q.dtype)
+                    for name in ("k", "v")
+                )  # (rows, length or length + n, kv_heads, head_dim)
+                return sk.attend(q, keys, values, ring.mask), tuple(stacks)
+
+            return attend
+
+        def layer_step(carry, inputs):
+            x, stacks = carry
+            layer, group, index, inv_freq = inputs
 
             def attend(q, k, v, keep=None):
                 del keep  # no dropout in decoding
-                new = [
-                    _write(c, t.reshape(rows, num_new, -1), positions)
-                    for c, t in ((k_cache, k), (v_cache, v))
-                ]
-                written.extend(new)
-                keys, values = (c.reshape(rows, cache_len, -1, self.head_dim) for c in new)
-                return sk.attend(q, keys.astype(q.dtype), values.astype(q.dtype), layer_mask)
+                branches = [group_attention(g, q, k, v) for g in range(len(groups))]
+                out, written = jax.lax.switch(group, branches, stacks, index)
+                return Attended(out, written)
 
             layer_inputs = LayerInputs(attend, features, None, inv_freq)
-            x = sk.layer(sk.weights(layer), x, layer_inputs, sk.settings)
-            return x, tuple(written)
+            out = sk.layer(sk.weights(layer), x, layer_inputs, sk.settings)
+            return (out.stream, out.cache), None
 
-        windows, inv_freqs = sk.layer_windows(self.num_layers), sk.layer_inv_freqs()
-        layers = (params[sk.paths.layers], cache["k"], cache["v"], windows, inv_freqs)
-        x, (k, v) = jax.lax.scan(layer_step, x, layers)
-        return head(params, x, sk), {"k": k, "v": v}  # (rows, n, vocab)
+        group_of, index_in_group = _layer_places(groups, self.num_layers)
+        stacks = tuple({"k": cache[g.name]["k"], "v": cache[g.name]["v"]} for g in groups)
+        per_layer = (params[sk.paths.layers], group_of, index_in_group, sk.layer_inv_freqs())
+        (x, stacks), _ = jax.lax.scan(layer_step, (x, stacks), per_layer)
+        written = {g.name: {**stacks[i], "positions": rings[i].after} for i, g in enumerate(groups)}
+        return head(params, x, sk), written  # (rows, n, vocab)
 
 
-def _write(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
-    """``cache`` (rows, cache_len, width) with ``new`` (rows, n, width) written at rows'
-    ``positions`` (rows,) onwards."""
-    new = new.astype(cache.dtype)
-    return jax.vmap(lambda c, u, p: jax.lax.dynamic_update_slice(c, u, (p, 0)))(
-        cache, new, positions
-    )
+def _layer_places(groups: tuple[CacheGroup, ...], num_layers: int) -> tuple[jax.Array, jax.Array]:
+    """Each layer's group and its index within the group: int32 (n_layer,) each."""
+    group_of, index_in_group = [0] * num_layers, [0] * num_layers
+    for g, group in enumerate(groups):
+        for i, layer in enumerate(group.layers):
+            group_of[layer], index_in_group[layer] = g, i
+    return jnp.array(group_of, jnp.int32), jnp.array(index_in_group, jnp.int32)
+
+
+def _write(cache: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
+    """``cache`` (rows, length, width) with ``new`` (rows, n, width) written at ``slots`` (rows,
+    n); a slot out of range writes nothing."""
+    return jax.vmap(lambda c, u, s: c.at[s].set(u, mode="drop"))(cache, new, slots)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Literal
 
@@ -19,7 +19,14 @@ from flax import nnx
 
 from theseus.config import Section
 from theseus.model import windows as sliding
-from theseus.model.decoder import CachedDecoder, DecoderModel, LayerInputs, Paths, Skeleton
+from theseus.model.decoder import (
+    Attended,
+    CachedDecoder,
+    DecoderModel,
+    LayerInputs,
+    Paths,
+    Skeleton,
+)
 from theseus.model.family import Context, Family, HFSpec, HFTensor, Matmuls, whole
 from theseus.model.parts import StackedProjection, param, project
 from theseus.model.rotary import apply_rotary, inverse_frequencies, rotary
@@ -250,11 +257,12 @@ def self_attention(
     rotation: tuple[jax.Array, jax.Array],
     head_dim: int,
     head_norm: Callable[[jax.Array, dict], jax.Array],
-) -> jax.Array:
+) -> Attended:
     """Grouped-query self-attention of the normed stream ``h`` (batch, seq, n_embd): q, k, v
     heads, ``head_norm(heads, params)`` of q and k per head when the layer has ``q_norm`` and
     ``k_norm``, the rotary ``rotation`` (cos, sin), ``inputs.attend``, then ``o_proj``.
-    Returns (batch, seq, n_embd) in ``h``'s dtype."""
+    Returns what ``attend`` did with its output projected: (batch, seq, n_embd) in ``h``'s
+    dtype."""
     batch, seq, _ = h.shape
     cos, sin = rotation
     q, k, v = (
@@ -264,7 +272,8 @@ def self_attention(
     if "q_norm" in layer:
         q, k = head_norm(q, layer["q_norm"]), head_norm(k, layer["k_norm"])
     attended = inputs.attend(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
-    return project(attended.reshape(batch, seq, -1), layer["o_proj"])  # (batch, seq, n_embd)
+    out = project(attended.output.reshape(batch, seq, -1), layer["o_proj"])  # (b, s, n_embd)
+    return replace(attended, output=out)
 
 
 def matmuls(c: GQAConfig) -> Matmuls:

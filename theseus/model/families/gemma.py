@@ -27,7 +27,7 @@ from jax.typing import DTypeLike
 from theseus.model import gqa
 from theseus.model import windows as sliding
 from theseus.model.attention import AttentionOptions
-from theseus.model.decoder import DecoderModel, LayerInputs
+from theseus.model.decoder import DecoderModel, LayerInputs, LayerOutput
 from theseus.model.family import HFSpec, HFTensor
 from theseus.model.gqa import WindowedConfig, field
 from theseus.model.layers import rms_norm
@@ -97,7 +97,7 @@ def gemma_norm(x: jax.Array, params: dict, eps: float, dtype: DTypeLike) -> jax.
     return rms_norm(x, 1.0 + params["weight"], eps, dtype)
 
 
-def block(layer: dict, x: jax.Array, inputs: LayerInputs, s: Settings) -> jax.Array:
+def block(layer: dict, x: jax.Array, inputs: LayerInputs, s: Settings) -> LayerOutput:
     """One layer on the float32 stream ``x`` (batch, seq, n_embd): normed attention (per-head
     q/k norms when the layer has them, the layer's rotary angles), its output normed and added;
     the GeGLU MLP likewise."""
@@ -107,12 +107,13 @@ def block(layer: dict, x: jax.Array, inputs: LayerInputs, s: Settings) -> jax.Ar
     def head_norm(heads, params):
         return gemma_norm(heads, params, s.eps, heads.dtype)
 
-    out = gqa.self_attention(layer, h, inputs, rotation, s.head_dim, head_norm)
-    x = x + gemma_norm(out, layer["post_attention_layernorm"], s.eps, jnp.float32)
+    attended = gqa.self_attention(layer, h, inputs, rotation, s.head_dim, head_norm)
+    x = x + gemma_norm(attended.output, layer["post_attention_layernorm"], s.eps, jnp.float32)
     h = gemma_norm(x, layer["pre_feedforward_layernorm"], s.eps, s.compute_dtype)
     gate = jax.nn.gelu(project(h, layer["gate_proj"]), approximate=True)  # (.., n_mlp)
     out = project(gate * project(h, layer["up_proj"]), layer["down_proj"])  # (.., n_embd)
-    return x + gemma_norm(out, layer["post_feedforward_layernorm"], s.eps, jnp.float32)
+    x = x + gemma_norm(out, layer["post_feedforward_layernorm"], s.eps, jnp.float32)
+    return LayerOutput(x, attended.cache)
 
 
 def skeleton(c: GemmaConfig, compute_dtype: DTypeLike, remat: bool | str = False, lora_scale=0.0):

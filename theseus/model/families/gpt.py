@@ -15,7 +15,14 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from theseus.config import Section
-from theseus.model.decoder import CachedDecoder, DecoderModel, LayerInputs, Paths, Skeleton
+from theseus.model.decoder import (
+    CachedDecoder,
+    DecoderModel,
+    LayerInputs,
+    LayerOutput,
+    Paths,
+    Skeleton,
+)
 from theseus.model.family import Context, Family, HFSpec, HFTensor, Matmuls, Part, whole
 from theseus.model.layers import apply_dropout, keep_masks
 from theseus.model.parts import Norm, Stack, StackedProjection, norm, param, project
@@ -104,7 +111,7 @@ def no_features(positions: jax.Array, s: Settings) -> None:
     del positions, s  # GPT's layers read no positions (they are in the embedding)
 
 
-def block(layer: dict, x: jax.Array, inputs: LayerInputs, s: Settings) -> jax.Array:
+def block(layer: dict, x: jax.Array, inputs: LayerInputs, s: Settings) -> LayerOutput:
     """One pre-LayerNorm block on the float32 stream ``x`` (batch, seq, n_embd); with this
     layer's per-example keys, attention probabilities and both residual branches drop out."""
     batch, seq, n_embd = x.shape
@@ -114,13 +121,14 @@ def block(layer: dict, x: jax.Array, inputs: LayerInputs, s: Settings) -> jax.Ar
     q, k, v = (
         project(h, layer[f"attn_{name}"]).reshape(batch, seq, s.n_head, -1) for name in "qkv"
     )  # (batch, seq, n_head, head_dim)
-    attended = inputs.attend(q, k, v, probs_keep).reshape(batch, seq, -1)  # (batch, seq, n_attn)
-    branch = apply_dropout(project(attended, layer["attn_out"]), attn_keep, s.dropout)
+    attended = inputs.attend(q, k, v, probs_keep)
+    heads = attended.output.reshape(batch, seq, -1)  # (batch, seq, n_attn)
+    branch = apply_dropout(project(heads, layer["attn_out"]), attn_keep, s.dropout)
     x = x + branch.astype(jnp.float32)  # (batch, seq, n_embd)
     h = norm(x, layer["ln2"], EPS, s.compute_dtype)
     h = jax.nn.gelu(project(h, layer["mlp_fc"]), approximate=True)  # (batch, seq, n_mlp)
     branch = apply_dropout(project(h, layer["mlp_proj"]), mlp_keep, s.dropout)
-    return x + branch.astype(jnp.float32)  # (batch, seq, n_embd)
+    return LayerOutput(x + branch.astype(jnp.float32), attended.cache)  # (batch, seq, n_embd)
 
 
 def skeleton(c: GPTConfig, compute_dtype: DTypeLike, remat: bool | str = False, lora_scale=0.0):

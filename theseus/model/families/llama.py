@@ -20,7 +20,7 @@ from jax.typing import DTypeLike
 
 from theseus.model import gqa
 from theseus.model import windows as sliding
-from theseus.model.decoder import DecoderModel, LayerInputs
+from theseus.model.decoder import DecoderModel, LayerInputs, LayerOutput
 from theseus.model.family import HFSpec, HFTensor, whole
 from theseus.model.gqa import Settings, WindowedConfig, field
 from theseus.model.parts import Norm, Stack, norm, project
@@ -38,7 +38,7 @@ class LlamaConfig(WindowedConfig):
     qk_norm: bool = field(False, "per-head q/k RMSNorm")
 
 
-def block(layer: dict, x: jax.Array, inputs: LayerInputs, s: Settings) -> jax.Array:
+def block(layer: dict, x: jax.Array, inputs: LayerInputs, s: Settings) -> LayerOutput:
     """One pre-RMSNorm layer on the float32 stream ``x`` (batch, seq, n_embd): attention with
     per-head q/k norms (when the layer has them) and rotary q/k, then the SwiGLU MLP."""
     h = norm(x, layer["input_layernorm"], s.eps, s.compute_dtype)  # (batch, seq, n_embd)
@@ -46,11 +46,12 @@ def block(layer: dict, x: jax.Array, inputs: LayerInputs, s: Settings) -> jax.Ar
     def head_norm(heads, params):
         return norm(heads, params, s.eps, heads.dtype)
 
-    out = gqa.self_attention(layer, h, inputs, inputs.features, s.head_dim, head_norm)
-    x = x + out.astype(jnp.float32)
+    attended = gqa.self_attention(layer, h, inputs, inputs.features, s.head_dim, head_norm)
+    x = x + attended.output.astype(jnp.float32)
     h = norm(x, layer["post_attention_layernorm"], s.eps, s.compute_dtype)
     gated = jax.nn.silu(project(h, layer["gate_proj"])) * project(h, layer["up_proj"])  # n_mlp
-    return x + project(gated, layer["down_proj"]).astype(jnp.float32)  # (batch, seq, n_embd)
+    x = x + project(gated, layer["down_proj"]).astype(jnp.float32)  # (batch, seq, n_embd)
+    return LayerOutput(x, attended.cache)
 
 
 def skeleton(c: LlamaConfig, compute_dtype: DTypeLike, remat: bool | str = False, lora_scale=0.0):

@@ -21,7 +21,7 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from theseus.model import gqa
-from theseus.model.decoder import DecoderModel, LayerInputs
+from theseus.model.decoder import DecoderModel, LayerInputs, LayerOutput
 from theseus.model.family import HFSpec, HFTensor
 from theseus.model.gqa import GQAConfig, Settings, field
 from theseus.model.parts import Norm, Stack, norm, project
@@ -36,7 +36,7 @@ class Olmo2Config(GQAConfig):
     rope_theta: float = field(500000.0, "rotary base", gt=0)
 
 
-def block(layer: dict, x: jax.Array, inputs: LayerInputs, s: Settings) -> jax.Array:
+def block(layer: dict, x: jax.Array, inputs: LayerInputs, s: Settings) -> LayerOutput:
     """One layer on the float32 stream ``x`` (batch, seq, n_embd): attention with q/k normed
     over all heads then rotated, its output normed and added; the SwiGLU MLP likewise."""
     batch, seq, _ = x.shape
@@ -47,12 +47,13 @@ def block(layer: dict, x: jax.Array, inputs: LayerInputs, s: Settings) -> jax.Ar
     v = project(h, layer["v_proj"])  # (batch, seq, n_kv)
     q, k, v = (t.reshape(batch, seq, -1, s.head_dim) for t in (q, k, v))  # (.., heads, head_dim)
     attended = inputs.attend(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
-    out = project(attended.reshape(batch, seq, -1), layer["o_proj"])  # (batch, seq, n_embd)
+    out = project(attended.output.reshape(batch, seq, -1), layer["o_proj"])  # (b, s, n_embd)
     x = x + norm(out, layer["post_attention_layernorm"], s.eps, jnp.float32)
     h = x.astype(s.compute_dtype)
     gated = jax.nn.silu(project(h, layer["gate_proj"])) * project(h, layer["up_proj"])  # n_mlp
     out = project(gated, layer["down_proj"])  # (batch, seq, n_embd)
-    return x + norm(out, layer["post_feedforward_layernorm"], s.eps, jnp.float32)
+    x = x + norm(out, layer["post_feedforward_layernorm"], s.eps, jnp.float32)
+    return LayerOutput(x, attended.cache)
 
 
 def skeleton(c: Olmo2Config, compute_dtype: DTypeLike, remat: bool | str = False, lora_scale=0.0):
