@@ -1,0 +1,68 @@
+"""The KV-cache decoder's bounded cache: sliding layers keep a ring of their window, full layers
+the whole context, and decoding past several windows (prompts of different lengths, one longer
+than the window, right-padded into one batch) gives the logits of the whole sequence through
+``forward``. (Greedy tokens against transformers: tests/test_hf.py; every layout:
+tests/test_generate.py.)"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from support import EQUIVALENCE_LLAMA, FAMILIES
+
+from theseus.model.decoder import EMPTY, forward
+
+GEMMA = FAMILIES["gemma"].family
+# Windows of 4 on layers 0 and 2 of 3 (Gemma's alternation), and on every layer (Mistral's).
+WINDOWED = {
+    "alternating": ("sliding_attention", "full_attention", "sliding_attention"),
+    "all-sliding": None,
+}
+LENGTHS = (7, 2, 5)  # prompts; 7 and 5 are longer than the window
+WIDTH, NEW = 7, 14  # the last row ends at position 20: five windows
+
+
+def model_config(layer_types):
+    fields = EQUIVALENCE_LLAMA.model_dump(include=set(GEMMA.config_class.model_fields))
+    return GEMMA.config_class(**fields | dict(sliding_window=4, layer_types=layer_types))
+
+
+@pytest.mark.parametrize("kind", WINDOWED)
+def test_sliding_layers_keep_a_ring_of_their_window(kind):
+    config = model_config(WINDOWED[kind])
+    cache = GEMMA.decoder(config, jnp.float32, 0.0).cache(3, 24)
+    kv = config.n_kv
+    ring = cache.pop("window_4")
+    assert ring["k"].shape == ring["v"].shape == (2 if kind == "alternating" else 3, 3, 4, kv)
+    assert ring["positions"].shape == (3, 4) and ring["positions"].fill == EMPTY
+    if kind == "alternating":
+        assert cache.pop("full")["k"].shape == (1, 3, 24, kv)
+    assert not cache
+
+
+@pytest.mark.parametrize("kind", WINDOWED)
+def test_decoding_past_several_windows_equals_the_whole_forward(kind):
+    config = model_config(WINDOWED[kind])
+    model = GEMMA.model_class(config, rngs=nnx.Rngs(0))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    decoder = GEMMA.decoder(config, jnp.float32, 0.0)
+    ids = np.random.default_rng(0).integers(0, config.vocab_size, (3, WIDTH + NEW), np.int32)
+    lengths = np.array(LENGTHS, np.int32)
+    want = np.asarray(forward(params, jnp.asarray(ids), model.skeleton))  # (3, seq, vocab)
+
+    arrays = decoder.cache(3, WIDTH + NEW)
+    cache = jax.tree.map(lambda a: jnp.full(a.shape, a.fill, a.dtype), arrays)
+    prompts = np.where(np.arange(WIDTH) < lengths[:, None], ids[:, :WIDTH], 0)  # right-padded
+    call = jax.jit(decoder)
+    logits, cache = call(params, cache, prompts, np.zeros(3, np.int32), lengths)
+    for row, length in enumerate(LENGTHS):
+        np.testing.assert_allclose(logits[row, :length], want[row, :length], atol=1e-5, rtol=0)
+    positions = lengths
+    for _ in range(NEW):  # each row reads its own next token (teacher forcing)
+        token = ids[np.arange(3), positions][:, None]  # (3, 1)
+        logits, cache = call(params, cache, token, positions)
+        np.testing.assert_allclose(logits[:, 0], want[np.arange(3), positions], atol=1e-5, rtol=0)
+        positions = positions + 1
+    ring = np.asarray(cache["window_4"]["positions"])  # each row's last four positions
+    np.testing.assert_array_equal(np.sort(ring, axis=1), positions[:, None] - np.arange(4, 0, -1))
