@@ -218,14 +218,13 @@ class Generator:
                 cache_layout,
             )
             logits, cache = decoder(params, cache, tokens, jnp.zeros_like(lengths), lengths)
-            last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
             keys = sample_keys(controls["seed"], row_ids, lengths)
-            return next_tokens(last, keys, controls, num_valid), cache, lengths
+            return next_tokens(logits, keys, controls, num_valid), cache, lengths
 
         def step(params, cache, token, positions, row_ids, controls):
             logits, cache = decoder(params, cache, token[:, None], positions)
             keys = sample_keys(controls["seed"], row_ids, positions + 1)
-            chosen = next_tokens(logits[:, 0], keys, controls, num_valid)
+            chosen = next_tokens(logits, keys, controls, num_valid)
             return chosen, cache, positions + 1
 
         tokens_sharding = NamedSharding(self.mesh, P(Axis.BATCH, None))

@@ -12,8 +12,10 @@ is :class:`theseus.model.decoder.CachedDecoder`):
   ``shard`` as in training). Generation creates each array filled with its ``fill``.
 - ``__call__(params, cache, tokens, positions, lengths=None)``: ``tokens`` (rows, n) int32 sit at
   positions ``positions[r] + 0 .. n - 1`` of row ``r``, of which the first ``lengths[r]`` are
-  real and the rest padding (None: all real); returns float32 logits (rows, n, vocab) and the
-  cache with the real positions written (padding is computed but not kept). Attention must read
+  real and the rest padding (None: all real); returns the float32 logits (rows, vocab) of each
+  row's next token (after its last real one; a long prompt's logits at every position would be
+  prompt × vocab floats) and the cache with the real positions written (padding is computed but
+  not kept). Attention must read
   only cache positions ``<=`` each query's own, so entries past a row's position (older
   garbage) never matter.
 

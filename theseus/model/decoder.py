@@ -442,7 +442,8 @@ class CachedDecoder:
         per_layer = (params[sk.paths.layers], group_of, index_in_group, sk.layer_inv_freqs())
         (x, stacks), _ = jax.lax.scan(layer_step, (x, stacks), per_layer)
         written = {g.name: {**stacks[i], "positions": rings[i].after} for i, g in enumerate(groups)}
-        return head(params, x, sk), written  # (rows, n, vocab)
+        last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # (rows, 1, n_embd)
+        return head(params, last, sk)[:, 0], written  # (rows, vocab)
 
 
 def _layer_places(groups: tuple[CacheGroup, ...], num_layers: int) -> tuple[jax.Array, jax.Array]:
