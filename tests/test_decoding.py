@@ -65,3 +65,20 @@ def test_decoding_past_several_windows_equals_the_whole_forward(kind):
         positions = positions + 1
     ring = np.asarray(cache["window_4"]["positions"])  # each row's last four positions
     np.testing.assert_array_equal(np.sort(ring, axis=1), positions[:, None] - np.arange(4, 0, -1))
+
+
+def test_a_long_prompt_prefill_holds_no_logits_per_position():
+    """The prefill gives each row's next-token logits only: its temporaries stay below one
+    float32 (prompt, vocab) array (a 256-token prompt, 16,381 ids: 16.8 MB)."""
+    config = EQUIVALENCE_LLAMA.model_copy(
+        update=dict(vocab_size=16381, max_position_embeddings=264)
+    )
+    llama = FAMILIES["llama"].family
+    decoder = llama.decoder(config, jnp.float32, 0.0)
+    params = jax.eval_shape(
+        lambda: nnx.to_pure_dict(nnx.state(llama.model_class(config, rngs=nnx.Rngs(0)), nnx.Param))
+    )
+    cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), decoder.cache(1, 264))
+    tokens, rows = jax.ShapeDtypeStruct((1, 256), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32)
+    compiled = jax.jit(decoder).lower(params, cache, tokens, rows, rows).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes < 256 * 16381 * 4
