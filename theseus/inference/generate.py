@@ -2,7 +2,7 @@
 
 The newest good checkpoint's parameters (not the optimizer state) are restored straight into the
 compute layout of the requested policy. Prompts of different lengths are right-padded into one
-batch of rows (``num_samples`` rows per prompt) split over ``batch``; the KV cache has a fixed
+batch of rows (``num_samples`` rows per prompt) split over ``batch``; the KV cache is for a fixed
 length (longest prompt + new tokens), its rows over ``batch`` and its heads over ``shard``. One
 compiled prefill fills the cache and picks each row's first token; one compiled decode step,
 called once per further token, writes one position per row and picks the next. Row ``r`` reads
