@@ -403,23 +403,21 @@ class CachedDecoder:
         groups = self.groups
         rings = [Ring.of(g, cache[g.name]["positions"], query_positions, lengths) for g in groups]
 
-        def group_attention(group: int, q, k, v):
-            """Write layer ``index`` of ``group``'s keys and values ``k``, ``v`` (rows, n,
-            kv_heads, head_dim) into its cache and attend with queries ``q``: one branch of the
-            switch over groups."""
+        def group_attention(group: int, q, k, v, index):
+            """Write ``k``, ``v`` (rows, n, kv_heads, head_dim) into layer ``index`` of
+            ``group``'s stacks and attend with queries ``q``: (output, the group's stacks)."""
 
-            def attend(stacks, index):
-                stacks = list(stacks)
+            def attend(stacks):
                 ring, read = rings[group], {}
                 for name, new in (("k", k), ("v", v)):
-                    stack = stacks[group][name]  # (layers of the group, rows, length, kv_width)
+                    stack = stacks[name]  # (layers of the group, rows, length, kv_width)
                     written, read[name] = ring.write(stack[index], new.reshape(rows, num_new, -1))
-                    stacks[group] = {**stacks[group], name: stack.at[index].set(written)}
+                    stacks = {**stacks, name: stack.at[index].set(written)}
                 keys, values = (
                     read[name].reshape(rows, -1, k.shape[2], self.head_dim).astype(q.dtype)
                     for name in ("k", "v")
                 )  # (rows, length or length + n, kv_heads, head_dim)
-                return sk.attend(q, keys, values, ring.mask), tuple(stacks)
+                return sk.attend(q, keys, values, ring.mask), stacks
 
             return attend
 
@@ -428,10 +426,22 @@ class CachedDecoder:
             layer, group, index, inv_freq = inputs
 
             def attend(q, k, v, keep=None):
+                """Each group's stacks pass through a ``cond`` of their own (taken by this
+                layer's group, else handed on untouched), so no group's cache is copied."""
                 del keep  # no dropout in decoding
-                branches = [group_attention(g, q, k, v) for g in range(len(groups))]
-                out, written = jax.lax.switch(group, branches, stacks, index)
-                return Attended(out, written)
+                if len(groups) == 1:
+                    out, written = group_attention(0, q, k, v, index)(stacks[0])
+                    return Attended(out, (written,))
+                out, written = jnp.zeros_like(q), []
+                for g in range(len(groups)):
+
+                    def untouched(group_stacks):
+                        return jnp.zeros_like(q), group_stacks
+
+                    taken = group_attention(g, q, k, v, index)
+                    part, group_stacks = jax.lax.cond(group == g, taken, untouched, stacks[g])
+                    out, written = out + part, [*written, group_stacks]
+                return Attended(out, tuple(written))
 
             layer_inputs = LayerInputs(attend, features, None, inv_freq)
             out = sk.layer(sk.weights(layer), x, layer_inputs, sk.settings)
