@@ -11,7 +11,8 @@ import pytest
 from flax import nnx
 from support import EQUIVALENCE_LLAMA, FAMILIES
 
-from theseus.model.decoder import EMPTY, forward
+from theseus.model.decoder import forward
+from theseus.model.kv_cache import EMPTY
 
 GEMMA = FAMILIES["gemma"].family
 # Windows of 4 on layers 0 and 2 of 3 (Gemma's alternation), and on every layer (Mistral's).

@@ -12,10 +12,10 @@ with its new stream (:class:`LayerOutput`). Each layer's attention window (``Ske
 and rotary frequencies (``Skeleton.inv_freqs``) travel through the layer scan as data, so layers
 that slide and layers that read the whole context, with their own rotary bases, stay one scan.
 
-In decoding, the layers of one window share a cache (:class:`CacheGroup`): full-context layers
-keep every position, sliding layers a ring of their window (position ``p`` in slot ``p mod
+In decoding, the layers of one window share a cache (:mod:`theseus.model.kv_cache`): full-context
+layers keep every position, sliding layers a ring of their window (position ``p`` in slot ``p mod
 window``), and each group keeps the position of every slot as data, so the attention mask reads
-real key positions and an empty slot sits at :data:`EMPTY`, later than any query.
+real key positions and an empty slot sits at ``EMPTY``, later than any query.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from theseus.model.attention import (
     soft_cap,
 )
 from theseus.model.decode import ROWS, CacheArray
+from theseus.model.kv_cache import EMPTY, CacheGroup, Ring, cache_groups
 from theseus.model.layers import dense, dropout, fold_in
 from theseus.model.lora import LoraSpec, add_adapters, scaled
 from theseus.model.parts import norm
@@ -264,93 +265,6 @@ def head(params: dict, x: jax.Array, skeleton: Skeleton) -> jax.Array:
     return soft_cap(dense(h, table, jnp.float32, transposed=True), skeleton.logit_softcap)
 
 
-#: The key position of a cache slot nothing was written to: later than every query, so no query
-#: reads it (and a kernel that skips keys past every query's position never computes it).
-EMPTY = int(jnp.iinfo(jnp.int32).max)
-
-
-@dataclass(frozen=True)
-class CacheGroup:
-    """The layers (their indices, in order) that attend with one ``window`` (None: the whole
-    context), and so share one cache layout: ``length(cache_len)`` slots per row, position ``p``
-    in slot ``p mod length``. A sliding group's ring holds its window, a full group every
-    position."""
-
-    name: str
-    window: int | None
-    layers: tuple[int, ...]
-
-    def length(self, cache_len: int) -> int:
-        return cache_len if self.window is None else min(self.window, cache_len)
-
-
-def cache_groups(windows: tuple[int | None, ...], num_layers: int) -> tuple[CacheGroup, ...]:
-    """The layers grouped by window (full context first, then windows in increasing order)."""
-    windows = windows or (None,) * num_layers
-    kinds = sorted(set(windows), key=lambda w: -1 if w is None else w)
-    return tuple(
-        CacheGroup(
-            "full" if w is None else f"window_{w}",
-            w,
-            tuple(i for i, layer_window in enumerate(windows) if layer_window == w),
-        )
-        for w in kinds
-    )
-
-
-@dataclass(frozen=True)
-class Ring:
-    """One call's writes into one group's cache: where each new position goes (``slots``
-    (rows, n); the slot count, out of range, for a position not kept), the slots' key positions
-    ``before`` and ``after`` the call (rows, length), the queries' ``positions`` (rows, n), the
-    group's ``window``, and whether the queries read keys the write evicts (``read_first``: a
-    call of more new positions than the ring's slack, such as the prefill of a prompt longer
-    than the window), in which case they attend over the cache before the write and the new
-    keys together instead of over the cache after it."""
-
-    slots: jax.Array
-    before: jax.Array
-    after: jax.Array
-    positions: jax.Array
-    window: int | None
-    read_first: bool
-
-    @staticmethod
-    def of(group: CacheGroup, before: jax.Array, positions: jax.Array, lengths: jax.Array) -> Ring:
-        """The writes of queries at ``positions`` (rows, n) into a group's cache whose slots
-        hold key positions ``before`` (rows, length): of each row's first ``lengths`` (rows,)
-        new positions (the rest is padding), the last ``length`` ones."""
-        num_new = positions.shape[1]
-        length = before.shape[1]
-        index = jnp.arange(num_new)[None]  # (1, n)
-        kept = (index < lengths[:, None]) & (index >= lengths[:, None] - length)  # (rows, n)
-        slots = jnp.where(kept, positions % length, length)  # (rows, n)
-        stale = before >= positions[:, :1]  # (rows, length): at or past the first new position
-        before = jnp.where(stale, EMPTY, before)
-        evicts = group.window is not None and length >= group.window
-        read_first = evicts and num_new > length - group.window + 1
-        after = _write(before[..., None], positions[..., None], slots)[..., 0]
-        return Ring(slots, before, after, positions, group.window, read_first)
-
-    @property
-    def mask(self) -> AttentionMask:
-        """What the queries read of :meth:`write`'s keys."""
-        key_positions = self.after
-        if self.read_first:
-            key_positions = jnp.concatenate([self.before, self.positions], axis=1)
-        return AttentionMask(self.positions, key_positions, window=self.window)
-
-    def write(self, cache: jax.Array, new: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """``cache`` (rows, length, width) with ``new`` (rows, n, width) written, and what the
-        queries read: the written cache, or (``read_first``) the cache before the write and
-        the new entries (rows, length + n, width)."""
-        new = new.astype(cache.dtype)
-        written = _write(cache, new, self.slots)
-        if self.read_first:
-            return written, jnp.concatenate([cache, new], axis=1)
-        return written, written
-
-
 @dataclass(frozen=True)
 class CachedDecoder:
     """A family's decoder with a cache of keys and values (:class:`theseus.model.decode.Decoder`)
@@ -463,9 +377,3 @@ def _layer_places(groups: tuple[CacheGroup, ...], num_layers: int) -> tuple[jax.
         for i, layer in enumerate(group.layers):
             group_of[layer], index_in_group[layer] = g, i
     return jnp.array(group_of, jnp.int32), jnp.array(index_in_group, jnp.int32)
-
-
-def _write(cache: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
-    """``cache`` (rows, length, width) with ``new`` (rows, n, width) written at ``slots`` (rows,
-    n); a slot out of range writes nothing."""
-    return jax.vmap(lambda c, u, s: c.at[s].set(u, mode="drop"))(cache, new, slots)
