@@ -34,8 +34,7 @@ from theseus.sharding.axis import Axis, ShardingPlan
 # TP splits the query heads (n_q = num_heads × head_dim), the key/value heads (n_kv) and the MLP
 # over `shard`; the residual width, vocabulary and layer count stay whole on each TP device.
 # Heads are contiguous slices of n_q and n_kv, so each device holds whole heads when tp divides
-# num_kv_heads (results are correct for any tp that divides the widths). ZeRO also partitions
-# the vocabulary (embedding and head) over `batch`.
+# num_kv_heads (correct for any tp that divides the widths). ZeRO also splits vocab over `batch`.
 GQA_PLAN = ShardingPlan(
     tp=[
         ("n_q", Axis.SHARD),
@@ -210,7 +209,8 @@ class Model(DecoderModel):
     norm: Norm = nnx.data()
 
     def weights(self) -> Weights:
-        return Weights(self.embed_tokens, self.layers, final_norm=self.norm, head=self.lm_head)
+        table, norm = self.embed_tokens, self.norm
+        return Weights(table=table, layers=self.layers, final_norm=norm, head=self.lm_head)
 
 
 def embed(w: Weights, tokens: jax.Array, positions: jax.Array, s: Any) -> jax.Array:
