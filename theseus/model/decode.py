@@ -15,12 +15,11 @@ is :class:`theseus.model.decoder.CachedDecoder`):
   real and the rest padding (None: all real); returns the float32 logits (rows, vocab) of each
   row's next token (after its last real one; a long prompt's logits at every position would be
   prompt × vocab floats) and the cache with the real positions written (padding is computed but
-  not kept). Attention must read
-  only cache positions ``<=`` each query's own, so entries past a row's position (older
-  garbage) never matter.
+  not kept). Attention must read only cache positions ``<=`` each query's own, so entries past
+  a row's position (older garbage) never matter.
 
-``params`` is the model's parameter dict (``nnx.to_pure_dict`` of its ``nnx.Param`` state), in the
-compute layout. Prefill calls the decoder once with the prompts right-padded to one length; each
+``params`` is the model's ``nnx.Param`` state (:class:`~theseus.model.decoder.CachedDecoder`
+merges it with the model's graphdef and reads typed weights), in the compute layout. Prefill calls the decoder once with the prompts right-padded to one length; each
 decode step calls it with one token per row.
 """
 
