@@ -2,7 +2,7 @@
 
 The newest good checkpoint's parameters (not the optimizer state) are restored straight into the
 compute layout of the requested policy. Prompts of different lengths are right-padded into one
-batch of rows (``num_samples`` rows per prompt) split over ``batch``; the KV cache has a fixed
+batch of rows (``num_samples`` rows per prompt) split over ``batch``; the KV cache is for a fixed
 length (longest prompt + new tokens), its rows over ``batch`` and its heads over ``shard``. One
 compiled prefill fills the cache and picks each row's first token; one compiled decode step,
 called once per further token, writes one position per row and picks the next. Row ``r`` reads
@@ -202,30 +202,29 @@ class Generator:
     def _compile(self, num_rows: int, width: int, cache_len: int, num_valid: int):
         decoder = self.decoder
         arrays = decoder.cache(num_rows, cache_len)
-        cache_layout = {
-            name: NamedSharding(self.mesh, partition_spec(a.names, self.rules))
-            for name, a in arrays.items()
-        }
+        cache_layout = jax.tree.map(
+            lambda a: NamedSharding(self.mesh, partition_spec(a.names, self.rules)), arrays
+        )
         rows = NamedSharding(self.mesh, P(Axis.BATCH))
         replicated = self.replicated
         params_layout = self.trainer.layouts.compute
 
         def prefill(params, tokens, lengths, row_ids, controls):
-            cache = {
-                name: jax.lax.with_sharding_constraint(
-                    jnp.zeros(a.shape, a.dtype), cache_layout[name]
-                )
-                for name, a in arrays.items()
-            }
-            logits, cache = decoder(params, cache, tokens, jnp.zeros_like(lengths))
-            last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+            cache = jax.tree.map(
+                lambda a, layout: jax.lax.with_sharding_constraint(
+                    jnp.full(a.shape, a.fill, a.dtype), layout
+                ),
+                arrays,
+                cache_layout,
+            )
+            logits, cache = decoder(params, cache, tokens, jnp.zeros_like(lengths), lengths)
             keys = sample_keys(controls["seed"], row_ids, lengths)
-            return next_tokens(last, keys, controls, num_valid), cache, lengths
+            return next_tokens(logits, keys, controls, num_valid), cache, lengths
 
         def step(params, cache, token, positions, row_ids, controls):
             logits, cache = decoder(params, cache, token[:, None], positions)
             keys = sample_keys(controls["seed"], row_ids, positions + 1)
-            chosen = next_tokens(logits[:, 0], keys, controls, num_valid)
+            chosen = next_tokens(logits, keys, controls, num_valid)
             return chosen, cache, positions + 1
 
         tokens_sharding = NamedSharding(self.mesh, P(Axis.BATCH, None))

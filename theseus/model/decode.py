@@ -5,17 +5,21 @@ is :class:`theseus.model.decoder.CachedDecoder`):
 
 - ``context_len``: the most positions the model reads (GPT: ``block_size``); ``vocab_size``: the
   width of its logits.
-- ``cache(num_rows, cache_len)``: the cache as a dict of :class:`CacheArray` (shape, dtype and
-  logical names per array). Name the prompt dimension :data:`ROWS` (it is split over ``batch``);
-  other names resolve with the model's TP rules (GPT's keys and values are ``n_attn`` wide, so
-  attention heads split over ``shard`` as in training). Generation creates the arrays as zeros.
-- ``__call__(params, cache, tokens, positions)``: ``tokens`` (rows, n) int32 sit at positions
-  ``positions[r] + 0 .. n - 1`` of row ``r``; returns float32 logits (rows, n, vocab) and the
-  cache with those positions written. Attention must read only cache positions ``<=`` each
-  query's own, so entries past a row's position (padding, older garbage) never matter.
+- ``cache(num_rows, cache_len)``: the cache for positions ``0 .. cache_len - 1`` as a pytree
+  (nested dicts) of :class:`CacheArray` (shape, dtype, logical names and fill value per array).
+  Name the prompt dimension :data:`ROWS` (it is split over ``batch``); other names resolve with
+  the model's TP rules (GPT's keys and values are ``n_attn`` wide, so attention heads split over
+  ``shard`` as in training). Generation creates each array filled with its ``fill``.
+- ``__call__(params, cache, tokens, positions, lengths=None)``: ``tokens`` (rows, n) int32 sit at
+  positions ``positions[r] + 0 .. n - 1`` of row ``r``, of which the first ``lengths[r]`` are
+  real and the rest padding (None: all real); returns the float32 logits (rows, vocab) of each
+  row's next token (after its last real one; a long prompt's logits at every position would be
+  prompt × vocab floats) and the cache with the real positions written (padding is computed but
+  not kept). Attention must read only cache positions ``<=`` each query's own, so entries past
+  a row's position (older garbage) never matter.
 
-``params`` is the model's parameter dict (``nnx.to_pure_dict`` of its ``nnx.Param`` state), in the
-compute layout. Prefill calls the decoder once with the prompts right-padded to one length; each
+``params`` is the model's ``nnx.Param`` state (:class:`~theseus.model.decoder.CachedDecoder`
+merges it with the model's graphdef and reads typed weights), in the compute layout. Prefill calls the decoder once with the prompts right-padded to one length; each
 decode step calls it with one token per row.
 """
 
@@ -32,11 +36,13 @@ ROWS = "rows"  # logical name of the prompt dimension of cache arrays: split ove
 
 @dataclass(frozen=True)
 class CacheArray:
-    """One cache array: global shape, dtype and a logical name per dimension."""
+    """One cache array: global shape, dtype, a logical name per dimension and the value it
+    starts filled with."""
 
     shape: tuple[int, ...]
     dtype: DTypeLike
     names: tuple[str | None, ...]
+    fill: int | float = 0
 
 
 class Decoder(Protocol):
@@ -45,8 +51,13 @@ class Decoder(Protocol):
     context_len: int
     vocab_size: int
 
-    def cache(self, num_rows: int, cache_len: int) -> dict[str, CacheArray]: ...
+    def cache(self, num_rows: int, cache_len: int) -> Any: ...
 
     def __call__(
-        self, params: Any, cache: dict[str, jax.Array], tokens: jax.Array, positions: jax.Array
-    ) -> tuple[jax.Array, dict[str, jax.Array]]: ...
+        self,
+        params: Any,
+        cache: Any,
+        tokens: jax.Array,
+        positions: jax.Array,
+        lengths: jax.Array | None = None,
+    ) -> tuple[jax.Array, Any]: ...

@@ -7,10 +7,16 @@ parameters as typed :class:`Weights` (the token table, the stacked layers of the
 type, the final norm, the head). :func:`forward` runs it for training (layers through
 :func:`theseus.scan_layers`), :class:`CachedDecoder` for ``theseus generate``; a layer calls
 ``inputs.attend(q, k, v)``, which attends within the sequence in training and writes the keys and
-values into the cache and attends over it in decoding, so each layer is written once. What differs
-between layers besides their weights (:class:`LayerData`: the attention window, the rotary
-frequencies) travels through the layer scan as data, so layers that slide and layers that read
-the whole context, with their own rotary bases, stay one scan.
+values into the cache and attends over it in decoding, so each layer is written once; it returns
+what it wrote (:class:`Attended`), and the layer returns that with its new stream
+(:class:`LayerOutput`). What differs between layers besides their weights (:class:`LayerData`:
+the attention window, the rotary frequencies) travels through the layer scan as data, so layers
+that slide and layers that read the whole context, with their own rotary bases, stay one scan.
+
+In decoding, the layers of one window share a cache (:mod:`theseus.model.kv_cache`): full-context
+layers keep every position, sliding layers a ring of their window (position ``p`` in slot ``p mod
+window``), and each group keeps the position of every slot as data, so the attention mask reads
+real key positions and an empty slot sits at ``EMPTY``, later than any query.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from theseus.model.attention import (
 )
 from theseus.model.decode import ROWS, CacheArray
 from theseus.model.family import Context
+from theseus.model.kv_cache import EMPTY, CacheGroup, Ring, cache_groups
 from theseus.model.layers import dense, dropout, fold_in
 from theseus.model.lora import LoraSpec, add_adapters
 from theseus.model.parts import Norm, arrays, weights
@@ -81,14 +88,35 @@ class PerLayer:
         return LayerData(window=window, inv_freq=inv_freq)
 
 
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Attended:
+    """What a layer's attention gives: its ``output`` (``attend``: heads (batch, seq, heads,
+    head_dim); a family's helper may return its projection instead) and the decoding ``cache``
+    with this layer's keys and values written (None in training), which the layer returns."""
+
+    output: jax.Array
+    cache: Any = None
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class LayerOutput:
+    """What a layer returns: the new float32 ``stream`` (batch, seq, n_embd) and the ``cache``
+    its attention returned (:attr:`Attended.cache`)."""
+
+    stream: jax.Array
+    cache: Any = None
+
+
 @dataclass(frozen=True)
 class LayerInputs:
     """What one layer reads besides its weights and the residual stream: ``attend(q, k, v,
-    keep=None)`` (heads (batch, seq, heads, head_dim) in, the same shape out), the position
-    ``features``, the layer's per-example dropout ``keys`` (None: no dropout) and its
-    :class:`LayerData` ``data``."""
+    keep=None)`` (heads (batch, seq, heads, head_dim) in, an :class:`Attended` of the same
+    shape out), the position ``features``, the layer's per-example dropout ``keys`` (None: no
+    dropout) and its :class:`LayerData` ``data``."""
 
-    attend: Callable[..., jax.Array]
+    attend: Callable[..., Attended]
     features: Any
     keys: jax.Array | None
     data: LayerData
@@ -105,16 +133,16 @@ class Skeleton:
 
     ``embed(weights, tokens, positions, settings)`` gives the float32 stream (batch, seq,
     n_embd) of ``tokens`` at ``positions`` (batch or 1, seq); ``layer(weights, x, inputs,
-    settings)`` one layer's new stream from its typed weights; ``features(positions, settings)``
-    what every layer reads of the positions (default: nothing). ``settings`` holds the family's
-    own constants (a frozen dataclass); ``context`` the longest sequence and the config key that
-    sets it. ``per_layer``: each layer's window and rotary frequencies; ``attention``: how every
-    layer attends besides its mask (:class:`AttentionOptions`); ``logit_softcap`` caps the
-    logits at ``±cap`` with ``cap · tanh(x / cap)`` (None: uncapped).
+    settings)`` one layer's :class:`LayerOutput` from its typed weights; ``features(positions,
+    settings)`` what every layer reads of the positions (default: nothing). ``settings`` holds
+    the family's own constants (a frozen dataclass); ``context`` the longest sequence and the
+    config key that sets it. ``per_layer``: each layer's window and rotary frequencies;
+    ``attention``: how every layer attends besides its mask (:class:`AttentionOptions`);
+    ``logit_softcap`` caps the logits at ``±cap`` with ``cap · tanh(x / cap)`` (None: uncapped).
     """
 
     embed: Callable[[Weights, jax.Array, jax.Array, Any], jax.Array]
-    layer: Callable[[Any, jax.Array, LayerInputs, Any], jax.Array]
+    layer: Callable[[Any, jax.Array, LayerInputs, Any], LayerOutput]
     settings: Any
     compute_dtype: jnp.dtype
     context: Context
@@ -232,10 +260,10 @@ def forward(
         layer_mask = replace(mask, window=data.window)
 
         def attend(q, k, v, keep=None):
-            return sk.attend(q, k, v, layer_mask, dropout_rate=sk.dropout, keep=keep)
+            return Attended(sk.attend(q, k, v, layer_mask, dropout_rate=sk.dropout, keep=keep))
 
         layer_inputs = LayerInputs(attend, features, fold_in(keys, index + 1), data)
-        return sk.layer(layer, x, layer_inputs, sk.settings)
+        return sk.layer(layer, x, layer_inputs, sk.settings).stream
 
     num_layers = jax.tree.leaves(weights.layers)[0].shape[0]  # leaves (n_layer, ...)
     per_layer = (weights.layers, jnp.arange(num_layers), sk.per_layer.data(num_layers))
@@ -254,11 +282,12 @@ def head(weights: Weights, x: jax.Array, skeleton: Skeleton) -> jax.Array:
 
 @dataclass(frozen=True)
 class CachedDecoder:
-    """A family's decoder with a cache of keys and values (:class:`theseus.model.decode.Decoder`):
-    ``k`` and ``v`` of shape (n_layer, rows, cache_len, kv_width) in the compute dtype, named
-    (``n_layer``, rows, ``names[0]``, ``names[1]``): rows over ``batch``, the key/value heads
-    as the family's plan splits their projections in training. ``graphdef``: the model's graph,
-    which reads the parameter dict as typed :class:`Weights`."""
+    """A family's decoder with a cache of keys and values (:class:`theseus.model.decode.Decoder`)
+    per :class:`CacheGroup`: ``k`` and ``v`` of shape (layers of the group, rows, length,
+    kv_width) in the compute dtype, named (``n_layer``, rows, ``names[0]``, ``names[1]``): rows
+    over ``batch``, the key/value heads as the family's plan splits their projections in
+    training; and ``positions`` (rows, length) int32, each slot's key position. ``graphdef``:
+    the model's graph, which reads the parameter dict as typed :class:`Weights`."""
 
     skeleton: Skeleton
     graphdef: nnx.GraphDef
@@ -272,53 +301,98 @@ class CachedDecoder:
     def context_len(self) -> int:
         return self.skeleton.context.length
 
-    def cache(self, num_rows: int, cache_len: int) -> dict[str, CacheArray]:
-        shape = (self.num_layers, num_rows, cache_len, self.kv_width)
-        names = ("n_layer", ROWS, *self.names)
+    @property
+    def groups(self) -> tuple[CacheGroup, ...]:
+        return cache_groups(self.skeleton.per_layer.windows, self.num_layers)
+
+    def cache(self, num_rows: int, cache_len: int) -> dict[str, dict[str, CacheArray]]:
         dtype = self.skeleton.compute_dtype
-        return {name: CacheArray(shape, dtype, names) for name in ("k", "v")}
+        arrays = {}
+        for group in self.groups:
+            length = group.length(cache_len)
+            shape = (len(group.layers), num_rows, length, self.kv_width)
+            kv = CacheArray(shape, dtype, ("n_layer", ROWS, *self.names))
+            positions = CacheArray((num_rows, length), jnp.int32, (ROWS, None), fill=EMPTY)
+            arrays[group.name] = {"k": kv, "v": kv, "positions": positions}
+        return arrays
 
     def __call__(
-        self, params: Any, cache: dict[str, jax.Array], tokens: jax.Array, positions: jax.Array
-    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        self,
+        params: Any,
+        cache: dict[str, dict[str, jax.Array]],
+        tokens: jax.Array,
+        positions: jax.Array,
+        lengths: jax.Array | None = None,
+    ) -> tuple[jax.Array, dict[str, dict[str, jax.Array]]]:
         sk = self.skeleton
         weights = arrays(nnx.merge(self.graphdef, params).weights())
         rows, num_new = tokens.shape
         query_positions = positions[:, None] + jnp.arange(num_new)  # (rows, n)
+        if lengths is None:
+            lengths = jnp.full((rows,), num_new, jnp.int32)
         x = sk.embed(weights, tokens, query_positions, sk.settings)  # (rows, n, n_embd)
         features = sk.features(query_positions, sk.settings)
-        cache_len = cache["k"].shape[2]
-        mask = AttentionMask.cached(query_positions, cache_len)
+        groups = self.groups
+        rings = [Ring.of(g, cache[g.name]["positions"], query_positions, lengths) for g in groups]
 
-        def layer_step(x, inputs):
-            layer, k_cache, v_cache, data = inputs  # caches (rows, cache_len, kv)
-            layer_mask = replace(mask, window=data.window)
-            written = []
+        def group_attention(group: int, q, k, v, index):
+            """Write ``k``, ``v`` (rows, n, kv_heads, head_dim) into layer ``index`` of
+            ``group``'s stacks and attend with queries ``q``: (output, the group's stacks)."""
+
+            def attend(stacks):
+                ring, read = rings[group], {}
+                for name, new in (("k", k), ("v", v)):
+                    stack = stacks[name]  # (layers of the group, rows, length, kv_width)
+                    written, read[name] = ring.write(stack[index], new.reshape(rows, num_new, -1))
+                    stacks = {**stacks, name: stack.at[index].set(written)}
+                keys, values = (
+                    read[name].reshape(rows, -1, k.shape[2], self.head_dim).astype(q.dtype)
+                    for name in ("k", "v")
+                )  # (rows, length or length + n, kv_heads, head_dim)
+                return sk.attend(q, keys, values, ring.mask), stacks
+
+            return attend
+
+        def layer_step(carry, inputs):
+            x, stacks = carry
+            layer, group, index, data = inputs
 
             def attend(q, k, v, keep=None):
+                """Each group's stacks pass through a ``cond`` of their own (taken by this
+                layer's group, else handed on untouched), so no group's cache is copied."""
                 del keep  # no dropout in decoding
-                new = [
-                    _write(c, t.reshape(rows, num_new, -1), positions)
-                    for c, t in ((k_cache, k), (v_cache, v))
-                ]
-                written.extend(new)
-                keys, values = (c.reshape(rows, cache_len, -1, self.head_dim) for c in new)
-                return sk.attend(q, keys.astype(q.dtype), values.astype(q.dtype), layer_mask)
+                if len(groups) == 1:
+                    out, written = group_attention(0, q, k, v, index)(stacks[0])
+                    return Attended(out, (written,))
+                out, written = jnp.zeros_like(q), []
+                for g in range(len(groups)):
+
+                    def untouched(group_stacks):
+                        return jnp.zeros_like(q), group_stacks
+
+                    taken = group_attention(g, q, k, v, index)
+                    part, group_stacks = jax.lax.cond(group == g, taken, untouched, stacks[g])
+                    out, written = out + part, [*written, group_stacks]
+                return Attended(out, tuple(written))
 
             layer_inputs = LayerInputs(attend, features, None, data)
-            x = sk.layer(layer, x, layer_inputs, sk.settings)
-            return x, tuple(written)
+            out = sk.layer(layer, x, layer_inputs, sk.settings)
+            return (out.stream, out.cache), None
 
+        group_of, index_in_group = _layer_places(groups, self.num_layers)
+        stacks = tuple({"k": cache[g.name]["k"], "v": cache[g.name]["v"]} for g in groups)
         data = sk.per_layer.data(self.num_layers)
-        layers = (weights.layers, cache["k"], cache["v"], data)
-        x, (k, v) = jax.lax.scan(layer_step, x, layers)
-        return head(weights, x, sk), {"k": k, "v": v}  # (rows, n, vocab)
+        per_layer = (weights.layers, group_of, index_in_group, data)
+        (x, stacks), _ = jax.lax.scan(layer_step, (x, stacks), per_layer)
+        written = {g.name: {**stacks[i], "positions": rings[i].after} for i, g in enumerate(groups)}
+        last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # (rows, 1, n_embd)
+        return head(weights, last, sk)[:, 0], written  # (rows, vocab)
 
 
-def _write(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
-    """``cache`` (rows, cache_len, width) with ``new`` (rows, n, width) written at rows'
-    ``positions`` (rows,) onwards."""
-    new = new.astype(cache.dtype)
-    return jax.vmap(lambda c, u, p: jax.lax.dynamic_update_slice(c, u, (p, 0)))(
-        cache, new, positions
-    )
+def _layer_places(groups: tuple[CacheGroup, ...], num_layers: int) -> tuple[jax.Array, jax.Array]:
+    """Each layer's group and its index within the group: int32 (n_layer,) each."""
+    group_of, index_in_group = [0] * num_layers, [0] * num_layers
+    for g, group in enumerate(groups):
+        for i, layer in enumerate(group.layers):
+            group_of[layer], index_in_group[layer] = g, i
+    return jnp.array(group_of, jnp.int32), jnp.array(index_in_group, jnp.int32)

@@ -1,14 +1,13 @@
 """What the rotary grouped-query decoders (Llama, OLMo 2, Gemma) share: their sharding plan, the
 config fields that have the same meaning in each, the plain embedding and rotary features, the
 matmul shapes, the cached decoder, and the Hugging Face keys and tensor names they have in common.
-A family module adds only what makes it itself (its layer, its extra settings and tensors).
-"""
+A family module adds only what makes it itself (its layer, its extra settings and tensors)."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Literal
 
@@ -20,7 +19,14 @@ from flax import nnx
 from theseus.accounting.activations import DecoderShape
 from theseus.config import Section
 from theseus.model import windows as sliding
-from theseus.model.decoder import CachedDecoder, DecoderModel, LayerInputs, Skeleton, Weights
+from theseus.model.decoder import (
+    Attended,
+    CachedDecoder,
+    DecoderModel,
+    LayerInputs,
+    Skeleton,
+    Weights,
+)
 from theseus.model.family import Context, Family, HFSpec, HFTensor, Matmuls, whole
 from theseus.model.parts import Norm, Projection, RMSNorm, param, stacked_projection, weights
 from theseus.model.rotary import apply_rotary, inverse_frequencies, rotary
@@ -29,8 +35,7 @@ from theseus.sharding.axis import Axis, ShardingPlan
 # TP splits the query heads (n_q = num_heads × head_dim), the key/value heads (n_kv) and the MLP
 # over `shard`; the residual width, vocabulary and layer count stay whole on each TP device.
 # Heads are contiguous slices of n_q and n_kv, so each device holds whole heads when tp divides
-# num_kv_heads (results are correct for any tp that divides the widths). ZeRO also partitions
-# the vocabulary (embedding and head) over `batch`.
+# num_kv_heads (correct for any tp that divides the widths). ZeRO also splits vocab over `batch`.
 GQA_PLAN = ShardingPlan(
     tp=[
         ("n_q", Axis.SHARD),
@@ -299,19 +304,18 @@ def self_attention(
     inputs: LayerInputs,
     rotation: tuple[jax.Array, jax.Array],
     head_dim: int,
-) -> jax.Array:
+) -> Attended:
     """Grouped-query self-attention of the normed stream ``h`` (batch, seq, n_embd): q, k, v
     heads, q and k normed per head when ``a`` has q/k norms, the rotary ``rotation`` (cos, sin),
-    ``inputs.attend``, then ``o_proj``. Returns (batch, seq, n_embd) in ``h``'s dtype."""
+    ``inputs.attend``, ``o_proj``: :class:`Attended` (batch, seq, n_embd) in ``h``'s dtype."""
     batch, seq, _ = h.shape
-    cos, sin = rotation
     q, k, v = (
         proj(h).reshape(batch, seq, -1, head_dim) for proj in (a.q_proj, a.k_proj, a.v_proj)
     )  # q (batch, seq, heads, head_dim); k, v (batch, seq, kv_heads, head_dim)
     if a.q_norm is not None and a.k_norm is not None:
         q, k = a.q_norm(q, q.dtype), a.k_norm(k, k.dtype)
-    attended = inputs.attend(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
-    return a.o_proj(attended.reshape(batch, seq, -1))  # (batch, seq, n_embd)
+    attended = inputs.attend(apply_rotary(q, *rotation), apply_rotary(k, *rotation), v)
+    return replace(attended, output=a.o_proj(attended.output.reshape(batch, seq, -1)))
 
 
 def gated_mlp(m: MLP, h: jax.Array, activation: Callable[[jax.Array], jax.Array]) -> jax.Array:
@@ -371,17 +375,15 @@ def cached_decoder(
 ) -> CachedDecoder:
     """The KV-cache decoder of ``skeleton_of(c, ...)`` and the model ``graphdef``: caches n_kv
     wide, split as k/v are."""
-    sk = skeleton_of(c, compute_dtype)
     dims = (c.vocab_size, c.num_layers, c.dim_per_head, c.n_kv)
-    return CachedDecoder(sk, graphdef, *dims, (None, "n_kv"))
+    return CachedDecoder(skeleton_of(c, compute_dtype), graphdef, *dims, (None, "n_kv"))
 
 
 # --- Hugging Face ---------------------------------------------------------------------------
 
 
 def check_key(hf: dict[str, Any], key: str, supported: Any, default: Any, where: str) -> None:
-    """Refuse a ``config.json`` whose ``key`` (absent or null: ``default``) is not
-    ``supported``."""
+    """Refuse a ``config.json`` whose ``key`` (absent or null: ``default``) isn't ``supported``."""
     value = default if hf.get(key) is None else hf[key]
     if value != supported:
         raise ValueError(

@@ -28,7 +28,7 @@ from jax.typing import DTypeLike
 from theseus.model import gqa
 from theseus.model import windows as sliding
 from theseus.model.attention import AttentionOptions
-from theseus.model.decoder import LayerInputs, PerLayer, Weights
+from theseus.model.decoder import LayerInputs, LayerOutput, PerLayer, Weights
 from theseus.model.family import HFSpec, HFTensor
 from theseus.model.gqa import WindowedConfig, field
 from theseus.model.parts import RMSNorm, weights
@@ -98,17 +98,18 @@ def features(positions: jax.Array, s: Settings) -> jax.Array:
     return positions  # each layer rotates with its own frequencies
 
 
-def block(layer: Layer, x: jax.Array, inputs: LayerInputs, s: Settings) -> jax.Array:
+def block(layer: Layer, x: jax.Array, inputs: LayerInputs, s: Settings) -> LayerOutput:
     """One layer on the float32 stream ``x`` (batch, seq, n_embd): normed attention (per-head
     q/k norms when the layer has them, the layer's rotary angles), its output normed and added;
     the GeGLU MLP likewise. Gemma's norms scale by ``1 + weight`` (``RMSNorm.offset``)."""
     rotation = rotary(inputs.features, inputs.data.inv_freq)  # cos, sin (batch or 1, seq, hd)
     h = layer.input_layernorm(x, s.compute_dtype)  # (batch, seq, n_embd)
-    out = gqa.self_attention(layer, h, inputs, rotation, s.head_dim)
-    x = x + layer.post_attention_layernorm(out, jnp.float32)
+    attended = gqa.self_attention(layer, h, inputs, rotation, s.head_dim)
+    x = x + layer.post_attention_layernorm(attended.output, jnp.float32)
     h = layer.pre_feedforward_layernorm(x, s.compute_dtype)
     out = gqa.gated_mlp(layer, h, partial(jax.nn.gelu, approximate=True))  # (.., n_embd)
-    return x + layer.post_feedforward_layernorm(out, jnp.float32)
+    x = x + layer.post_feedforward_layernorm(out, jnp.float32)
+    return LayerOutput(x, attended.cache)
 
 
 def skeleton(c: GemmaConfig, compute_dtype: DTypeLike, remat: bool | str = False):

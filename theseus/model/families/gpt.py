@@ -16,7 +16,14 @@ from jax.typing import DTypeLike
 
 from theseus.accounting.activations import DecoderShape
 from theseus.config import Section
-from theseus.model.decoder import CachedDecoder, DecoderModel, LayerInputs, Skeleton, Weights
+from theseus.model.decoder import (
+    CachedDecoder,
+    DecoderModel,
+    LayerInputs,
+    LayerOutput,
+    Skeleton,
+    Weights,
+)
 from theseus.model.family import Context, Family, HFSpec, HFTensor, Matmuls, Part, whole
 from theseus.model.layers import apply_dropout, keep_masks
 from theseus.model.parts import LayerNorm, Projection, param, stacked_projection, weights
@@ -24,9 +31,8 @@ from theseus.sharding.axis import Axis, ShardingPlan
 
 # TP splits the attention width and the MLP width over `shard`; everything else is whole on each
 # TP device. Heads are contiguous slices of n_attn, so each device holds whole heads when tp
-# divides n_head: n_head should be a multiple of tp for efficient attention (results are correct
-# for any tp). ZeRO partitions over `batch` the TP-split widths and also the vocabulary and
-# position tables, which TP leaves whole.
+# divides n_head (results are correct for any tp). ZeRO partitions over `batch` the TP-split
+# widths and also the vocabulary and position tables, which TP leaves whole.
 GPT_PLAN = ShardingPlan(
     tp=[
         ("n_attn", Axis.SHARD),
@@ -44,18 +50,18 @@ GPT_PLAN = ShardingPlan(
     ],
 )
 EPS = 1e-5  # GPT-2's LayerNorm epsilon
+TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")  # GPT-2's activation_function names of tanh GELU
 
 
 class GPTConfig(Section):
     """GPT-2 hyperparameters.
 
     Attributes:
-        vocab_size: number of token ids; the embedding table and the tied output head have this
-            many rows.
+        vocab_size: number of token ids (rows of the embedding table and the tied output head).
         block_size: maximum sequence length (rows of the learned position embedding).
         n_layer: number of transformer blocks.
-        n_head: number of attention heads; must divide ``n_embd``. For efficient TP it should
-            also be a multiple of ``tp``, so each device holds whole heads.
+        n_head: number of attention heads; must divide ``n_embd`` (and, for efficient TP, be
+            a multiple of ``tp``, so each device holds whole heads).
         n_embd: width of the residual stream.
         mlp_ratio: MLP hidden width as a multiple of ``n_embd``.
         dropout: dropout rate in training where GPT-2 applies it (embeddings, attention
@@ -117,7 +123,7 @@ def embed(w: Weights, tokens: jax.Array, positions: jax.Array, s: Settings) -> j
     return w.table[tokens].astype(jnp.float32) + w.positions[positions].astype(jnp.float32)
 
 
-def block(layer: Block, x: jax.Array, inputs: LayerInputs, s: Settings) -> jax.Array:
+def block(layer: Block, x: jax.Array, inputs: LayerInputs, s: Settings) -> LayerOutput:
     """One pre-LayerNorm block on the float32 stream ``x`` (batch, seq, n_embd); with this
     layer's per-example keys, attention probabilities and both residual branches drop out."""
     batch, seq, n_embd = x.shape
@@ -127,13 +133,12 @@ def block(layer: Block, x: jax.Array, inputs: LayerInputs, s: Settings) -> jax.A
     q, k, v = (
         p(h).reshape(batch, seq, s.n_head, -1) for p in (layer.attn_q, layer.attn_k, layer.attn_v)
     )  # (batch, seq, n_head, head_dim)
-    attended = inputs.attend(q, k, v, probs_keep).reshape(batch, seq, -1)  # (batch, seq, n_attn)
-    branch = apply_dropout(layer.attn_out(attended), attn_keep, s.dropout)
-    x = x + branch.astype(jnp.float32)  # (batch, seq, n_embd)
-    h = layer.ln2(x, s.compute_dtype)
-    h = jax.nn.gelu(layer.mlp_fc(h), approximate=True)  # (batch, seq, n_mlp)
+    attended = inputs.attend(q, k, v, probs_keep)
+    heads = attended.output.reshape(batch, seq, -1)  # (batch, seq, n_attn)
+    x = x + apply_dropout(layer.attn_out(heads), attn_keep, s.dropout).astype(jnp.float32)
+    h = jax.nn.gelu(layer.mlp_fc(layer.ln2(x, s.compute_dtype)), approximate=True)  # n_mlp wide
     branch = apply_dropout(layer.mlp_proj(h), mlp_keep, s.dropout)
-    return x + branch.astype(jnp.float32)  # (batch, seq, n_embd)
+    return LayerOutput(x + branch.astype(jnp.float32), attended.cache)  # (batch, seq, n_embd)
 
 
 def skeleton(c: GPTConfig, compute_dtype: DTypeLike, remat: bool | str = False):
@@ -232,10 +237,7 @@ def from_hf(hf: dict[str, Any], model_type: str, where: str) -> dict[str, Any]:
     eps = float(hf.get("layer_norm_epsilon", 1e-5))
     checks = [
         (n_inner % n_embd == 0, f"n_inner={n_inner} is not a multiple of n_embd={n_embd}"),
-        (
-            act in ("gelu_new", "gelu_pytorch_tanh"),
-            f"activation_function={act!r}; theseus's GPT uses tanh GELU",
-        ),
+        (act in TANH_GELU, f"activation_function={act!r}; theseus's GPT uses tanh GELU"),
         (eps == EPS, f"layer_norm_epsilon={hf.get('layer_norm_epsilon')}; theseus's GPT uses 1e-5"),
         (hf.get("scale_attn_weights", True), "scale_attn_weights=false is not supported"),
         (
@@ -285,8 +287,7 @@ def tensors(model: dict[str, Any]) -> list[HFTensor]:
         for hf, ours in (("ln_1", "ln1"), ("ln_2", "ln2")):
             for hf_leaf, leaf in (("weight", "scale"), ("bias", "bias")):
                 found.append(whole(f"{prefix}{hf}.{hf_leaf}", (e,), f"blocks/{ours}/{leaf}", layer))
-        for leaf, shape in (("weight", (e, 3 * e)), ("bias", (3 * e,))):
-            ours = "kernel" if leaf == "weight" else "bias"
+        for leaf, ours, shape in (("weight", "kernel", (e, 3 * e)), ("bias", "bias", (3 * e,))):
             parts = tuple(
                 Part(f"blocks/attn_{x}/{ours}", layer, i * e, (i + 1) * e)
                 for i, x in enumerate("qkv")
@@ -297,10 +298,9 @@ def tensors(model: dict[str, Any]) -> list[HFTensor]:
             ("mlp.c_fc", "mlp_fc", e, inner),
             ("mlp.c_proj", "mlp_proj", inner, e),
         ):
-            found.append(
-                whole(f"{prefix}{hf}.weight", (d_in, d_out), f"blocks/{ours}/kernel", layer)
-            )
-            found.append(whole(f"{prefix}{hf}.bias", (d_out,), f"blocks/{ours}/bias", layer))
+            name, path = f"{prefix}{hf}", f"blocks/{ours}"
+            found.append(whole(f"{name}.weight", (d_in, d_out), f"{path}/kernel", layer))
+            found.append(whole(f"{name}.bias", (d_out,), f"{path}/bias", layer))
     found.append(whole("transformer.ln_f.weight", (e,), "ln_f/scale"))
     found.append(whole("transformer.ln_f.bias", (e,), "ln_f/bias"))
     return found

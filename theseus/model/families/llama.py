@@ -20,7 +20,7 @@ from jax.typing import DTypeLike
 
 from theseus.model import gqa
 from theseus.model import windows as sliding
-from theseus.model.decoder import LayerInputs, PerLayer
+from theseus.model.decoder import LayerInputs, LayerOutput, PerLayer
 from theseus.model.family import HFSpec, HFTensor, whole
 from theseus.model.gqa import Settings, WindowedConfig, field
 from theseus.model.parts import RMSNorm, weights
@@ -46,14 +46,14 @@ class Layer(gqa.Attention, gqa.MLP):
     post_attention_layernorm: RMSNorm
 
 
-def block(layer: Layer, x: jax.Array, inputs: LayerInputs, s: Settings) -> jax.Array:
+def block(layer: Layer, x: jax.Array, inputs: LayerInputs, s: Settings) -> LayerOutput:
     """One pre-RMSNorm layer on the float32 stream ``x`` (batch, seq, n_embd): attention with
     per-head q/k norms (when the layer has them) and rotary q/k, then the SwiGLU MLP."""
     h = layer.input_layernorm(x, s.compute_dtype)  # (batch, seq, n_embd)
-    out = gqa.self_attention(layer, h, inputs, inputs.features, s.head_dim)
-    x = x + out.astype(jnp.float32)
+    attended = gqa.self_attention(layer, h, inputs, inputs.features, s.head_dim)
+    x = x + attended.output.astype(jnp.float32)
     h = layer.post_attention_layernorm(x, s.compute_dtype)
-    return x + gqa.gated_mlp(layer, h, jax.nn.silu).astype(jnp.float32)  # (batch, seq, n_embd)
+    return LayerOutput(x + gqa.gated_mlp(layer, h, jax.nn.silu).astype(jnp.float32), attended.cache)
 
 
 def skeleton(c: LlamaConfig, compute_dtype: DTypeLike, remat: bool | str = False):

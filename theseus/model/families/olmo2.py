@@ -21,7 +21,7 @@ import pydantic
 from flax import nnx
 
 from theseus.model import gqa
-from theseus.model.decoder import LayerInputs
+from theseus.model.decoder import LayerInputs, LayerOutput
 from theseus.model.family import HFSpec, HFTensor
 from theseus.model.gqa import GQAConfig, Settings, field
 from theseus.model.parts import weights
@@ -41,7 +41,7 @@ class Layer(gqa.Attention, gqa.MLP, gqa.OutputNorms):
     """An OLMo 2 layer's weights: q/k norms over all heads, each sublayer's output normed."""
 
 
-def block(layer: Layer, x: jax.Array, inputs: LayerInputs, s: Settings) -> jax.Array:
+def block(layer: Layer, x: jax.Array, inputs: LayerInputs, s: Settings) -> LayerOutput:
     """One layer on the float32 stream ``x`` (batch, seq, n_embd): attention with q/k normed
     over all heads then rotated, its output normed and added; the SwiGLU MLP likewise."""
     batch, seq, _ = x.shape
@@ -52,10 +52,11 @@ def block(layer: Layer, x: jax.Array, inputs: LayerInputs, s: Settings) -> jax.A
     v = layer.v_proj(h)  # (batch, seq, n_kv)
     q, k, v = (t.reshape(batch, seq, -1, s.head_dim) for t in (q, k, v))  # (.., heads, head_dim)
     attended = inputs.attend(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
-    out = layer.o_proj(attended.reshape(batch, seq, -1))  # (batch, seq, n_embd)
+    out = layer.o_proj(attended.output.reshape(batch, seq, -1))  # (batch, seq, n_embd)
     x = x + layer.post_attention_layernorm(out, jnp.float32)
     out = gqa.gated_mlp(layer, x.astype(s.compute_dtype), jax.nn.silu)  # (batch, seq, n_embd)
-    return x + layer.post_feedforward_layernorm(out, jnp.float32)
+    x = x + layer.post_feedforward_layernorm(out, jnp.float32)
+    return LayerOutput(x, attended.cache)
 
 
 class Olmo2(gqa.Model):
