@@ -25,7 +25,7 @@ import pydantic
 from flax import nnx
 from jax.typing import DTypeLike
 
-from theseus.model import gqa
+from theseus.model import gqa, gqa_hf
 from theseus.model import windows as sliding
 from theseus.model.attention import AttentionOptions
 from theseus.model.decoder import LayerInputs, LayerOutput, PerLayer, Weights
@@ -186,9 +186,9 @@ def from_hf(hf: dict[str, Any], model_type: str, where: str) -> dict[str, Any]:
     if model_type == "gemma3":
         hf, model_type, where = hf["text_config"], "gemma3_text", f"{where} (text_config)"
     hf = _HF_DEFAULTS[model_type] | hf
-    gqa.check_key(hf, "hidden_activation", "gelu_pytorch_tanh", "gelu_pytorch_tanh", where)
-    gqa.check_key(hf, "attention_bias", False, False, where)
-    gqa.check_key(hf, "use_bidirectional_attention", False, False, where)
+    gqa_hf.check_key(hf, "hidden_activation", "gelu_pytorch_tanh", "gelu_pytorch_tanh", where)
+    gqa_hf.check_key(hf, "attention_bias", False, False, where)
+    gqa_hf.check_key(hf, "use_bidirectional_attention", False, False, where)
     pattern = hf.get("sliding_window_pattern") or _PATTERN[model_type]
     every = range(hf["num_hidden_layers"])
     types = hf.get("layer_types") or [sliding.KINDS[(i + 1) % pattern > 0] for i in every]
@@ -199,7 +199,7 @@ def from_hf(hf: dict[str, Any], model_type: str, where: str) -> dict[str, Any]:
             "sliding_attention layers"
         )
     window = hf["sliding_window"] if "sliding_attention" in types else None
-    model = gqa.from_hf_common(hf, None, 1e-6) | {
+    model = gqa_hf.from_hf_common(hf, None, 1e-6) | {
         "query_pre_attn_scalar": int(hf["query_pre_attn_scalar"]),
         "attn_logit_softcapping": hf["attn_logit_softcapping"],
         "final_logit_softcapping": hf["final_logit_softcapping"],
@@ -248,7 +248,7 @@ def to_hf(model: dict[str, Any], model_type: str) -> dict[str, Any]:
         local = model.get("rope_local_base_freq")  # None: the sliding layers rotate as global
         unscaled = {"rope_type": "default", "rope_theta": local}
         rope = {"full_attention": rope, "sliding_attention": rope if local is None else unscaled}
-    return gqa.to_hf_common(model) | {
+    return gqa_hf.to_hf_common(model) | {
         "hidden_activation": "gelu_pytorch_tanh",
         "attention_bias": False,
         "query_pre_attn_scalar": model["query_pre_attn_scalar"],
@@ -262,13 +262,13 @@ def to_hf(model: dict[str, Any], model_type: str) -> dict[str, Any]:
 
 def tensors(model: dict[str, Any]) -> list[HFTensor]:
     e = model["hidden_size"]
-    head_dim, _, _ = gqa.widths(model)
+    head_dim, _, _ = gqa_hf.widths(model)
     shapes = {"input_layernorm": (e,), "post_attention_layernorm": (e,)}
     shapes |= {"pre_feedforward_layernorm": (e,), "post_feedforward_layernorm": (e,)}
-    shapes |= gqa.projection_shapes(model)
+    shapes |= gqa_hf.projection_shapes(model)
     if model["qk_norm"]:
         shapes |= {"self_attn.q_norm": (head_dim,), "self_attn.k_norm": (head_dim,)}
-    return gqa.checkpoint_tensors(model, shapes)
+    return gqa_hf.checkpoint_tensors(model, shapes)
 
 
 def aliases(name: str) -> tuple[str, ...]:

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import DTypeLike
 
-from theseus.model import gqa
+from theseus.model import gqa, gqa_hf
 from theseus.model import windows as sliding
 from theseus.model.decoder import LayerInputs, LayerOutput, PerLayer
 from theseus.model.family import HFSpec, HFTensor, whole
@@ -94,11 +94,11 @@ def num_params(c: LlamaConfig) -> int:
 
 def from_hf(hf: dict[str, Any], model_type: str, where: str) -> dict[str, Any]:
     """The model section of a Llama, Mistral, Qwen2 or Qwen3 ``config.json``."""
-    gqa.check_key(hf, "hidden_act", "silu", "silu", where)
-    gqa.check_key(hf, "mlp_bias", False, False, where)
+    gqa_hf.check_key(hf, "hidden_act", "silu", "silu", where)
+    gqa_hf.check_key(hf, "mlp_bias", False, False, where)
     default_head_dim = 128 if model_type == "qwen3" else None
     return {
-        **gqa.from_hf_common(hf, default_head_dim, 1e-6),
+        **gqa_hf.from_hf_common(hf, default_head_dim, 1e-6),
         "attention_bias": model_type == "qwen2" or bool(hf.get("attention_bias", False)),
         "qk_norm": model_type == "qwen3",
         **sliding.windows_from_hf(hf, model_type, where),
@@ -128,7 +128,10 @@ def export_type(model: dict[str, Any], imported: str | None) -> str:
 
 
 def to_hf(model: dict[str, Any], model_type: str) -> dict[str, Any]:
-    config = gqa.to_hf_common(model) | {"hidden_act": "silu", "rope_parameters": rope_to_hf(model)}
+    config = gqa_hf.to_hf_common(model) | {
+        "hidden_act": "silu",
+        "rope_parameters": rope_to_hf(model),
+    }
     if model_type in ("llama", "qwen3"):
         config["attention_bias"] = model["attention_bias"]
     if model_type in ("qwen2", "qwen3"):
@@ -140,9 +143,9 @@ def to_hf(model: dict[str, Any], model_type: str) -> dict[str, Any]:
 
 def tensors(model: dict[str, Any]) -> list[HFTensor]:
     e = model["hidden_size"]
-    head_dim, n_q, n_kv = gqa.widths(model)
+    head_dim, n_q, n_kv = gqa_hf.widths(model)
     shapes = {"input_layernorm": (e,), "post_attention_layernorm": (e,)}
-    shapes |= gqa.projection_shapes(model)
+    shapes |= gqa_hf.projection_shapes(model)
     if model["qk_norm"]:
         shapes |= {"self_attn.q_norm": (head_dim,), "self_attn.k_norm": (head_dim,)}
     biases = [
@@ -150,7 +153,7 @@ def tensors(model: dict[str, Any]) -> list[HFTensor]:
         for layer in range(model["num_layers"]) if model["attention_bias"]
         for x, width in (("q", n_q), ("k", n_kv), ("v", n_kv))
     ]  # fmt: skip
-    return gqa.checkpoint_tensors(model, shapes, biases)
+    return gqa_hf.checkpoint_tensors(model, shapes, biases)
 
 
 FAMILY = gqa.family(

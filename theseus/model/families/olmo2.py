@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import pydantic
 from flax import nnx
 
-from theseus.model import gqa
+from theseus.model import gqa, gqa_hf
 from theseus.model.decoder import LayerInputs, LayerOutput
 from theseus.model.family import HFSpec, HFTensor
 from theseus.model.gqa import GQAConfig, Settings, field
@@ -94,23 +94,23 @@ def num_params(c: Olmo2Config) -> int:
 def from_hf(hf: dict[str, Any], model_type: str, where: str) -> dict[str, Any]:
     """The model section of an OLMo 2 ``config.json``."""
     del model_type  # olmo2 only
-    gqa.check_key(hf, "hidden_act", "silu", "silu", where)
-    gqa.check_key(hf, "attention_bias", False, False, where)
-    return gqa.from_hf_common(hf, None, 1e-5) | rope_from_hf(hf, where)
+    gqa_hf.check_key(hf, "hidden_act", "silu", "silu", where)
+    gqa_hf.check_key(hf, "attention_bias", False, False, where)
+    return gqa_hf.from_hf_common(hf, None, 1e-5) | rope_from_hf(hf, where)
 
 
 def to_hf(model: dict[str, Any], model_type: str) -> dict[str, Any]:
     del model_type  # olmo2 only
     rope = {"rope_parameters": rope_to_hf(model)}
-    return gqa.to_hf_common(model) | {"attention_bias": False, "hidden_act": "silu"} | rope
+    return gqa_hf.to_hf_common(model) | {"attention_bias": False, "hidden_act": "silu"} | rope
 
 
 def tensors(model: dict[str, Any]) -> list[HFTensor]:
     e = model["hidden_size"]
-    _, n_q, n_kv = gqa.widths(model)
+    _, n_q, n_kv = gqa_hf.widths(model)
     shapes = {"self_attn.q_norm": (n_q,), "self_attn.k_norm": (n_kv,)}
     shapes |= {"post_attention_layernorm": (e,), "post_feedforward_layernorm": (e,)}
-    return gqa.checkpoint_tensors(model, shapes | gqa.projection_shapes(model))
+    return gqa_hf.checkpoint_tensors(model, shapes | gqa_hf.projection_shapes(model))
 
 
 FAMILY = gqa.family(
