@@ -1,0 +1,413 @@
+"""Blockwise attention (FlashAttention-2 in JAX): memory linear in the context, and no work for the
+blocks a mask leaves empty.
+
+Queries are cut in blocks of ``block_q`` rows, keys and values in blocks of ``block_k``. Each block
+is summarised by the least and greatest position and segment id it holds, which gives a
+conservative block-level visibility (n_q_blocks × n_k_blocks per batch row: blocks, never tokens):
+key block ``j`` may be read by query block ``i`` when its first position is not after ``i``'s last,
+its last is less than a window before ``i``'s first, and their segment ranges overlap. Each query
+block's visible key blocks are compacted into a list and a count (and each key block's query
+blocks, for the key pass of the backward), and the loops run over that list with the count as a
+traced trip count: a skipped block costs nothing (a ``lax.cond`` under ``vmap`` would become a
+select, so skipping comes from loop bounds). Inside a visited block the exact mask is built from
+that block's positions and segments only. An online softmax with float32 running maximum and sum
+gives the output; a custom VJP keeps the output and the log-sum-exp only and recomputes the
+probabilities per block, once per query block (dQ) and once per key block (dK, dV).
+
+Lengths that are not a multiple of the block are padded inside: padded keys are never visible,
+padded query rows are dropped from the output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+if TYPE_CHECKING:  # attention.py dispatches here: the mask is read by its fields
+    from theseus.model.attention import AttentionMask
+
+#: A window no position difference reaches (the whole context), as attention.NO_WINDOW.
+_WHOLE_CONTEXT = int(np.iinfo(np.int32).max)
+
+
+@dataclass(frozen=True)
+class BlockCount:
+    """Blocks of the (query block × key block) grid the kernel computes for a mask, summed over
+    the batch rows of the mask, against the whole grid's ``total``."""
+
+    computed: int
+    total: int
+
+
+@dataclass(frozen=True)
+class _Tiling:
+    """The static shape of one call: block sizes (clamped to the lengths), true lengths, scale
+    and soft cap."""
+
+    block_q: int
+    block_k: int
+    q_len: int
+    k_len: int
+    scale: float
+    softcap: float | None
+
+    @property
+    def n_q_blocks(self) -> int:
+        return -(-self.q_len // self.block_q)
+
+    @property
+    def n_k_blocks(self) -> int:
+        return -(-self.k_len // self.block_k)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class _Bounds:
+    """A block-level mask, compacted: for each (batch row, query block) the key blocks to visit
+    (visible first) and how many; the same for each (batch row, key block) and its query blocks."""
+
+    key_blocks: jax.Array  # (batch, n_q_blocks, n_k_blocks) int32
+    key_counts: jax.Array  # (batch, n_q_blocks) int32
+    query_blocks: jax.Array  # (batch, n_k_blocks, n_q_blocks) int32
+    query_counts: jax.Array  # (batch, n_k_blocks) int32
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class _Tokens:
+    """The mask's per-token data, broadcast over the batch and padded to whole blocks (by
+    repeating the last token, so block summaries are unchanged; the kernel masks padded keys by
+    index)."""
+
+    query_positions: jax.Array  # (batch, padded q_len) int32
+    key_positions: jax.Array  # (batch, padded k_len) int32
+    query_segments: jax.Array | None  # (batch, padded q_len) int32
+    key_segments: jax.Array | None  # (batch, padded k_len) int32
+    window: jax.Array  # () int32
+
+
+def _padded(x: jax.Array, block: int, dim: int, mode: str = "constant") -> jax.Array:
+    """``x`` padded along ``dim`` to a multiple of ``block``."""
+    pad = -x.shape[dim] % block
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[dim] = (0, pad)
+    return jnp.pad(x, widths, mode=mode)
+
+
+def _tokens(mask: AttentionMask, batch: int, tiling: _Tiling) -> _Tokens:
+    """The mask's arrays as the kernel reads them."""
+
+    def rows(x: jax.Array, length: int, block: int) -> jax.Array:
+        x = jnp.broadcast_to(jnp.asarray(x, jnp.int32), (batch, length))
+        return _padded(x, block, 1, mode="edge")
+
+    def segments(x: jax.Array | None, length: int, block: int) -> jax.Array | None:
+        return None if x is None else rows(x, length, block)
+
+    q_len, k_len, bq, bk = tiling.q_len, tiling.k_len, tiling.block_q, tiling.block_k
+    window = _WHOLE_CONTEXT if mask.window is None else mask.window
+    return _Tokens(
+        rows(mask.query_positions, q_len, bq),
+        rows(mask.key_positions, k_len, bk),
+        segments(mask.query_segments, q_len, bq),
+        segments(mask.key_segments, k_len, bk),
+        jnp.asarray(window, jnp.int32),
+    )
+
+
+def _ranges(x: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
+    """Least and greatest value of each block of ``x`` (batch, n_blocks · block)."""
+    blocks = x.reshape(x.shape[0], -1, block)  # (batch, n_blocks, block)
+    return blocks.min(-1), blocks.max(-1)
+
+
+def _block_visibility(tokens: _Tokens, tiling: _Tiling) -> jax.Array:
+    """Whether key block ``j`` may hold a key that query block ``i`` reads: bool (batch,
+    n_q_blocks, n_k_blocks). Conservative: a visible block may still be empty, an invisible one
+    is."""
+    q_min, q_max = _ranges(tokens.query_positions, tiling.block_q)  # (batch, n_q_blocks)
+    k_min, k_max = _ranges(tokens.key_positions, tiling.block_k)  # (batch, n_k_blocks)
+    visible = k_min[:, None, :] <= q_max[:, :, None]
+    visible &= (q_min[:, :, None] - k_max[:, None, :]) < tokens.window
+    if tokens.query_segments is not None:
+        qs_min, qs_max = _ranges(tokens.query_segments, tiling.block_q)
+        ks_min, ks_max = _ranges(tokens.key_segments, tiling.block_k)
+        visible &= (ks_min[:, None, :] <= qs_max[:, :, None]) & (
+            qs_min[:, :, None] <= ks_max[:, None, :]
+        )
+    return visible  # (batch, n_q_blocks, n_k_blocks)
+
+
+def _compacted(visible: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The indices along the last dimension with the visible ones first, and their count."""
+    order = jnp.argsort(~visible, axis=-1, stable=True).astype(jnp.int32)
+    return order, visible.sum(-1, dtype=jnp.int32)
+
+
+def _bounds(tokens: _Tokens, tiling: _Tiling) -> _Bounds:
+    visible = _block_visibility(tokens, tiling)  # (batch, n_q_blocks, n_k_blocks)
+    key_blocks, key_counts = _compacted(visible)
+    query_blocks, query_counts = _compacted(visible.transpose(0, 2, 1))
+    return _Bounds(key_blocks, key_counts, query_blocks, query_counts)
+
+
+def _tiling(q: jax.Array, k: jax.Array, scale, softcap, block_q: int, block_k: int) -> _Tiling:
+    q_len, k_len, head_dim = q.shape[1], k.shape[1], q.shape[3]
+    scale = float(1.0 / np.sqrt(head_dim)) if scale is None else float(scale)
+    return _Tiling(min(block_q, q_len), min(block_k, k_len), q_len, k_len, scale, softcap)
+
+
+def blocks_computed(
+    mask: AttentionMask, q_len: int, k_len: int, block_q: int, block_k: int
+) -> BlockCount:
+    """How many (query block, key block) pairs :func:`blockwise_attention` computes for ``mask``
+    (the same visibility its loops run over), summed over the mask's batch rows."""
+    batch = max(
+        np.shape(x)[0]
+        for x in (mask.query_positions, mask.key_positions, mask.query_segments)
+        if x is not None
+    )
+    tiling = _Tiling(min(block_q, q_len), min(block_k, k_len), q_len, k_len, 1.0, None)
+    visible = _block_visibility(_tokens(mask, batch, tiling), tiling)
+    return BlockCount(int(visible.sum()), int(visible.size))
+
+
+def _block_scores(q_blk, k_blk, q_pos, k_pos, q_seg, k_seg, k_index, tokens, tiling):
+    """Scores of one (query block, key block) pair before and after the soft cap, masked to -inf
+    where the exact mask hides them: float32 (n_kv, group, block_q, block_k) twice (the raw
+    scores' tanh when capped, for the backward; else None)."""
+    raw = jnp.einsum("qhgd,khd->hgqk", q_blk, k_blk, preferred_element_type=jnp.float32)
+    raw = raw * jnp.float32(tiling.scale)  # (n_kv, group, block_q, block_k)
+    if tiling.softcap is None:
+        capped, tanh = raw, None
+    else:
+        tanh = jnp.tanh(raw / jnp.float32(tiling.softcap))
+        capped = tanh * jnp.float32(tiling.softcap)
+    visible = (k_pos[None, :] <= q_pos[:, None]) & (k_index[None, :] < tiling.k_len)
+    visible &= (q_pos[:, None] - k_pos[None, :]) < tokens.window
+    if q_seg is not None:
+        visible &= q_seg[:, None] == k_seg[None, :]  # (block_q, block_k)
+    return jnp.where(visible, capped, -jnp.inf), tanh
+
+
+def _key_block(x: jax.Array, row, j, block: int) -> jax.Array:
+    """Block ``j`` of batch row ``row`` of ``x`` (batch, padded length, ...)."""
+    start = (row, j * block) + (0,) * (x.ndim - 2)
+    return jax.lax.dynamic_slice(x, start, (1, block, *x.shape[2:]))[0]
+
+
+def _maybe_block(x: jax.Array | None, row, j, block: int) -> jax.Array | None:
+    return None if x is None else _key_block(x, row, j, block)
+
+
+def _forward(q, k, v, tokens: _Tokens, bounds: _Bounds, tiling: _Tiling):
+    """Output (batch, q_len, n_heads, head_dim) in q.dtype and log-sum-exp float32 (batch,
+    n_q_blocks, n_kv, group, block_q)."""
+    batch, q_len, n_heads, head_dim = q.shape
+    n_kv = k.shape[2]
+    group = n_heads // n_kv
+    bq, bk, nq = tiling.block_q, tiling.block_k, tiling.n_q_blocks
+    q = _padded(q, bq, 1).reshape(batch * nq, bq, n_kv, group, head_dim)
+    k, v = _padded(k, bk, 1), _padded(v, bk, 1)  # (batch, padded k_len, n_kv, head_dim)
+    tasks = jnp.arange(batch * nq, dtype=jnp.int32)
+
+    def query_block(task):
+        row, i = task // nq, task % nq
+        q_blk = q[task]  # (block_q, n_kv, group, head_dim)
+        q_pos = _key_block(tokens.query_positions, row, i, bq)  # (block_q,)
+        q_seg = _maybe_block(tokens.query_segments, row, i, bq)
+
+        def visit(t, carry):
+            top, total, acc = carry
+            j = bounds.key_blocks[row, i, t]
+            k_blk, v_blk = _key_block(k, row, j, bk), _key_block(v, row, j, bk)
+            k_pos = _key_block(tokens.key_positions, row, j, bk)
+            k_seg = _maybe_block(tokens.key_segments, row, j, bk)
+            k_index = j * bk + jnp.arange(bk)
+            scores, _ = _block_scores(
+                q_blk, k_blk, q_pos, k_pos, q_seg, k_seg, k_index, tokens, tiling
+            )  # (n_kv, group, block_q, block_k)
+            new_top = jnp.maximum(top, scores.max(-1))  # (n_kv, group, block_q)
+            safe = jnp.where(new_top == -jnp.inf, 0.0, new_top)
+            probs = jnp.exp(scores - safe[..., None])
+            rescale = jnp.exp(top - safe)
+            total = total * rescale + probs.sum(-1)
+            pv = jnp.einsum(
+                "hgqk,khd->hgqd", probs.astype(v.dtype), v_blk, preferred_element_type=jnp.float32
+            )
+            return new_top, total, acc * rescale[..., None] + pv
+
+        stats = jnp.full((n_kv, group, bq), -jnp.inf, jnp.float32)
+        init = (stats, jnp.zeros_like(stats), jnp.zeros((n_kv, group, bq, head_dim), jnp.float32))
+        top, total, acc = jax.lax.fori_loop(0, bounds.key_counts[row, i], visit, init)
+        out = acc / jnp.where(total == 0.0, 1.0, total)[..., None]  # (n_kv, group, bq, d)
+        lse = top + jnp.log(total)  # -inf for a row that reads no key
+        return out.transpose(2, 0, 1, 3).astype(q.dtype), lse
+
+    out, lse = jax.lax.map(query_block, tasks)  # (batch·nq, bq, n_kv, group, d), (.., n_kv, g, bq)
+    out = out.reshape(batch, nq * bq, n_heads, head_dim)[:, :q_len]
+    return out, lse.reshape(batch, nq, n_kv, group, bq)
+
+
+def _block_grads(
+    q_blk,
+    k_blk,
+    v_blk,
+    do_blk,
+    lse_blk,
+    delta_blk,
+    q_pos,
+    k_pos,
+    q_seg,
+    k_seg,
+    k_index,
+    tokens,
+    tiling,
+):
+    """Probabilities and the scores' cotangent (before scale) of one block pair: float32
+    (n_kv, group, block_q, block_k) each."""
+    scores, tanh = _block_scores(q_blk, k_blk, q_pos, k_pos, q_seg, k_seg, k_index, tokens, tiling)
+    probs = jnp.exp(scores - lse_blk[..., None])  # (n_kv, group, bq, bk)
+    dprobs = jnp.einsum("qhgd,khd->hgqk", do_blk, v_blk, preferred_element_type=jnp.float32)
+    dscores = probs * (dprobs - delta_blk[..., None])
+    if tanh is not None:
+        dscores = dscores * (1.0 - tanh * tanh)
+    return probs, dscores * jnp.float32(tiling.scale)
+
+
+def _backward(q, k, v, out, lse, d_out, tokens: _Tokens, bounds: _Bounds, tiling: _Tiling):
+    """dq, dk, dv in the inputs' dtypes: a pass per query block over its key blocks (dq) and
+    one per key block over its query blocks (dk, dv)."""
+    batch, q_len, n_heads, head_dim = q.shape
+    k_len, n_kv = k.shape[1], k.shape[2]
+    group = n_heads // n_kv
+    bq, bk, nq, nk = tiling.block_q, tiling.block_k, tiling.n_q_blocks, tiling.n_k_blocks
+    delta = jnp.einsum(
+        "bqhd,bqhd->bqh", d_out.astype(jnp.float32), out.astype(jnp.float32)
+    )  # (batch, q_len, n_heads)
+    delta = _padded(delta, bq, 1).reshape(batch, nq, bq, n_kv, group).transpose(0, 1, 3, 4, 2)
+    # An -inf log-sum-exp (a row that reads nothing) makes every probability exp(-inf) = 0.
+    lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)  # (batch, nq, n_kv, group, bq)
+    qb = _padded(q, bq, 1).reshape(batch, nq * bq, n_kv, group, head_dim)
+    dob = _padded(d_out, bq, 1).reshape(batch, nq * bq, n_kv, group, head_dim)
+    kb, vb = _padded(k, bk, 1), _padded(v, bk, 1)  # (batch, padded k_len, n_kv, head_dim)
+
+    def pair(row, i, j):
+        q_blk, do_blk = _key_block(qb, row, i, bq), _key_block(dob, row, i, bq)
+        k_blk, v_blk = _key_block(kb, row, j, bk), _key_block(vb, row, j, bk)
+        q_pos = _key_block(tokens.query_positions, row, i, bq)
+        q_seg = _maybe_block(tokens.query_segments, row, i, bq)
+        k_pos = _key_block(tokens.key_positions, row, j, bk)
+        k_seg = _maybe_block(tokens.key_segments, row, j, bk)
+        k_index = j * bk + jnp.arange(bk)
+        probs, dscores = _block_grads(
+            q_blk,
+            k_blk,
+            v_blk,
+            do_blk,
+            lse[row, i],
+            delta[row, i],
+            q_pos,
+            k_pos,
+            q_seg,
+            k_seg,
+            k_index,
+            tokens,
+            tiling,
+        )
+        return q_blk, k_blk, do_blk, probs, dscores
+
+    def query_block(task):
+        row, i = task // nq, task % nq
+
+        def visit(t, dq):
+            j = bounds.key_blocks[row, i, t]
+            _, k_blk, _, _, dscores = pair(row, i, j)
+            return dq + jnp.einsum(
+                "hgqk,khd->qhgd",
+                dscores.astype(k.dtype),
+                k_blk,
+                preferred_element_type=jnp.float32,
+            )
+
+        dq = jnp.zeros((bq, n_kv, group, head_dim), jnp.float32)
+        return jax.lax.fori_loop(0, bounds.key_counts[row, i], visit, dq).astype(q.dtype)
+
+    def key_block(task):
+        row, j = task // nk, task % nk
+
+        def visit(t, carry):
+            dk, dv = carry
+            i = bounds.query_blocks[row, j, t]
+            q_blk, _, do_blk, probs, dscores = pair(row, i, j)
+            dv = dv + jnp.einsum(
+                "hgqk,qhgd->khd",
+                probs.astype(v.dtype),
+                do_blk,
+                preferred_element_type=jnp.float32,
+            )
+            dk = dk + jnp.einsum(
+                "hgqk,qhgd->khd",
+                dscores.astype(q.dtype),
+                q_blk,
+                preferred_element_type=jnp.float32,
+            )
+            return dk, dv
+
+        zeros = jnp.zeros((bk, n_kv, head_dim), jnp.float32)
+        dk, dv = jax.lax.fori_loop(0, bounds.query_counts[row, j], visit, (zeros, zeros))
+        return dk.astype(k.dtype), dv.astype(v.dtype)
+
+    dq = jax.lax.map(query_block, jnp.arange(batch * nq, dtype=jnp.int32))
+    dk, dv = jax.lax.map(key_block, jnp.arange(batch * nk, dtype=jnp.int32))
+    dq = dq.reshape(batch, nq * bq, n_heads, head_dim)[:, :q_len]
+    dk = dk.reshape(batch, nk * bk, n_kv, head_dim)[:, :k_len]
+    dv = dv.reshape(batch, nk * bk, n_kv, head_dim)[:, :k_len]
+    return dq, dk, dv
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attend(q, k, v, tokens: _Tokens, tiling: _Tiling):
+    out, _ = _forward(q, k, v, tokens, _bounds(tokens, tiling), tiling)
+    return out
+
+
+def _attend_fwd(q, k, v, tokens, tiling):
+    out, lse = _forward(q, k, v, tokens, _bounds(tokens, tiling), tiling)
+    return out, (q, k, v, tokens, out, lse)
+
+
+def _attend_bwd(tiling, residuals, d_out):
+    q, k, v, tokens, out, lse = residuals
+    dq, dk, dv = _backward(q, k, v, out, lse, d_out, tokens, _bounds(tokens, tiling), tiling)
+    d_tokens = jax.tree.map(lambda x: np.zeros(np.shape(x), jax.dtypes.float0), tokens)
+    return dq, dk, dv, d_tokens
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+def blockwise_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: AttentionMask,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
+    block_q: int,
+    block_k: int,
+) -> jax.Array:
+    """Attention of ``q`` (batch, q_len, n_heads, head_dim) over ``k``, ``v`` (batch, k_len,
+    n_kv_heads, head_dim) under ``mask``, as :func:`theseus.model.attention.attention` computes it
+    (grouped-query, float32 scores times ``scale``, soft-capped at ``softcap``), in blocks of
+    ``block_q`` queries and ``block_k`` keys that skip what the mask hides. Output in q.dtype."""
+    tiling = _tiling(q, k, scale, softcap, block_q, block_k)
+    return _attend(q, k, v, _tokens(mask, q.shape[0], tiling), tiling)
