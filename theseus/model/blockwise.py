@@ -179,32 +179,75 @@ def blocks_computed(
     return BlockCount(int(visible.sum()), int(visible.size))
 
 
-def _block_scores(q_blk, k_blk, q_pos, k_pos, q_seg, k_seg, k_index, tokens, tiling):
-    """Scores of one (query block, key block) pair before and after the soft cap, masked to -inf
-    where the exact mask hides them: float32 (n_kv, group, block_q, block_k) twice (the raw
-    scores' tanh when capped, for the backward; else None)."""
-    raw = jnp.einsum("qhgd,khd->hgqk", q_blk, k_blk, preferred_element_type=jnp.float32)
+@dataclass(frozen=True)
+class _QueryBlock:
+    """One block of queries of one batch row: queries (block_q, n_kv, group, head_dim), their
+    positions and segments (block_q,)."""
+
+    q: jax.Array
+    positions: jax.Array
+    segments: jax.Array | None
+
+
+@dataclass(frozen=True)
+class _KeyBlock:
+    """One block of keys of one batch row: keys and values (block_k, n_kv, head_dim), their
+    positions, segments and indices in the sequence (block_k,)."""
+
+    k: jax.Array
+    v: jax.Array
+    positions: jax.Array
+    segments: jax.Array | None
+    index: jax.Array
+
+
+def _slice_block(x: jax.Array, row, j, block: int) -> jax.Array:
+    """Block ``j`` of batch row ``row`` of ``x`` (batch, padded length, ...)."""
+    start = (row, j * block) + (0,) * (x.ndim - 2)
+    return jax.lax.dynamic_slice(x, start, (1, block, *x.shape[2:]))[0]
+
+
+def _maybe_slice(x: jax.Array | None, row, j, block: int) -> jax.Array | None:
+    return None if x is None else _slice_block(x, row, j, block)
+
+
+def _query_block(q, tokens: _Tokens, row, i, block: int) -> _QueryBlock:
+    """Block ``i`` of row ``row``; ``q`` (batch, padded q_len, n_kv, group, head_dim)."""
+    return _QueryBlock(
+        _slice_block(q, row, i, block),
+        _slice_block(tokens.query_positions, row, i, block),
+        _maybe_slice(tokens.query_segments, row, i, block),
+    )
+
+
+def _key_block(k, v, tokens: _Tokens, row, j, block: int) -> _KeyBlock:
+    """Block ``j`` of row ``row``; ``k``, ``v`` (batch, padded k_len, n_kv, head_dim)."""
+    return _KeyBlock(
+        _slice_block(k, row, j, block),
+        _slice_block(v, row, j, block),
+        _slice_block(tokens.key_positions, row, j, block),
+        _maybe_slice(tokens.key_segments, row, j, block),
+        j * block + jnp.arange(block),
+    )
+
+
+def _block_scores(queries: _QueryBlock, keys: _KeyBlock, window, tiling: _Tiling):
+    """Scores of one block pair after the soft cap, -inf where the exact mask hides them, and the
+    tanh of the capped scores (None uncapped, for the backward): float32 (n_kv, group, block_q,
+    block_k)."""
+    raw = jnp.einsum("qhgd,khd->hgqk", queries.q, keys.k, preferred_element_type=jnp.float32)
     raw = raw * jnp.float32(tiling.scale)  # (n_kv, group, block_q, block_k)
     if tiling.softcap is None:
         capped, tanh = raw, None
     else:
         tanh = jnp.tanh(raw / jnp.float32(tiling.softcap))
         capped = tanh * jnp.float32(tiling.softcap)
-    visible = (k_pos[None, :] <= q_pos[:, None]) & (k_index[None, :] < tiling.k_len)
-    visible &= (q_pos[:, None] - k_pos[None, :]) < tokens.window
-    if q_seg is not None:
-        visible &= q_seg[:, None] == k_seg[None, :]  # (block_q, block_k)
+    q_pos, k_pos = queries.positions[:, None], keys.positions[None, :]
+    visible = (k_pos <= q_pos) & (q_pos - k_pos < window)  # (block_q, block_k)
+    visible &= keys.index[None, :] < tiling.k_len
+    if queries.segments is not None:
+        visible &= queries.segments[:, None] == keys.segments[None, :]
     return jnp.where(visible, capped, -jnp.inf), tanh
-
-
-def _key_block(x: jax.Array, row, j, block: int) -> jax.Array:
-    """Block ``j`` of batch row ``row`` of ``x`` (batch, padded length, ...)."""
-    start = (row, j * block) + (0,) * (x.ndim - 2)
-    return jax.lax.dynamic_slice(x, start, (1, block, *x.shape[2:]))[0]
-
-
-def _maybe_block(x: jax.Array | None, row, j, block: int) -> jax.Array | None:
-    return None if x is None else _key_block(x, row, j, block)
 
 
 def _forward(q, k, v, tokens: _Tokens, bounds: _Bounds, tiling: _Tiling):
@@ -214,33 +257,24 @@ def _forward(q, k, v, tokens: _Tokens, bounds: _Bounds, tiling: _Tiling):
     n_kv = k.shape[2]
     group = n_heads // n_kv
     bq, bk, nq = tiling.block_q, tiling.block_k, tiling.n_q_blocks
-    q = _padded(q, bq, 1).reshape(batch * nq, bq, n_kv, group, head_dim)
+    q = _padded(q, bq, 1).reshape(batch, nq * bq, n_kv, group, head_dim)
     k, v = _padded(k, bk, 1), _padded(v, bk, 1)  # (batch, padded k_len, n_kv, head_dim)
-    tasks = jnp.arange(batch * nq, dtype=jnp.int32)
 
     def query_block(task):
         row, i = task // nq, task % nq
-        q_blk = q[task]  # (block_q, n_kv, group, head_dim)
-        q_pos = _key_block(tokens.query_positions, row, i, bq)  # (block_q,)
-        q_seg = _maybe_block(tokens.query_segments, row, i, bq)
+        queries = _query_block(q, tokens, row, i, bq)
 
         def visit(t, carry):
             top, total, acc = carry
-            j = bounds.key_blocks[row, i, t]
-            k_blk, v_blk = _key_block(k, row, j, bk), _key_block(v, row, j, bk)
-            k_pos = _key_block(tokens.key_positions, row, j, bk)
-            k_seg = _maybe_block(tokens.key_segments, row, j, bk)
-            k_index = j * bk + jnp.arange(bk)
-            scores, _ = _block_scores(
-                q_blk, k_blk, q_pos, k_pos, q_seg, k_seg, k_index, tokens, tiling
-            )  # (n_kv, group, block_q, block_k)
+            keys = _key_block(k, v, tokens, row, bounds.key_blocks[row, i, t], bk)
+            scores, _ = _block_scores(queries, keys, tokens.window, tiling)  # (h, g, bq, bk)
             new_top = jnp.maximum(top, scores.max(-1))  # (n_kv, group, block_q)
             safe = jnp.where(new_top == -jnp.inf, 0.0, new_top)
             probs = jnp.exp(scores - safe[..., None])
             rescale = jnp.exp(top - safe)
             total = total * rescale + probs.sum(-1)
             pv = jnp.einsum(
-                "hgqk,khd->hgqd", probs.astype(v.dtype), v_blk, preferred_element_type=jnp.float32
+                "hgqk,khd->hgqd", probs.astype(v.dtype), keys.v, preferred_element_type=jnp.float32
             )
             return new_top, total, acc * rescale[..., None] + pv
 
@@ -251,102 +285,78 @@ def _forward(q, k, v, tokens: _Tokens, bounds: _Bounds, tiling: _Tiling):
         lse = top + jnp.log(total)  # -inf for a row that reads no key
         return out.transpose(2, 0, 1, 3).astype(q.dtype), lse
 
-    out, lse = jax.lax.map(query_block, tasks)  # (batch·nq, bq, n_kv, group, d), (.., n_kv, g, bq)
+    tasks = jnp.arange(batch * nq, dtype=jnp.int32)
+    out, lse = jax.lax.map(query_block, tasks)  # (batch·nq, bq, n_kv, group, d), (.., h, g, bq)
     out = out.reshape(batch, nq * bq, n_heads, head_dim)[:, :q_len]
     return out, lse.reshape(batch, nq, n_kv, group, bq)
 
 
-def _block_grads(
-    q_blk,
-    k_blk,
-    v_blk,
-    do_blk,
-    lse_blk,
-    delta_blk,
-    q_pos,
-    k_pos,
-    q_seg,
-    k_seg,
-    k_index,
-    tokens,
-    tiling,
-):
-    """Probabilities and the scores' cotangent (before scale) of one block pair: float32
-    (n_kv, group, block_q, block_k) each."""
-    scores, tanh = _block_scores(q_blk, k_blk, q_pos, k_pos, q_seg, k_seg, k_index, tokens, tiling)
-    probs = jnp.exp(scores - lse_blk[..., None])  # (n_kv, group, bq, bk)
-    dprobs = jnp.einsum("qhgd,khd->hgqk", do_blk, v_blk, preferred_element_type=jnp.float32)
-    dscores = probs * (dprobs - delta_blk[..., None])
+def _block_grads(queries, keys, d_out, lse, delta, window, tiling):
+    """Probabilities and the cotangent of the raw product q·k of one block pair, float32
+    (n_kv, group, block_q, block_k) each; ``d_out`` (block_q, n_kv, group, head_dim), ``lse``
+    and ``delta`` (n_kv, group, block_q)."""
+    scores, tanh = _block_scores(queries, keys, window, tiling)
+    probs = jnp.exp(scores - lse[..., None])  # (n_kv, group, block_q, block_k)
+    dprobs = jnp.einsum("qhgd,khd->hgqk", d_out, keys.v, preferred_element_type=jnp.float32)
+    dscores = probs * (dprobs - delta[..., None])
     if tanh is not None:
         dscores = dscores * (1.0 - tanh * tanh)
     return probs, dscores * jnp.float32(tiling.scale)
 
 
 def _backward(q, k, v, out, lse, d_out, tokens: _Tokens, bounds: _Bounds, tiling: _Tiling):
-    """dq, dk, dv in the inputs' dtypes: a pass per query block over its key blocks (dq) and
-    one per key block over its query blocks (dk, dv)."""
+    """dq, dk, dv in the inputs' dtypes: a pass per query block over its key blocks (dq, and
+    each row's sum of d_out · out), then one per key block over its query blocks (dk, dv)."""
     batch, q_len, n_heads, head_dim = q.shape
     k_len, n_kv = k.shape[1], k.shape[2]
     group = n_heads // n_kv
     bq, bk, nq, nk = tiling.block_q, tiling.block_k, tiling.n_q_blocks, tiling.n_k_blocks
-    delta = jnp.einsum(
-        "bqhd,bqhd->bqh", d_out.astype(jnp.float32), out.astype(jnp.float32)
-    )  # (batch, q_len, n_heads)
-    delta = _padded(delta, bq, 1).reshape(batch, nq, bq, n_kv, group).transpose(0, 1, 3, 4, 2)
     # An -inf log-sum-exp (a row that reads nothing) makes every probability exp(-inf) = 0.
     lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)  # (batch, nq, n_kv, group, bq)
-    qb = _padded(q, bq, 1).reshape(batch, nq * bq, n_kv, group, head_dim)
-    dob = _padded(d_out, bq, 1).reshape(batch, nq * bq, n_kv, group, head_dim)
-    kb, vb = _padded(k, bk, 1), _padded(v, bk, 1)  # (batch, padded k_len, n_kv, head_dim)
+    q, out, d_out = (
+        _padded(x, bq, 1).reshape(batch, nq * bq, n_kv, group, head_dim) for x in (q, out, d_out)
+    )
+    k, v = _padded(k, bk, 1), _padded(v, bk, 1)  # (batch, padded k_len, n_kv, head_dim)
 
-    def pair(row, i, j):
-        q_blk, do_blk = _key_block(qb, row, i, bq), _key_block(dob, row, i, bq)
-        k_blk, v_blk = _key_block(kb, row, j, bk), _key_block(vb, row, j, bk)
-        q_pos = _key_block(tokens.query_positions, row, i, bq)
-        q_seg = _maybe_block(tokens.query_segments, row, i, bq)
-        k_pos = _key_block(tokens.key_positions, row, j, bk)
-        k_seg = _maybe_block(tokens.key_segments, row, j, bk)
-        k_index = j * bk + jnp.arange(bk)
-        probs, dscores = _block_grads(
-            q_blk,
-            k_blk,
-            v_blk,
-            do_blk,
-            lse[row, i],
-            delta[row, i],
-            q_pos,
-            k_pos,
-            q_seg,
-            k_seg,
-            k_index,
-            tokens,
-            tiling,
-        )
-        return q_blk, k_blk, do_blk, probs, dscores
-
-    def query_block(task):
+    def query_pass(task):
         row, i = task // nq, task % nq
+        queries = _query_block(q, tokens, row, i, bq)
+        do_blk = _slice_block(d_out, row, i, bq)  # (block_q, n_kv, group, head_dim)
+        delta = jnp.einsum(
+            "qhgd,qhgd->hgq",
+            do_blk,
+            _slice_block(out, row, i, bq),
+            preferred_element_type=jnp.float32,
+        )  # (n_kv, group, block_q)
 
         def visit(t, dq):
-            j = bounds.key_blocks[row, i, t]
-            _, k_blk, _, _, dscores = pair(row, i, j)
+            keys = _key_block(k, v, tokens, row, bounds.key_blocks[row, i, t], bk)
+            _, dscores = _block_grads(
+                queries, keys, do_blk, lse[row, i], delta, tokens.window, tiling
+            )
             return dq + jnp.einsum(
                 "hgqk,khd->qhgd",
                 dscores.astype(k.dtype),
-                k_blk,
+                keys.k,
                 preferred_element_type=jnp.float32,
             )
 
         dq = jnp.zeros((bq, n_kv, group, head_dim), jnp.float32)
-        return jax.lax.fori_loop(0, bounds.key_counts[row, i], visit, dq).astype(q.dtype)
+        dq = jax.lax.fori_loop(0, bounds.key_counts[row, i], visit, dq)
+        return dq.astype(q.dtype), delta
 
-    def key_block(task):
+    def key_pass(task):
         row, j = task // nk, task % nk
+        keys = _key_block(k, v, tokens, row, j, bk)
 
         def visit(t, carry):
             dk, dv = carry
             i = bounds.query_blocks[row, j, t]
-            q_blk, _, do_blk, probs, dscores = pair(row, i, j)
+            queries = _query_block(q, tokens, row, i, bq)
+            do_blk = _slice_block(d_out, row, i, bq)
+            probs, dscores = _block_grads(
+                queries, keys, do_blk, lse[row, i], deltas[row, i], tokens.window, tiling
+            )
             dv = dv + jnp.einsum(
                 "hgqk,qhgd->khd",
                 probs.astype(v.dtype),
@@ -356,7 +366,7 @@ def _backward(q, k, v, out, lse, d_out, tokens: _Tokens, bounds: _Bounds, tiling
             dk = dk + jnp.einsum(
                 "hgqk,qhgd->khd",
                 dscores.astype(q.dtype),
-                q_blk,
+                queries.q,
                 preferred_element_type=jnp.float32,
             )
             return dk, dv
@@ -365,8 +375,9 @@ def _backward(q, k, v, out, lse, d_out, tokens: _Tokens, bounds: _Bounds, tiling
         dk, dv = jax.lax.fori_loop(0, bounds.query_counts[row, j], visit, (zeros, zeros))
         return dk.astype(k.dtype), dv.astype(v.dtype)
 
-    dq = jax.lax.map(query_block, jnp.arange(batch * nq, dtype=jnp.int32))
-    dk, dv = jax.lax.map(key_block, jnp.arange(batch * nk, dtype=jnp.int32))
+    dq, deltas = jax.lax.map(query_pass, jnp.arange(batch * nq, dtype=jnp.int32))
+    deltas = deltas.reshape(batch, nq, n_kv, group, bq)
+    dk, dv = jax.lax.map(key_pass, jnp.arange(batch * nk, dtype=jnp.int32))
     dq = dq.reshape(batch, nq * bq, n_heads, head_dim)[:, :q_len]
     dk = dk.reshape(batch, nk * bk, n_kv, head_dim)[:, :k_len]
     dv = dv.reshape(batch, nk * bk, n_kv, head_dim)[:, :k_len]
