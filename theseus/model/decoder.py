@@ -103,8 +103,14 @@ class Skeleton:
     def attend(
         self, q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask, **dropout: Any
     ) -> jax.Array:
-        """:func:`attention` with the skeleton's attention options."""
-        return attention(q, k, v, mask, **self.attention.keywords(), **dropout)
+        """:func:`attention` with the skeleton's attention options, its windows the
+        skeleton's."""
+        options = replace(self.attention, windows=self.distinct_windows())
+        return attention(q, k, v, mask, **options.keywords(), **dropout)
+
+    def distinct_windows(self) -> tuple[int | None, ...]:
+        """The windows the layers have, each once (None: the whole context), in layer order."""
+        return tuple(dict.fromkeys(self.windows or (None,)))
 
     def layer_windows(self, num_layers: int) -> jax.Array:
         """The windows as layer-indexed data: int32 (n_layer,), NO_WINDOW for a whole-context

@@ -19,6 +19,7 @@ from flax import nnx
 
 from theseus.config import Section
 from theseus.model import windows as sliding
+from theseus.model.attention import AttentionOptions, Kernel
 from theseus.model.decoder import CachedDecoder, DecoderModel, LayerInputs, Paths, Skeleton
 from theseus.model.family import Context, Family, HFSpec, HFTensor, Matmuls, whole
 from theseus.model.parts import StackedProjection, param, project
@@ -83,6 +84,15 @@ class GQAConfig(Section):
     )
     rms_norm_eps: float = field(1e-6, "RMSNorm epsilon", gt=0)
     tie_word_embeddings: bool = field(False, "output head = embedding")
+    attention: Kernel = field(
+        "auto", "attention kernel: auto (by backend), blockwise, xla (written out), cudnn, splash"
+    )
+    attention_block_q: pydantic.StrictInt | None = field(
+        None, "blockwise attention: queries per block; None: the backend's default", gt=0
+    )
+    attention_block_k: pydantic.StrictInt | None = field(
+        None, "blockwise attention: keys per block; None: the backend's default", gt=0
+    )
 
     @pydantic.model_validator(mode="after")
     def _heads_fit(self) -> GQAConfig:
@@ -195,6 +205,9 @@ def rotary_skeleton(
         context_key="model.max_position_embeddings",
         remat=remat,
         lora_scale=lora_scale,
+        attention=AttentionOptions(
+            kernel=c.attention, block_q=c.attention_block_q, block_k=c.attention_block_k
+        ),
     )
 
 
