@@ -11,7 +11,10 @@ its arrays, the window among them, may be traced (one window per layer through
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -119,6 +122,21 @@ def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
 
 
 _LOGGED: set[str] = set()
+_KERNEL_OVERRIDE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "attention_kernel_override", default=None
+)
+
+
+@contextlib.contextmanager
+def kernel_override(kernel: Kernel) -> Iterator[None]:
+    """Every :func:`attention` traced inside runs ``kernel``, whatever its model asks. FLOP
+    counting traces the written-out product (``xla``): XLA's cost analysis counts a loop's body
+    once, and the blockwise kernel's loops have traced trip counts."""
+    token = _KERNEL_OVERRIDE.set(kernel)
+    try:
+        yield
+    finally:
+        _KERNEL_OVERRIDE.reset(token)
 
 
 def _log_once(line: str) -> None:
@@ -199,6 +217,7 @@ def attention(
     if keep is not None:
         _log_once("attention: dropout on the probabilities runs the written-out attention")
         return _written_out(q, k, v, mask, scale, softcap, dropout_rate, keep)
+    kernel = _KERNEL_OVERRIDE.get() or kernel
     name = chosen_kernel(kernel, q, mask, softcap=softcap, windows=windows)
     if name == "blockwise":
         default_q, default_k = DEFAULT_BLOCKS.get(jax.default_backend(), DEFAULT_BLOCKS["cpu"])
