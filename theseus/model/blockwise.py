@@ -22,14 +22,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-if TYPE_CHECKING:  # attention.py dispatches here: the mask is read by its fields
-    from theseus.model.attention import AttentionMask
+
+class Mask(Protocol):
+    """What the kernel reads of :class:`theseus.model.attention.AttentionMask` (which imports
+    this module to dispatch to it)."""
+
+    query_positions: jax.Array
+    key_positions: jax.Array
+    query_segments: jax.Array | None
+    key_segments: jax.Array | None
+    window: int | jax.Array | None
+
 
 #: A window no position difference reaches (the whole context), as attention.NO_WINDOW.
 _WHOLE_CONTEXT = int(np.iinfo(np.int32).max)
@@ -101,7 +110,7 @@ def _padded(x: jax.Array, block: int, dim: int, mode: str = "constant") -> jax.A
     return jnp.pad(x, widths, mode=mode)
 
 
-def _tokens(mask: AttentionMask, batch: int, tiling: _Tiling) -> _Tokens:
+def _tokens(mask: Mask, batch: int, tiling: _Tiling) -> _Tokens:
     """The mask's arrays as the kernel reads them."""
 
     def rows(x: jax.Array, length: int, block: int) -> jax.Array:
@@ -164,9 +173,7 @@ def _tiling(q: jax.Array, k: jax.Array, scale, softcap, block_q: int, block_k: i
     return _Tiling(min(block_q, q_len), min(block_k, k_len), q_len, k_len, scale, softcap)
 
 
-def blocks_computed(
-    mask: AttentionMask, q_len: int, k_len: int, block_q: int, block_k: int
-) -> BlockCount:
+def blocks_computed(mask: Mask, q_len: int, k_len: int, block_q: int, block_k: int) -> BlockCount:
     """How many (query block, key block) pairs :func:`blockwise_attention` computes for ``mask``
     (the same visibility its loops run over), summed over the mask's batch rows."""
     batch = max(
@@ -409,7 +416,7 @@ def blockwise_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
-    mask: AttentionMask,
+    mask: Mask,
     *,
     scale: float | None = None,
     softcap: float | None = None,
