@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support import GPT_FAMILY, LLAMA_FAMILY
 
 from theseus.model.attention import (
     NO_WINDOW,
@@ -201,3 +202,11 @@ def test_dropout_keeps_the_written_out_product():
     probs = jnp.where(keep, jax.nn.softmax(scores, axis=-1) / 0.8, 0.0)
     want = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
     assert float(jnp.abs(got - want).max()) <= TOLERANCE * float(jnp.abs(want).max())
+
+
+@pytest.mark.parametrize("family", [GPT_FAMILY, LLAMA_FAMILY], ids=["gpt", "llama"])
+def test_model_attention_settings_reach_every_layer(family):
+    """``model.attention`` and the block sizes become the skeleton's attention options."""
+    config = family.config_class(attention="xla", attention_block_q=64, attention_block_k=32)
+    options = family.model_class.skeleton_of(config, jnp.float32).attention
+    assert (options.kernel, options.block_q, options.block_k) == ("xla", 64, 32)
