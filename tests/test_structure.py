@@ -243,7 +243,7 @@ def test_one_module_names_the_tokenizer_folder_files():
 
 # Model code reads typed weights by attribute; what it computes never depends on which keys a
 # dict holds. A key test is `"k" in d` / `"k" not in d` (a string constant on the left), any
-# `.get(...)` call, `hasattr(...)`, a three-argument `getattr(...)` and `isinstance(x, dict)`.
+# `.get(key...)` call, `hasattr(...)`, a three-argument `getattr(...)` and `isinstance(x, dict)`.
 # Under theseus/model/ one may appear only inside a function (or a function nested in one) with
 # a parameter annotated `dict[str, Any]`: the JSON dicts of the Hugging Face mapping
 # (config.json, a model section), the only dicts model code reads.
@@ -273,7 +273,7 @@ def key_tests(source: str) -> list[str]:
             return False
         func = node.func
         if isinstance(func, ast.Attribute):
-            return func.attr == "get"
+            return func.attr == "get" and bool(node.args)  # not a ContextVar's get()
         if not isinstance(func, ast.Name):
             return False
         dict_type = [ast.unparse(a) for a in node.args[1:]] == ["dict"]

@@ -161,8 +161,10 @@ def _kind(opcode: str) -> str | None:
     return None
 
 
-def _callees(instruction: _Instruction) -> list[tuple[str, int]]:
-    """Computations an instruction calls, each with how many times per call of it."""
+def _callees(instruction: _Instruction) -> list[tuple[str, int | None]]:
+    """Computations an instruction calls, each with how many times per call of it (None: a
+    while loop whose trip count is known only at run time, such as the blockwise attention's
+    loops over the blocks a mask leaves visible)."""
     if instruction.opcode.endswith("-done"):
         return []  # an async pair's wrapped computation is reached from its -start
     names = _CALLEE.findall(instruction.attributes)
@@ -171,14 +173,8 @@ def _callees(instruction: _Instruction) -> list[tuple[str, int]]:
     if instruction.opcode != "while":
         return [(name, 1) for name in names]
     trip = _TRIP_COUNT.search(instruction.attributes)
-    if trip is None:
-        raise ValueError(
-            f"while loop {instruction.name} has no known trip count in the compiled HLO, so its "
-            "collectives cannot be counted per step; loops from lax.scan and fori_loop with "
-            "static bounds have one."
-        )
     body = re.search(r"\bbody=%?([^\s,]+)", instruction.attributes).group(1)
-    return [(body, int(trip.group(1)))]  # the condition runs no collectives
+    return [(body, None if trip is None else int(trip.group(1)))]  # the condition: no collectives
 
 
 def count_collectives(hlo_text: str) -> Collectives:
@@ -199,6 +195,12 @@ def count_collectives(hlo_text: str) -> Collectives:
                 one = CollectiveTotal(1, hlo_type_bytes(type_text))
                 found[kind] = found.get(kind, CollectiveTotal()) + one
             for callee, times in _callees(instruction):
+                if times is None and totals(callee):
+                    raise ValueError(
+                        f"while loop {instruction.name} runs collectives and has no known trip "
+                        "count in the compiled HLO, so they cannot be counted per step; loops "
+                        "from lax.scan and fori_loop with static bounds have one."
+                    )
                 for callee_kind, total in totals(callee):
                     found[callee_kind] = found.get(callee_kind, CollectiveTotal()) + total * times
         return tuple(found.items())
@@ -223,7 +225,8 @@ def _dot_flops(instruction: _Instruction, types: dict[str, str]) -> int:
 def count_dot_flops(hlo_text: str) -> int:
     """FLOPs of the matmuls (``dot``) one execution of the compiled module runs, per device,
     loops unrolled: recomputation included (XLA's ``cost_analysis()`` counts a loop body once,
-    whatever its trip count)."""
+    whatever its trip count). A loop whose trip count is known only at run time (the blockwise
+    attention's, over the blocks its mask leaves visible) is counted once."""
     computations, entry = _computations(hlo_text)
 
     @cache
@@ -234,7 +237,10 @@ def count_dot_flops(hlo_text: str) -> int:
         for instruction in instructions:
             if instruction.opcode == "dot":
                 total += _dot_flops(instruction, types)
-            total += sum(flops(callee) * times for callee, times in _callees(instruction))
+            total += sum(
+                flops(callee) * (1 if times is None else times)
+                for callee, times in _callees(instruction)
+            )
         return total
 
     return flops(entry)

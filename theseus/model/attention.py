@@ -11,12 +11,29 @@ its arrays, the window among them, may be traced (one window per layer through
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
 
+from theseus.model.blockwise import blockwise_attention
 from theseus.model.layers import apply_dropout
+
+logger = logging.getLogger(__name__)
+
+#: The attention kernels a model may ask for (``model.attention``): ``auto`` picks by backend
+#: and mask; ``xla`` is the written-out product (scores of T × T, XLA's own ops).
+Kernel = Literal["auto", "blockwise", "xla", "cudnn", "splash"]
+KERNELS: tuple[str, ...] = get_args(Kernel)
+
+#: The blockwise kernel's block of queries and of keys when the model gives none, on every
+#: backend: measured on CPU (bench/attention_bench.py, docs/performance.md), not yet on GPU/TPU.
+DEFAULT_BLOCK = 512
 
 #: The window of a layer that attends the whole context (no position is that far back).
 NO_WINDOW = int(jnp.iinfo(jnp.int32).max)
@@ -64,21 +81,111 @@ class AttentionMask:
 class AttentionOptions:
     """How a layer attends besides its mask, as one hashable value a family's decoder carries
     (``Skeleton.attention``): ``scale`` multiplies the scores (None: 1 / sqrt(head_dim)) and
-    ``softcap`` caps them at ``±cap`` (None: uncapped). A new attention option is a field here,
-    passed to :func:`attention` as the keyword of its name."""
+    ``softcap`` caps them at ``±cap`` (None: uncapped); ``kernel`` computes it (see
+    :data:`Kernel`), the blockwise kernel in blocks of ``block_q`` queries and ``block_k`` keys
+    (None: :data:`DEFAULT_BLOCK`); ``windows`` are the distinct windows a layer's traced
+    ``mask.window`` may take (None: the whole context), for a kernel that needs its window
+    fixed. A new attention option is a field here, passed to :func:`attention` as the keyword
+    of its name."""
 
     scale: float | None = None
     softcap: float | None = None
+    kernel: Kernel = "auto"
+    block_q: int | None = None
+    block_k: int | None = None
+    windows: tuple[int | None, ...] = (None,)
 
     def keywords(self) -> dict:
         """The options as :func:`attention`'s keywords."""
-        return {"scale": self.scale, "softcap": self.softcap}
+        return {
+            "scale": self.scale,
+            "softcap": self.softcap,
+            "kernel": self.kernel,
+            "block_q": self.block_q,
+            "block_k": self.block_k,
+            "windows": self.windows,
+        }
+
+
+class AttentionKernelError(ValueError):
+    """A model asked for an attention kernel that cannot serve its attention here."""
 
 
 def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
     """``cap · tanh(x / cap)``: ``x`` squashed into (-cap, cap) (Gemma 2's soft-capping); None:
     ``x`` as it is."""
     return x if cap is None else jnp.tanh(x / cap) * cap
+
+
+_LOGGED: set[str] = set()
+_KERNEL_OVERRIDE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "attention_kernel_override", default=None
+)
+
+
+@contextlib.contextmanager
+def kernel_override(kernel: Kernel) -> Iterator[None]:
+    """Every :func:`attention` traced inside runs ``kernel``, whatever its model asks. FLOP
+    counting traces the written-out product (``xla``): XLA's cost analysis counts a loop's body
+    once, and the blockwise kernel's loops have traced trip counts."""
+    token = _KERNEL_OVERRIDE.set(kernel)
+    try:
+        yield
+    finally:
+        _KERNEL_OVERRIDE.reset(token)
+
+
+def _log_once(line: str) -> None:
+    if line not in _LOGGED:
+        _LOGGED.add(line)
+        logger.info(line)
+
+
+def _refusal(name: str, q: jax.Array, mask: AttentionMask, softcap, windows) -> str | None:
+    """Why the fused kernel ``name`` (cudnn, splash) cannot serve this call (None: it can)."""
+    from theseus.model import kernels  # GPU/TPU only: imported when one is asked for
+
+    if name == "cudnn":
+        return kernels.cudnn_refusal(q, mask, softcap=softcap, windows=windows)
+    return kernels.splash_refusal(q, mask, softcap=softcap, windows=windows)
+
+
+def fused_kernel(backend: str) -> str | None:
+    """The fused attention kernel of a JAX backend (None: it has none)."""
+    if backend in ("gpu", "cuda", "rocm"):
+        return "cudnn"
+    return "splash" if backend == "tpu" else None
+
+
+def chosen_kernel(
+    kernel: str, q: jax.Array, mask: AttentionMask, *, softcap=None, windows=(None,)
+) -> str:
+    """The kernel :func:`attention` runs for ``kernel`` on this backend: ``auto`` is the
+    blockwise kernel on CPU, cuDNN's on GPU and splash on TPU when they can serve the call (else
+    blockwise, said once in the log). An explicit kernel that cannot serve it is an
+    :class:`AttentionKernelError`."""
+    if kernel not in KERNELS:
+        raise AttentionKernelError(
+            f"model.attention={kernel!r} is not an attention kernel; choose one of {KERNELS}."
+        )
+    backend = jax.default_backend()
+    fused = fused_kernel(backend)
+    if kernel == "auto" and fused is None:
+        return "blockwise"
+    if kernel in ("blockwise", "xla"):
+        return kernel
+    name = fused if kernel == "auto" else kernel
+    refusal = _refusal(name, q, mask, softcap, windows)
+    if refusal is None:
+        return name
+    if kernel == "auto":
+        _log_once(f"attention: the blockwise kernel serves this call, not {name}: {refusal}")
+        return "blockwise"
+    raise AttentionKernelError(
+        f"model.attention={kernel!r} cannot serve this model's attention on the {backend} "
+        f"backend: {refusal}. Set model.attention=auto (which falls back to the blockwise "
+        "kernel where the fused one cannot serve) or model.attention=blockwise."
+    )
 
 
 def attention(
@@ -89,6 +196,10 @@ def attention(
     *,
     scale: float | None = None,
     softcap: float | None = None,
+    kernel: Kernel = "auto",
+    block_q: int | None = None,
+    block_k: int | None = None,
+    windows: tuple[int | None, ...] = (None,),
     dropout_rate: float = 0.0,
     keep: jax.Array | None = None,
 ) -> jax.Array:
@@ -96,16 +207,48 @@ def attention(
     values ``k``, ``v`` (batch, k_len, n_kv_heads, head_dim), grouped-query when n_kv_heads
     divides n_heads (query head ``h`` reads key/value head ``h // (n_heads / n_kv_heads)``).
     Float32 scores times ``scale`` (None: 1 / sqrt(head_dim)), soft-capped at ``softcap`` (None:
-    not), and softmax; probabilities and output in ``q.dtype``. Returns (batch, q_len, n_heads,
-    head_dim).
+    not), and softmax; output in ``q.dtype``. Returns (batch, q_len, n_heads, head_dim).
 
-    Without soft-capping and dropout it is :func:`jax.nn.dot_product_attention` with the mask as
-    its boolean ``mask`` argument, so the backend's fused kernel can serve it where it supports
-    one. A soft cap, or a ``keep`` mask (batch, n_heads, q_len, k_len) dropping probabilities out
-    at ``dropout_rate``, is what the fused function does not do: the same product is written out.
+    ``kernel`` computes it (:func:`chosen_kernel`): ``blockwise`` in blocks of ``block_q``
+    queries and ``block_k`` keys that skip what the mask hides (:mod:`theseus.model.blockwise`),
+    ``xla`` written out with scores of q_len × k_len, ``cudnn`` and ``splash`` the fused kernels
+    of GPUs and TPUs (:mod:`theseus.model.kernels`; ``windows``: the windows ``mask.window`` may
+    take). A ``keep`` mask (batch, n_heads, q_len, k_len) dropping probabilities out at
+    ``dropout_rate`` is served by the written-out product whatever the kernel (said once in the
+    log).
     """
-    if keep is None and softcap is None:
+    if keep is not None:
+        _log_once("attention: dropout on the probabilities runs the written-out attention")
+        return _written_out(q, k, v, mask, scale, softcap, dropout_rate, keep)
+    kernel = _KERNEL_OVERRIDE.get() or kernel
+    name = chosen_kernel(kernel, q, mask, softcap=softcap, windows=windows)
+    if name == "blockwise":
+        return blockwise_attention(
+            q,
+            k,
+            v,
+            mask,
+            scale=scale,
+            softcap=softcap,
+            block_q=block_q or DEFAULT_BLOCK,
+            block_k=block_k or DEFAULT_BLOCK,
+        )
+    if name == "cudnn":
+        from theseus.model.kernels import cudnn_attention
+
+        return cudnn_attention(q, k, v, mask, scale=scale, windows=windows)
+    if name == "splash":
+        from theseus.model.kernels import splash_attention
+
+        return splash_attention(q, k, v, mask, scale=scale, softcap=softcap, windows=windows)
+    if softcap is None:
         return jax.nn.dot_product_attention(q, k, v, mask=mask.visible(), scale=scale)
+    return _written_out(q, k, v, mask, scale, softcap, 0.0, None)
+
+
+def _written_out(q, k, v, mask, scale, softcap, dropout_rate, keep) -> jax.Array:
+    """The product written out: float32 scores (batch, n_kv, group, q_len, k_len), soft-capped,
+    masked, softmax in q.dtype, dropped out by ``keep`` at ``dropout_rate``."""
     batch, q_len, n_heads, head_dim = q.shape
     k_len, n_kv = k.shape[1], k.shape[2]
     group = n_heads // n_kv

@@ -156,8 +156,14 @@ class Skeleton:
     def attend(
         self, q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask, **dropout: Any
     ) -> jax.Array:
-        """:func:`attention` with the skeleton's attention options."""
-        return attention(q, k, v, mask, **self.attention.keywords(), **dropout)
+        """:func:`attention` with the skeleton's attention options, its windows the
+        skeleton's."""
+        options = replace(self.attention, windows=self.distinct_windows())
+        return attention(q, k, v, mask, **options.keywords(), **dropout)
+
+    def distinct_windows(self) -> tuple[int | None, ...]:
+        """The windows the layers have, each once (None: the whole context), in layer order."""
+        return tuple(dict.fromkeys(self.per_layer.windows or (None,)))
 
     def check_length(self, seq: int) -> None:
         if seq > self.context.length:

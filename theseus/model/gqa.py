@@ -18,6 +18,7 @@ from flax import nnx
 from theseus.accounting.activations import DecoderShape
 from theseus.config import Section
 from theseus.model import windows as sliding
+from theseus.model.attention import AttentionOptions, Kernel
 from theseus.model.decoder import (
     Attended,
     CachedDecoder,
@@ -88,6 +89,15 @@ class GQAConfig(Section):
     )
     rms_norm_eps: float = field(1e-6, "RMSNorm epsilon", gt=0)
     tie_word_embeddings: bool = field(False, "output head = embedding")
+    attention: Kernel = field(
+        "auto", "attention kernel: auto (by backend), blockwise, xla (written out), cudnn, splash"
+    )
+    attention_block_q: pydantic.StrictInt | None = field(
+        None, "blockwise attention: queries per block; None: the backend's default", gt=0
+    )
+    attention_block_k: pydantic.StrictInt | None = field(
+        None, "blockwise attention: keys per block; None: the backend's default", gt=0
+    )
 
     @pydantic.model_validator(mode="after")
     def _heads_fit(self) -> GQAConfig:
@@ -237,6 +247,9 @@ def rotary_skeleton(
         compute_dtype=dtype,
         context=c.context,
         remat=remat,
+        attention=AttentionOptions(
+            kernel=c.attention, block_q=c.attention_block_q, block_k=c.attention_block_k
+        ),
     )
 
 

@@ -6,7 +6,8 @@ update are left out, as in the PaLM paper's MFU. A trainer that defines ``flops_
 (every family does, from its matmul shapes) gives its own count; any other model gets XLA's:
 ``cost_analysis()`` of the loss gradient of one microbatch, lowered for one device with every
 ``lax.scan`` unrolled first. Unrolling is needed because XLA's cost analysis counts a loop body once, whatever its trip
-count. The lowered module is counted rather than the compiled one because compiling an unrolled
+count; attention is traced written out (``model.attention=xla``), since the blockwise kernel's
+loops have trip counts known only at run time. The lowered module is counted rather than the compiled one because compiling an unrolled
 model is slow, and the two counts agree (docs/performance.md, "FLOPs per token", has the figures).
 """
 
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.extend import core
 
+from theseus.model.attention import kernel_override
 from theseus.training.keys import validation_keys
 
 if TYPE_CHECKING:
@@ -58,7 +60,8 @@ def xla_flops_per_token(trainer: BaseTrainer) -> float:
             model, batch, validation_keys((plan.per_device_batch_size,)), train=True
         )
 
-    closed = jax.make_jaxpr(jax.value_and_grad(loss))(trainer.abstract_state.params, tokens)
+    with kernel_override("xla"):  # the model's matmuls, not the blockwise kernel's loops
+        closed = jax.make_jaxpr(jax.value_and_grad(loss))(trainer.abstract_state.params, tokens)
     unrolled = core.jaxpr_as_fun(_unrolled(closed))
     leaves = jax.tree.leaves((trainer.abstract_state.params, tokens))
     flops = float(jax.jit(unrolled).lower(*leaves).cost_analysis()["flops"])

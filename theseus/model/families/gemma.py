@@ -27,7 +27,6 @@ from jax.typing import DTypeLike
 
 from theseus.model import gqa, gqa_hf
 from theseus.model import windows as sliding
-from theseus.model.attention import AttentionOptions
 from theseus.model.decoder import LayerInputs, LayerOutput, PerLayer, Weights
 from theseus.model.family import HFSpec, HFTensor
 from theseus.model.gqa import WindowedConfig, field
@@ -121,7 +120,9 @@ def skeleton(c: GemmaConfig, compute_dtype: DTypeLike, remat: bool | str = False
         features=features,
         settings=Settings(c.dim_per_head, scale, sk.compute_dtype),
         per_layer=PerLayer(windows=c.windows, inv_freqs=c.inv_freqs),
-        attention=AttentionOptions(c.query_pre_attn_scalar**-0.5, c.attn_logit_softcapping),
+        attention=replace(
+            sk.attention, scale=c.query_pre_attn_scalar**-0.5, softcap=c.attn_logit_softcapping
+        ),
         logit_softcap=c.final_logit_softcapping,
     )
 

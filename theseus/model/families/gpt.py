@@ -16,6 +16,7 @@ from jax.typing import DTypeLike
 
 from theseus.accounting.activations import DecoderShape
 from theseus.config import Section
+from theseus.model.attention import AttentionOptions, Kernel
 from theseus.model.decoder import (
     CachedDecoder,
     DecoderModel,
@@ -66,6 +67,9 @@ class GPTConfig(Section):
         mlp_ratio: MLP hidden width as a multiple of ``n_embd``.
         dropout: dropout rate in training where GPT-2 applies it (embeddings, attention
             probabilities, the attention and MLP branches into the residual stream); in [0, 1).
+        attention: the attention kernel (:data:`theseus.model.attention.Kernel`); with
+            ``attention_block_q`` and ``attention_block_k`` the blockwise kernel's block sizes
+            (None: the backend's default).
     """
 
     vocab_size: pydantic.StrictInt = pydantic.Field(256, gt=0, description="token ids")
@@ -75,6 +79,17 @@ class GPTConfig(Section):
     n_embd: pydantic.StrictInt = pydantic.Field(128, gt=0, description="residual width")
     mlp_ratio: pydantic.StrictInt = pydantic.Field(4, gt=0, description="MLP width / n_embd")
     dropout: float = pydantic.Field(0.0, ge=0, lt=1, description="dropout rate in training")
+    attention: Kernel = pydantic.Field(
+        "auto",
+        description="attention kernel: auto (by backend), blockwise, xla (written out), cudnn, "
+        "splash",
+    )
+    attention_block_q: pydantic.StrictInt | None = pydantic.Field(
+        None, gt=0, description="blockwise attention: queries per block; None: backend default"
+    )
+    attention_block_k: pydantic.StrictInt | None = pydantic.Field(
+        None, gt=0, description="blockwise attention: keys per block; None: backend default"
+    )
 
     @pydantic.model_validator(mode="after")
     def _heads_divide_width(self) -> GPTConfig:
@@ -151,6 +166,9 @@ def skeleton(c: GPTConfig, compute_dtype: DTypeLike, remat: bool | str = False):
         context=Context(c.block_size, "model.block_size"),
         dropout=c.dropout,
         remat=remat,
+        attention=AttentionOptions(
+            kernel=c.attention, block_q=c.attention_block_q, block_k=c.attention_block_k
+        ),
     )
 
 
