@@ -92,22 +92,28 @@ def test_splash_matches_the_written_out_attention(case):
 
 
 def test_splash_picks_the_traced_window_of_a_layer_scan():
-    """One compiled program, one kernel per static window (lax.switch): the window chosen by
-    data; a window outside those given gives NaNs rather than another window's attention."""
+    """One compiled program, one kernel per static window (lax.switch), gradients included: the
+    window chosen by data; a window outside those given gives NaNs rather than another window's
+    attention."""
     seq, windows = 256, (37, NO_WINDOW)
     q, k, v = qkv(seq)
 
+    def windowed(window):
+        return dataclasses.replace(AttentionMask.causal(seq), window=window)
+
     @jax.jit
     def splash(window):
-        mask = dataclasses.replace(AttentionMask.causal(seq), window=window)
-        return splash_attention(
-            q, k, v, mask, scale=None, softcap=None, windows=windows, interpret=True
-        )
+        def attend(q, k, v):
+            options = {"scale": None, "softcap": None, "windows": windows}
+            return splash_attention(q, k, v, windowed(window), **options, interpret=True)
+
+        return with_gradients(attend, q, k, v)
 
     for window in windows:
-        mask = dataclasses.replace(AttentionMask.causal(seq), window=window)
-        assert_close([splash(jnp.int32(window))], [reference(q, k, v, mask)])
-    assert bool(jnp.isnan(splash(jnp.int32(50))).all())
+        mask = windowed(window)
+        want = with_gradients(lambda q, k, v, mask=mask: reference(q, k, v, mask), q, k, v)
+        assert_close(splash(jnp.int32(window)), want)
+    assert bool(jnp.isnan(splash(jnp.int32(50))[0]).all())
 
 
 def test_window_convention():
