@@ -95,7 +95,7 @@ def test_splash_picks_the_traced_window_of_a_layer_scan():
     """One compiled program, one kernel per static window (lax.switch), gradients included: the
     window chosen by data; a window outside those given gives NaNs rather than another window's
     attention."""
-    seq, windows = 256, (37, NO_WINDOW)
+    seq, windows = 256, (37, None)  # None: a whole-context layer, traced as NO_WINDOW
     q, k, v = qkv(seq)
 
     def windowed(window):
@@ -109,7 +109,7 @@ def test_splash_picks_the_traced_window_of_a_layer_scan():
 
         return with_gradients(attend, q, k, v)
 
-    for window in windows:
+    for window in (37, NO_WINDOW):
         mask = windowed(window)
         want = with_gradients(lambda q, k, v, mask=mask: reference(q, k, v, mask), q, k, v)
         assert_close(splash(jnp.int32(window)), want)
@@ -119,6 +119,7 @@ def test_splash_picks_the_traced_window_of_a_layer_scan():
 def test_window_convention():
     """A Hugging Face window w (key k read by query q when q - w < k <= q) is jax's left window
     w - 1 (cuDNN's window w, which jax passes as left + 1): pinned on jax's own XLA path."""
+    assert kernels.WHOLE_CONTEXT == NO_WINDOW
     assert local_window(37, 256) == (36, 0)
     assert local_window(1, 256) == (0, 0)
     assert [local_window(w, 256) for w in (None, 256, 4096, NO_WINDOW)] == [None] * 4

@@ -29,6 +29,9 @@ __all__ = ["cudnn_attention", "cudnn_refusal", "splash_attention", "splash_refus
 SPLASH_BLOCK = 512
 #: Splash attention's smallest block: a TPU vector register's lanes (the kernel refuses less).
 SPLASH_MIN_BLOCK = 128
+#: The traced window of a whole-context layer (the attention module's ``NO_WINDOW``; not imported:
+#: that module imports this one); ``windows`` may name it None.
+WHOLE_CONTEXT = int(np.iinfo(np.int32).max)
 #: cuDNN's largest head dimension, before and from Hopper (compute capability 9.0) on.
 CUDNN_MAX_HEAD_DIM = {False: 128, True: 256}
 
@@ -49,13 +52,14 @@ def local_window(window: int | None, seq_len: int) -> tuple[int, int] | None:
 
 def _per_window(
     window: int | jax.Array | None,
-    windows: tuple[int, ...],
+    windows: tuple[int | None, ...],
     seq_len: int,
     attend: Callable[[tuple[int, int] | None], jax.Array],
     out: jax.ShapeDtypeStruct,
 ) -> jax.Array:
     """``attend(local_window(window))``; a traced ``window`` through :func:`jax.lax.switch`
-    over one branch per distinct static window of ``windows``. A traced window outside
+    over one branch per distinct static window of ``windows`` (None: the whole context, traced
+    as :data:`WHOLE_CONTEXT`). A traced window outside
     ``windows`` (a caller's broken promise, which cannot raise at run time) gives NaNs, not
     another window's attention."""
     if window is None or isinstance(window, (int, np.integer)):
@@ -63,14 +67,15 @@ def _per_window(
     sides = [local_window(w, seq_len) for w in windows]
     distinct = list(dict.fromkeys(sides))  # windows of at least seq_len share one branch
     branch_of = jnp.asarray([distinct.index(s) for s in sides] + [len(distinct)], jnp.int32)
-    matches = jnp.asarray(windows, jnp.int32) == window  # (len(windows),)
+    traced = [WHOLE_CONTEXT if w is None else w for w in windows]
+    matches = jnp.asarray(traced, jnp.int32) == window  # (len(windows),)
     found = jnp.where(matches.any(), jnp.argmax(matches), len(windows))
     branches = [functools.partial(attend, s) for s in distinct]
     branches.append(lambda: jnp.full(out.shape, jnp.nan, out.dtype))
     return jax.lax.switch(branch_of[found], branches)
 
 
-def _window_refusal(mask: Any, windows: tuple[int, ...]) -> str | None:
+def _window_refusal(mask: Any, windows: tuple[int | None, ...]) -> str | None:
     """Why the window cannot pick a static kernel: traced, with no windows to choose from."""
     if isinstance(mask.window, jax.Array) and not windows:
         return (
@@ -108,7 +113,7 @@ class Backend:
 def backend() -> Backend:
     """This process's backend."""
     name = jax.default_backend()
-    if name != "gpu" or "cuda" not in get_backend().platform_version:
+    if name not in ("gpu", "cuda") or "cuda" not in get_backend().platform_version.lower():
         return Backend(name)
     # jax 0.10.2 has no public query; this is the module jax.nn.dot_product_attention checks.
     from jax._src.lib import cuda_versions
@@ -118,18 +123,21 @@ def backend() -> Backend:
 
 
 def cudnn_refusal(
-    q: jax.Array, mask: Any, *, softcap: float | None, windows: tuple[int, ...]
+    q: jax.Array, mask: Any, *, softcap: float | None, windows: tuple[int | None, ...]
 ) -> str | None:
     """Why cuDNN's fused attention cannot serve this call, in one sentence a user can act on;
     None when it can."""
     here = backend()
-    if here.name != "gpu":
+    if not here.nvidia and here.name in ("gpu", "rocm"):
+        return (
+            "cuDNN attention needs an NVIDIA GPU and this GPU is not one (ROCm); use "
+            "model.attention=auto or blockwise"
+        )
+    if not here.nvidia:
         return (
             f"cuDNN attention needs an NVIDIA GPU and JAX runs on {here.name} here (no NVIDIA "
             "GPU); use model.attention=auto or blockwise"
         )
-    if not here.nvidia:
-        return "cuDNN attention needs an NVIDIA GPU and this GPU is not one (ROCm); use blockwise"
     if not here.cudnn:
         return (
             "cuDNN is not detected (JAX's CUDA plugin brings it); install theseus with "
@@ -166,7 +174,7 @@ def cudnn_attention(
     mask: Any,
     *,
     scale: float | None,
-    windows: tuple[int, ...],
+    windows: tuple[int | None, ...],
 ) -> jax.Array:
     """Causal (or causal sliding-window) attention of ``q`` (batch, seq, n_heads, head_dim) over
     ``k``, ``v`` (batch, seq, n_kv_heads, head_dim) by cuDNN's fused kernel, which skips the
@@ -190,7 +198,7 @@ def splash_block(seq_len: int) -> int | None:
 
 
 def splash_refusal(
-    q: jax.Array, mask: Any, *, softcap: float | None, windows: tuple[int, ...]
+    q: jax.Array, mask: Any, *, softcap: float | None, windows: tuple[int | None, ...]
 ) -> str | None:
     """Why splash attention cannot serve this call, in one sentence a user can act on; None when
     it can (``softcap`` it takes whatever it is)."""
@@ -255,7 +263,7 @@ def splash_attention(
     *,
     scale: float | None,
     softcap: float | None,
-    windows: tuple[int, ...],
+    windows: tuple[int | None, ...],
     interpret: bool = False,
 ) -> jax.Array:
     """Causal (or causal sliding-window) attention of ``q`` (batch, seq, n_heads, head_dim) over
