@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AxisType
 
 from theseus.model import kernels
 from theseus.model.attention import NO_WINDOW, AttentionMask
@@ -60,6 +61,15 @@ def packed_segments(seq):
     return jnp.asarray(np.stack(rows))  # (batch, seq)
 
 
+def packed_mask(seq):
+    """Training's mask of packed rows: positions restart at each document."""
+    segments = packed_segments(seq)
+    index = jnp.arange(seq)
+    starts = jnp.concatenate([jnp.ones((BATCH, 1), bool), segments[:, 1:] != segments[:, :-1]], 1)
+    positions = index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)  # (batch, seq)
+    return AttentionMask(positions, positions, segments, segments)
+
+
 CASES = {
     # name: (seq, window, softcap, packed)
     "causal, soft cap": (128, None, 5.0, False),
@@ -73,13 +83,8 @@ def test_splash_matches_the_written_out_attention(case):
     seq, window, softcap, packed = CASES[case]
     q, k, v = qkv(seq)
     mask = AttentionMask.causal(seq)
-    if packed:  # positions restart at each document, as training's packed rows do
-        segments = packed_segments(seq)
-        starts = jnp.concatenate(
-            [jnp.ones((BATCH, 1), bool), segments[:, 1:] != segments[:, :-1]], 1
-        )
-        positions = jnp.arange(seq) - jax.lax.cummax(jnp.where(starts, jnp.arange(seq), 0), axis=1)
-        mask = AttentionMask(positions, positions, segments, segments)
+    if packed:
+        mask = packed_mask(seq)
     mask = dataclasses.replace(mask, window=window)
 
     def splash(q, k, v):
@@ -114,6 +119,28 @@ def test_splash_picks_the_traced_window_of_a_layer_scan():
         want = with_gradients(lambda q, k, v, mask=mask: reference(q, k, v, mask), q, k, v)
         assert_close(splash(jnp.int32(window)), want)
     assert bool(jnp.isnan(splash(jnp.int32(50))[0]).all())
+
+
+def test_splash_on_a_mesh_runs_per_device():
+    """Under a mesh (2 × 2 of the simulated devices), each device runs splash on its examples
+    (over `batch`) and heads (over `shard`): a Pallas call has no partitioning rule of its own."""
+    seq = 128
+    q, k, v = qkv(seq)
+    mask = packed_mask(seq)
+    mesh = jax.make_mesh(
+        (2, 2), ("batch", "shard"), (AxisType.Auto,) * 2, devices=jax.devices()[:4]
+    )
+
+    def splash(q, k, v):
+        options = {"scale": None, "softcap": None, "windows": ()}
+        return splash_attention(q, k, v, mask, **options, interpret=True)
+
+    step = jax.jit(lambda q, k, v: with_gradients(splash, q, k, v))
+    with jax.set_mesh(mesh):
+        assert "shard_map" in str(jax.make_jaxpr(splash)(q, k, v))
+        got = step(q, k, v)
+    want = with_gradients(lambda q, k, v: reference(q, k, v, mask), q, k, v)
+    assert_close(got, want)
 
 
 def test_window_convention():

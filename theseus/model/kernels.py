@@ -22,6 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.backend import get_backend
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+from theseus.sharding.axis import Axis
 
 __all__ = ["cudnn_attention", "cudnn_refusal", "splash_attention", "splash_refusal"]
 
@@ -255,6 +259,34 @@ def _splash_kernel(
         )
 
 
+def _per_device(local: Callable[..., jax.Array], inputs: tuple[jax.Array, ...]) -> jax.Array:
+    """``local(*inputs)`` on each device of the ambient mesh: examples over ``batch`` and heads
+    over ``shard`` where those axes are automatic and divide them (a Pallas call has no
+    partitioning rule: XLA would gather every input onto every device). ``inputs`` are q, k, v
+    (batch, heads, seq, head_dim) and optionally the segments (batch, seq)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    q, k = inputs[0], inputs[1]
+
+    def free(axis: str, *dims: int) -> str | None:
+        if axis not in mesh.axis_names:
+            return None
+        size = mesh.shape[axis]
+        automatic = mesh.axis_types[mesh.axis_names.index(axis)] == AxisType.Auto
+        return axis if automatic and size > 1 and not any(d % size for d in dims) else None
+
+    rows, heads = free(Axis.BATCH, q.shape[0]), free(Axis.SHARD, q.shape[1], k.shape[1])
+    if rows is None and heads is None:
+        return local(*inputs)
+    specs = (P(rows, heads),) * 3 + (P(rows),) * (len(inputs) - 3)
+    return jax.shard_map(
+        local,
+        in_specs=specs,
+        out_specs=P(rows, heads),
+        axis_names={a for a in (rows, heads) if a},
+        check_vma=False,
+    )(*inputs)
+
+
 def splash_attention(
     q: jax.Array,
     k: jax.Array,
@@ -271,7 +303,7 @@ def splash_attention(
     heads, segment ids (packed rows), scores soft-capped at ``softcap``; a call
     :func:`splash_refusal` accepts. ``scale`` (None: 1 / sqrt(head_dim)) multiplies the queries
     (splash has no scale). ``interpret`` runs Pallas's interpreter (any backend: tests)."""
-    batch, seq_len, num_heads, head_dim = q.shape
+    batch, seq_len, _, head_dim = q.shape
     scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
     # Splash reads one example (heads, seq, head_dim) at a time.
     scaled = (q.astype(jnp.float32) * scale).astype(q.dtype)  # (batch, seq, n_heads, head_dim)
@@ -282,16 +314,19 @@ def splash_attention(
         segments = jnp.broadcast_to(segments, (batch, seq_len)).astype(jnp.int32)
 
     def attend(sides: tuple[int, int] | None) -> jax.Array:
-        kernel = _splash_kernel(seq_len, num_heads, sides, softcap, interpret)
-        if segments is None:
-            out = jax.vmap(kernel)(qh, kh, vh)
-        else:
+        def local(qh, kh, vh, *segments):  # one device's examples and heads
+            kernel = _splash_kernel(seq_len, qh.shape[1], sides, softcap, interpret)
+            if not segments:
+                return jax.vmap(kernel)(qh, kh, vh)
             from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
 
             def one(q, k, v, ids):
                 return kernel(q, k, v, segment_ids=SegmentIds(ids, ids))
 
-            out = jax.vmap(one)(qh, kh, vh, segments)  # (batch, n_heads, seq, head_dim)
+            return jax.vmap(one)(qh, kh, vh, *segments)  # (batch, n_heads, seq, head_dim)
+
+        inputs = (qh, kh, vh) if segments is None else (qh, kh, vh, segments)
+        out = _per_device(local, inputs)  # (batch, n_heads, seq, head_dim)
         return jnp.swapaxes(out, 1, 2).astype(q.dtype)  # (batch, seq, n_heads, head_dim)
 
     out = jax.ShapeDtypeStruct(q.shape, q.dtype)
