@@ -13,7 +13,13 @@ from jax.sharding import AxisType
 
 from theseus.model import kernels
 from theseus.model.attention import NO_WINDOW, AttentionMask
-from theseus.model.kernels import cudnn_refusal, local_window, splash_attention, splash_refusal
+from theseus.model.kernels import (
+    cudnn_attention,
+    cudnn_refusal,
+    local_window,
+    splash_attention,
+    splash_refusal,
+)
 
 TOLERANCE = 1e-5  # of the largest magnitude (issue 36)
 BATCH, HEADS, KV_HEADS, HEAD_DIM = 2, 6, 2, 16  # grouped-query: 3 query heads per key head
@@ -145,19 +151,39 @@ def test_splash_on_a_mesh_runs_per_device():
 
 def test_window_convention():
     """A Hugging Face window w (key k read by query q when q - w < k <= q) is jax's left window
-    w - 1 (cuDNN's window w, which jax passes as left + 1): pinned on jax's own XLA path."""
+    w - 1 (cuDNN's window w, which jax passes as left + 1); one of the whole sequence is none."""
     assert kernels.WHOLE_CONTEXT == NO_WINDOW
     assert local_window(37, 256) == (36, 0)
     assert local_window(1, 256) == (0, 0)
     assert [local_window(w, 256) for w in (None, 256, 4096, NO_WINDOW)] == [None] * 4
+
+
+def test_cudnn_attention_on_jax_xla_path(monkeypatch):
+    """cuDNN's call as cudnn_attention makes it (causal, the window's local_window_size, the
+    traced window through lax.switch), run by jax's XLA implementation of the same arguments
+    (no cuDNN here): the window convention pinned on jax 0.10.2's own semantics."""
+    dot_product_attention = jax.nn.dot_product_attention
+
+    def on_xla(*args, implementation, **options):
+        assert implementation == "cudnn"
+        return dot_product_attention(*args, implementation="xla", **options)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", on_xla)
     seq = 11
-    q, k, v = (t.astype(jnp.float32) for t in qkv(seq))
-    for window in (1, 2, 5):
+    q, k, v = qkv(seq)
+
+    @jax.jit
+    def traced(window):
         mask = dataclasses.replace(AttentionMask.causal(seq), window=window)
-        got = jax.nn.dot_product_attention(
-            q, k, v, is_causal=True, local_window_size=local_window(window, seq)
-        )
+        return cudnn_attention(q, k, v, mask, scale=None, windows=(5, None))
+
+    for window in (None, 1, 2, 5, seq):
+        mask = dataclasses.replace(AttentionMask.causal(seq), window=window)
+        got = cudnn_attention(q, k, v, mask, scale=None, windows=())
         assert_close([got], [reference(q, k, v, mask)])
+    for window in (5, NO_WINDOW):
+        mask = dataclasses.replace(AttentionMask.causal(seq), window=window)
+        assert_close([traced(jnp.int32(window))], [reference(q, k, v, mask)])
 
 
 def test_refusals_on_this_cpu_machine():
