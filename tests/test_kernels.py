@@ -4,6 +4,7 @@ gradients of q, k and v within 1e-5 of the largest magnitude), the window conven
 share, and the sentences that say why a kernel cannot serve a call."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,7 @@ TOLERANCE = 1e-5  # of the largest magnitude (issue 36)
 BATCH, HEADS, KV_HEADS, HEAD_DIM = 2, 6, 2, 16  # grouped-query: 3 query heads per key head
 
 
+@functools.partial(jax.jit, static_argnames="softcap")
 def reference(q, k, v, mask, *, softcap=None):
     """Attention written out in float32 from the dense mask: (batch, seq, heads, head_dim)."""
     group = q.shape[2] // k.shape[2]
@@ -65,6 +67,11 @@ def packed_segments(seq):
     lengths = [1, 60, 67, seq - 128]
     rows = [np.repeat(np.arange(4), lengths), np.repeat(np.arange(4), lengths[::-1])]
     return jnp.asarray(np.stack(rows))  # (batch, seq)
+
+
+def windowed(seq, window):
+    """Training's mask of ``seq`` positions, reading ``window`` of them (None: all)."""
+    return dataclasses.replace(AttentionMask.causal(seq), window=window)
 
 
 def packed_mask(seq):
@@ -109,22 +116,26 @@ def test_splash_picks_the_traced_window_of_a_layer_scan():
     seq, windows = 256, (37, None)  # None: a whole-context layer, traced as NO_WINDOW
     q, k, v = qkv(seq)
 
-    def windowed(window):
-        return dataclasses.replace(AttentionMask.causal(seq), window=window)
-
     @jax.jit
     def splash(window):
         def attend(q, k, v):
             options = {"scale": None, "softcap": None, "windows": windows}
-            return splash_attention(q, k, v, windowed(window), **options, interpret=True)
+            return splash_attention(q, k, v, windowed(seq, window), **options, interpret=True)
 
         return with_gradients(attend, q, k, v)
 
     for window in (37, NO_WINDOW):
-        mask = windowed(window)
+        mask = windowed(seq, window)
         want = with_gradients(lambda q, k, v, mask=mask: reference(q, k, v, mask), q, k, v)
         assert_close(splash(jnp.int32(window)), want)
     assert bool(jnp.isnan(splash(jnp.int32(50))[0]).all())
+
+
+def mesh_2x2():
+    """A mesh of 2 replicas × 2 tensor-parallel devices of the simulated ones."""
+    return jax.make_mesh(
+        (2, 2), ("batch", "shard"), (AxisType.Auto,) * 2, devices=jax.devices()[:4]
+    )
 
 
 def test_splash_on_a_mesh_runs_per_device():
@@ -133,16 +144,13 @@ def test_splash_on_a_mesh_runs_per_device():
     seq = 128
     q, k, v = qkv(seq)
     mask = packed_mask(seq)
-    mesh = jax.make_mesh(
-        (2, 2), ("batch", "shard"), (AxisType.Auto,) * 2, devices=jax.devices()[:4]
-    )
 
     def splash(q, k, v):
         options = {"scale": None, "softcap": None, "windows": ()}
         return splash_attention(q, k, v, mask, **options, interpret=True)
 
     step = jax.jit(lambda q, k, v: with_gradients(splash, q, k, v))
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh_2x2()):
         assert "shard_map" in str(jax.make_jaxpr(splash)(q, k, v))
         got = step(q, k, v)
     want = with_gradients(lambda q, k, v: reference(q, k, v, mask), q, k, v)
@@ -174,16 +182,17 @@ def test_cudnn_attention_on_jax_xla_path(monkeypatch):
 
     @jax.jit
     def traced(window):
-        mask = dataclasses.replace(AttentionMask.causal(seq), window=window)
+        mask = windowed(seq, window)
         return cudnn_attention(q, k, v, mask, scale=None, windows=(5, None))
 
-    for window in (None, 1, 2, 5, seq):
-        mask = dataclasses.replace(AttentionMask.causal(seq), window=window)
-        got = cudnn_attention(q, k, v, mask, scale=None, windows=())
-        assert_close([got], [reference(q, k, v, mask)])
+    for window in (None, 1, 5, seq):
+        got = cudnn_attention(q, k, v, windowed(seq, window), scale=None, windows=())
+        assert_close([got], [reference(q, k, v, windowed(seq, window))])
     for window in (5, NO_WINDOW):
-        mask = dataclasses.replace(AttentionMask.causal(seq), window=window)
-        assert_close([traced(jnp.int32(window))], [reference(q, k, v, mask)])
+        assert_close([traced(jnp.int32(window))], [reference(q, k, v, windowed(seq, window))])
+    with jax.set_mesh(mesh_2x2()):  # per device: examples over batch, heads over shard
+        assert "shard_map" in str(jax.make_jaxpr(traced)(jnp.int32(5)))
+        assert_close([traced(jnp.int32(5))], [reference(q, k, v, windowed(seq, 5))])
 
 
 def test_refusals_on_this_cpu_machine():
@@ -234,11 +243,11 @@ def test_splash_refusals_on_a_tpu(monkeypatch):
     """What splash refuses on a TPU (faked), and what it serves: segments, soft caps, windows."""
     monkeypatch.setattr(kernels, "backend", lambda: kernels.Backend("tpu"))
     q, mask = refused_call()
-    windowed = dataclasses.replace(mask, window=jnp.int32(5))
+    sliding = dataclasses.replace(mask, window=jnp.int32(5))
     packed = dataclasses.replace(mask, query_segments=jnp.zeros((1, 128), jnp.int32))
     assert splash_refusal(q, packed, softcap=30.0, windows=()) is None
-    assert splash_refusal(q, windowed, softcap=None, windows=(5, NO_WINDOW)) is None
-    assert "no static windows" in splash_refusal(q, windowed, softcap=None, windows=())
+    assert splash_refusal(q, sliding, softcap=None, windows=(5, NO_WINDOW)) is None
+    assert "no static windows" in splash_refusal(q, sliding, softcap=None, windows=())
     odd = jnp.zeros((1, 200, 4, 64), jnp.bfloat16)
     refusal = splash_refusal(odd, AttentionMask.causal(200), softcap=None, windows=())
     assert "blocks of 128 positions and the sequence has 200" in refusal

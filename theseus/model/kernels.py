@@ -126,6 +126,41 @@ def backend() -> Backend:
     return Backend(name, nvidia=True, cudnn=cuda_versions is not None, hopper=capability >= (9, 0))
 
 
+def _per_device(
+    local: Callable[..., jax.Array],
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segments: jax.Array | None = None,
+) -> jax.Array:
+    """``local(q, k, v[, segments])`` on each device of the ambient mesh, manual over its
+    automatic axes: examples over ``batch`` and heads over ``shard`` where they divide, else
+    repeated. A Pallas call has no partitioning rule (XLA would gather every input onto every
+    device), and a fused kernel inside the step's ``shard_map`` (manual over ``batch``) then sees
+    no automatic axis left. ``q``, ``k``, ``v`` (batch, seq, heads, head_dim); ``segments``
+    (batch, seq)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    kinds = zip(mesh.axis_names, mesh.axis_types, strict=True)
+    automatic = {name for name, kind in kinds if kind == AxisType.Auto}
+    inputs = (q, k, v) if segments is None else (q, k, v, segments)
+    if not automatic:  # no mesh, or every axis already manual
+        return local(*inputs)
+
+    def split(axis: str, *dims: int) -> str | None:
+        divides = axis in automatic and not any(d % mesh.shape[axis] for d in dims)
+        return axis if divides else None
+
+    rows, heads = split(Axis.BATCH, q.shape[0]), split(Axis.SHARD, q.shape[2], k.shape[2])
+    spec = P(rows, None, heads)  # (batch, seq, heads, head_dim)
+    return jax.shard_map(
+        local,
+        in_specs=(spec,) * 3 + (P(rows),) * (len(inputs) - 3),
+        out_specs=spec,
+        axis_names=automatic,
+        check_vma=False,
+    )(*inputs)
+
+
 def cudnn_refusal(
     q: jax.Array, mask: Any, *, softcap: float | None, windows: tuple[int | None, ...]
 ) -> str | None:
@@ -186,9 +221,18 @@ def cudnn_attention(
     seq_len = q.shape[1]
 
     def attend(sides: tuple[int, int] | None) -> jax.Array:
-        return jax.nn.dot_product_attention(
-            q, k, v, scale=scale, is_causal=True, local_window_size=sides, implementation="cudnn"
-        )  # (batch, seq, n_heads, head_dim)
+        def local(q, k, v):  # one device's examples and heads
+            return jax.nn.dot_product_attention(
+                q,
+                k,
+                v,
+                scale=scale,
+                is_causal=True,
+                local_window_size=sides,
+                implementation="cudnn",
+            )  # (batch, seq, n_heads, head_dim)
+
+        return _per_device(local, q, k, v)
 
     out = jax.ShapeDtypeStruct(q.shape, q.dtype)
     return _per_window(mask.window, windows, seq_len, attend, out)
@@ -259,34 +303,6 @@ def _splash_kernel(
         )
 
 
-def _per_device(local: Callable[..., jax.Array], inputs: tuple[jax.Array, ...]) -> jax.Array:
-    """``local(*inputs)`` on each device of the ambient mesh: examples over ``batch`` and heads
-    over ``shard`` where those axes are automatic and divide them (a Pallas call has no
-    partitioning rule: XLA would gather every input onto every device). ``inputs`` are q, k, v
-    (batch, heads, seq, head_dim) and optionally the segments (batch, seq)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    q, k = inputs[0], inputs[1]
-
-    def free(axis: str, *dims: int) -> str | None:
-        if axis not in mesh.axis_names:
-            return None
-        size = mesh.shape[axis]
-        automatic = mesh.axis_types[mesh.axis_names.index(axis)] == AxisType.Auto
-        return axis if automatic and size > 1 and not any(d % size for d in dims) else None
-
-    rows, heads = free(Axis.BATCH, q.shape[0]), free(Axis.SHARD, q.shape[1], k.shape[1])
-    if rows is None and heads is None:
-        return local(*inputs)
-    specs = (P(rows, heads),) * 3 + (P(rows),) * (len(inputs) - 3)
-    return jax.shard_map(
-        local,
-        in_specs=specs,
-        out_specs=P(rows, heads),
-        axis_names={a for a in (rows, heads) if a},
-        check_vma=False,
-    )(*inputs)
-
-
 def splash_attention(
     q: jax.Array,
     k: jax.Array,
@@ -305,29 +321,28 @@ def splash_attention(
     (splash has no scale). ``interpret`` runs Pallas's interpreter (any backend: tests)."""
     batch, seq_len, _, head_dim = q.shape
     scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
-    # Splash reads one example (heads, seq, head_dim) at a time.
     scaled = (q.astype(jnp.float32) * scale).astype(q.dtype)  # (batch, seq, n_heads, head_dim)
-    qh = jnp.swapaxes(scaled, 1, 2)  # (batch, n_heads, seq, head_dim)
-    kh, vh = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # (batch, n_kv_heads, seq, head_dim)
     segments = mask.query_segments
     if segments is not None:
         segments = jnp.broadcast_to(segments, (batch, seq_len)).astype(jnp.int32)
 
     def attend(sides: tuple[int, int] | None) -> jax.Array:
-        def local(qh, kh, vh, *segments):  # one device's examples and heads
+        def local(q, k, v, *segments):  # one device's examples and heads
+            # Splash reads one example (heads, seq, head_dim) at a time.
+            qh, kh, vh = (jnp.swapaxes(t, 1, 2) for t in (q, k, v))  # (batch, heads, seq, dim)
             kernel = _splash_kernel(seq_len, qh.shape[1], sides, softcap, interpret)
             if not segments:
-                return jax.vmap(kernel)(qh, kh, vh)
-            from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
+                out = jax.vmap(kernel)(qh, kh, vh)
+            else:
+                from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
 
-            def one(q, k, v, ids):
-                return kernel(q, k, v, segment_ids=SegmentIds(ids, ids))
+                def one(q, k, v, ids):
+                    return kernel(q, k, v, segment_ids=SegmentIds(ids, ids))
 
-            return jax.vmap(one)(qh, kh, vh, *segments)  # (batch, n_heads, seq, head_dim)
+                out = jax.vmap(one)(qh, kh, vh, *segments)  # (batch, n_heads, seq, head_dim)
+            return jnp.swapaxes(out, 1, 2).astype(q.dtype)  # (batch, seq, n_heads, head_dim)
 
-        inputs = (qh, kh, vh) if segments is None else (qh, kh, vh, segments)
-        out = _per_device(local, inputs)  # (batch, n_heads, seq, head_dim)
-        return jnp.swapaxes(out, 1, 2).astype(q.dtype)  # (batch, seq, n_heads, head_dim)
+        return _per_device(local, scaled, k, v, segments)
 
     out = jax.ShapeDtypeStruct(q.shape, q.dtype)
     return _per_window(mask.window, windows, seq_len, attend, out)
