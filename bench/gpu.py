@@ -14,7 +14,7 @@ prints theseus / hand-written. Timing blocks only at the end of each timed run.
 
 The attention part compiles forward and backward of one attention layer shaped like Llama 3.1
 8B's (32 query heads, 8 key/value heads, head dim 128, batch 1), causal and with a sliding window,
-for each kernel (``attention(..., kernel=...)``: cuDNN's, blockwise, XLA's written-out product)
+for each kernel (``attention(..., kernel=...)``: cuDNN's, splash, blockwise, XLA's written out)
 and prints its time, its compiled temp bytes, its time / XLA's, and its largest difference from
 XLA's output and gradients (of the largest magnitude). A kernel that cannot serve the call prints
 its refusal instead.
@@ -52,7 +52,7 @@ POLICIES = {
 # Llama 3.1 8B's attention layer; the dry run's tiny one.
 ATTENTION_LAYER = {"heads": 32, "kv_heads": 8, "head_dim": 128}
 DRY_RUN_ATTENTION_LAYER = {"heads": 4, "kv_heads": 2, "head_dim": 16}
-ATTENTION_KERNELS = ("cudnn", "blockwise", "xla")  # xla last: the others are compared to it
+ATTENTION_KERNELS = ("cudnn", "splash", "blockwise", "xla")  # xla last: the others meet it
 PARTS = ("models", "attention")
 
 
@@ -119,7 +119,7 @@ def attention_rows(seq_len: int, window: int | None, layer: dict, args) -> list[
     import jax.numpy as jnp
 
     from theseus.model.attention import AttentionMask, attention
-    from theseus.model.kernels import cudnn_refusal
+    from theseus.model.kernels import cudnn_refusal, splash_refusal
 
     dtype = jnp.dtype(args.dtype)
     keys = jax.random.split(jax.random.key(seq_len), 4)
@@ -131,8 +131,11 @@ def attention_rows(seq_len: int, window: int | None, layer: dict, args) -> list[
     weights = jax.random.normal(keys[3], q.shape, dtype)  # (1, seq, heads, head_dim)
     mask = dataclasses.replace(AttentionMask.causal(seq_len), window=window)
     rows, results = [], {}
+    refusals = {"cudnn": cudnn_refusal, "splash": splash_refusal}
     for kernel in ATTENTION_KERNELS:
-        refusal = cudnn_refusal(q, mask, softcap=None, windows=()) if kernel == "cudnn" else None
+        refusal = (
+            refusals[kernel](q, mask, softcap=None, windows=()) if kernel in refusals else None
+        )
         if refusal is not None:
             rows.append(AttentionRow(seq_len, window, kernel, refusal=refusal))
             continue
