@@ -6,9 +6,9 @@ Both kernels read a *static* mask: causal, or causal within a window. A layer sc
 layer's window as data (:class:`~theseus.model.attention.AttentionMask` ``window``, traced), so a
 kernel gets the tuple of the distinct windows a traced one can take (``windows``) and compiles one
 branch per window, chosen by :func:`jax.lax.switch`. Both read positions by index: they serve
-training masks (queries and keys are the same consecutive positions, restarting at each segment of
-a packed row, each segment one run of tokens as packing writes them), not decoding's. ``mask`` is an ``AttentionMask`` (not imported here: the attention
-module imports this one).
+training masks (queries and keys at the same consecutive positions, restarting at each segment of
+a packed row, each segment one run of tokens as packing writes them), not decoding's. ``mask`` is
+an ``AttentionMask`` (not imported here: the attention module imports this one).
 """
 
 from __future__ import annotations
@@ -63,9 +63,8 @@ def _per_window(
 ) -> jax.Array:
     """``attend(local_window(window))``; a traced ``window`` through :func:`jax.lax.switch`
     over one branch per distinct static window of ``windows`` (None: the whole context, traced
-    as :data:`WHOLE_CONTEXT`). A traced window outside
-    ``windows`` (a caller's broken promise, which cannot raise at run time) gives NaNs, not
-    another window's attention."""
+    as :data:`WHOLE_CONTEXT`). A traced window outside ``windows`` (a caller's broken promise,
+    which cannot raise at run time) gives NaNs, not another window's attention."""
     if window is None or isinstance(window, (int, np.integer)):
         return attend(local_window(None if window is None else int(window), seq_len))
     sides = [local_window(w, seq_len) for w in windows]
