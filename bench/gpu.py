@@ -1,7 +1,9 @@
-"""GPU/TPU benchmark: GPT-2 small (124M) and a 350M GPT in bfloat16 on the accelerators present.
+"""GPU/TPU benchmark: GPT-2 small (124M) and a 350M GPT in bfloat16 on the accelerators present,
+then one attention layer per kernel.
 
     python bench/gpu.py                 # on a machine with a GPU or TPU; under 8 minutes on one H100
-    python bench/gpu.py --dry-run       # tiny GPT on CPU: checks the script itself in seconds
+    python bench/gpu.py --parts attention   # the attention kernels alone (about a minute)
+    python bench/gpu.py --dry-run       # tiny GPT and attention on CPU: checks the script itself
 
 For every policy that fits the device count, it compiles theseus's train step, trains ``--steps``
 steps after a warm-up and prints one table row: step time, tokens/s, MFU (model FLOPs per token
@@ -9,6 +11,13 @@ from ``GPTTrainer.flops_per_token()``, peak from ``theseus.training.flops.PEAK_T
 compiled step's peak memory per device. In the same run it times the hand-written ``jax.jit`` +
 optax step of ``bench/reference.py`` (same model math and layouts, same starting parameters) and
 prints theseus / hand-written. Timing blocks only at the end of each timed run.
+
+The attention part compiles forward and backward of one attention layer shaped like Llama 3.1
+8B's (32 query heads, 8 key/value heads, head dim 128, batch 1), causal and with a sliding window,
+for each kernel (``attention(..., kernel=...)``: cuDNN's, splash, blockwise, XLA's written out)
+and prints its time, its compiled temp bytes, its time / XLA's, and its largest difference from
+XLA's output and gradients (of the largest magnitude). A kernel that cannot serve the call prints
+its refusal instead.
 """
 
 from __future__ import annotations
@@ -40,6 +49,13 @@ POLICIES = {
 }
 
 
+# Llama 3.1 8B's attention layer; the dry run's tiny one.
+ATTENTION_LAYER = {"heads": 32, "kv_heads": 8, "head_dim": 128}
+DRY_RUN_ATTENTION_LAYER = {"heads": 4, "kv_heads": 2, "head_dim": 16}
+ATTENTION_KERNELS = ("cudnn", "splash", "blockwise", "xla")  # xla last: the others meet it
+PARTS = ("models", "attention")
+
+
 @dataclass(frozen=True)
 class Row:
     model: str
@@ -62,6 +78,92 @@ HEADER = (
     "| model | policy | step ms | tokens/s | MFU | compiled peak GiB/device | "
     "theseus / hand-written |\n|---|---|---|---|---|---|---|"
 )
+
+
+@dataclass(frozen=True)
+class AttentionRow:
+    """One kernel on one mask: seconds per forward + backward, compiled temp bytes, the largest
+    difference from XLA's output and gradients over their largest magnitude; or a refusal."""
+
+    seq_len: int
+    window: int | None
+    kernel: str
+    step_s: float | None = None
+    temp_bytes: int | None = None
+    difference: float | None = None
+    refusal: str | None = None
+
+    def render(self, xla_s: float | None) -> str:
+        mask = f"{self.seq_len} | {self.window or 'causal'} | {self.kernel}"
+        if self.step_s is None:
+            return f"| {mask} | refused: {self.refusal} | | | |"
+        ratio = f"{self.step_s / xla_s:.3f}" if xla_s else "n/a"
+        difference = f"{self.difference:.1e}" if self.difference is not None else "n/a"
+        return (
+            f"| {mask} | {self.step_s * 1e3:.2f} | {self.temp_bytes / 2**30:.3f} | {ratio} | "
+            f"{difference} |"
+        )
+
+
+ATTENTION_HEADER = (
+    "| tokens | window | kernel | fwd+bwd ms | temp GiB | / xla | max difference from xla |\n"
+    "|---|---|---|---|---|---|---|"
+)
+
+
+def attention_rows(seq_len: int, window: int | None, layer: dict, args) -> list[AttentionRow]:
+    """Each kernel of :data:`ATTENTION_KERNELS` on one layer's causal (or windowed) attention."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from theseus.model.attention import AttentionMask, attention
+    from theseus.model.kernels import cudnn_refusal, splash_refusal
+
+    dtype = jnp.dtype(args.dtype)
+    keys = jax.random.split(jax.random.key(seq_len), 4)
+    q = jax.random.normal(keys[0], (1, seq_len, layer["heads"], layer["head_dim"]), dtype)
+    k, v = (
+        jax.random.normal(key, (1, seq_len, layer["kv_heads"], layer["head_dim"]), dtype)
+        for key in keys[1:3]
+    )
+    weights = jax.random.normal(keys[3], q.shape, dtype)  # (1, seq, heads, head_dim)
+    mask = dataclasses.replace(AttentionMask.causal(seq_len), window=window)
+    rows, results = [], {}
+    refusals = {"cudnn": cudnn_refusal, "splash": splash_refusal}
+    for kernel in ATTENTION_KERNELS:
+        refusal = (
+            refusals[kernel](q, mask, softcap=None, windows=()) if kernel in refusals else None
+        )
+        if refusal is not None:
+            rows.append(AttentionRow(seq_len, window, kernel, refusal=refusal))
+            continue
+
+        def step(q, k, v, kernel=kernel):
+            out, pullback = jax.vjp(lambda *qkv: attention(*qkv, mask, kernel=kernel), q, k, v)
+            return (out, *pullback(weights))
+
+        compiled = jax.jit(step).lower(q, k, v).compile()
+        results[kernel] = jax.block_until_ready(compiled(q, k, v))  # warm-up
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            out = compiled(q, k, v)
+        jax.block_until_ready(out)
+        seconds = (time.perf_counter() - start) / args.steps
+        temp = compiled.memory_analysis().temp_size_in_bytes
+        rows.append(AttentionRow(seq_len, window, kernel, seconds, temp))
+    want = results["xla"]
+    for i, row in enumerate(rows):
+        if row.kernel in results:
+            got = results[row.kernel]
+            difference = max(
+                float(jnp.abs(g.astype(jnp.float32) - w.astype(jnp.float32)).max())
+                / float(jnp.abs(w.astype(jnp.float32)).max())
+                for g, w in zip(got, want, strict=True)
+            )
+            rows[i] = dataclasses.replace(row, difference=difference)
+    return rows
 
 
 def timed(step, state, batch, steps: int) -> tuple[object, float]:
@@ -157,7 +259,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--per-device-batch-size", type=int, default=8)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument(
+        "--parts", default=",".join(PARTS), help="comma-separated: " + ", ".join(PARTS)
+    )
+    parser.add_argument(
+        "--attention-seq-lens", default="2048,8192", help="comma-separated context lengths"
+    )
+    parser.add_argument("--attention-window", type=int, default=1024, help="sliding window")
     args = parser.parse_args(argv)
+    parts = args.parts.split(",")
+    if sorted(set(parts) - set(PARTS)):
+        parser.error(f"unknown parts {sorted(set(parts) - set(PARTS))}; choose from {PARTS}")
+    seq_lens = [int(n) for n in args.attention_seq_lens.split(",")]
+    layer = ATTENTION_LAYER
     unknown = sorted(set(args.policies.split(",")) - set(POLICIES))
     if unknown:
         parser.error(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
@@ -169,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         models = DRY_RUN_MODEL
         args.steps, args.repeats, args.warmup, args.seq_len = 2, 1, 1, 16
         args.per_device_batch_size, args.dtype = 2, "float32"
+        seq_lens, args.attention_window, layer = [256], 37, DRY_RUN_ATTENTION_LAYER
     else:
         unknown = sorted(set(args.models.split(",")) - set(MODELS))
         if unknown:
@@ -199,14 +314,24 @@ def main(argv: list[str] | None = None) -> int:
         f"that fit {num_devices} device(s): {', '.join(fitting)}",
         flush=True,
     )
-    rows = []
-    for model_name, hyper in models.items():
-        for policy_name in fitting:
-            rows.append(bench_one(model_name, hyper, policy_name, args, print))
-    print()
-    print(HEADER)
-    for row in rows:
-        print(row.render())
+    if "models" in parts:
+        rows = []
+        for model_name, hyper in models.items():
+            for policy_name in fitting:
+                rows.append(bench_one(model_name, hyper, policy_name, args, print))
+        print()
+        print(HEADER)
+        for row in rows:
+            print(row.render())
+    if "attention" in parts:
+        print(f"\nattention layer {layer}, {args.dtype}, forward + backward, {args.steps} calls")
+        print(ATTENTION_HEADER)
+        for seq_len in seq_lens:
+            for window in (None, args.attention_window):
+                rows = attention_rows(seq_len, window, layer, args)
+                xla_s = next(row.step_s for row in rows if row.kernel == "xla")
+                for row in rows:
+                    print(row.render(xla_s), flush=True)
     return 0
 
 

@@ -1,5 +1,6 @@
-"""`theseus doctor`: the report on this CPU machine (8 simulated devices), and the warning a user
-gets when the system shows GPUs that JAX cannot use."""
+"""`theseus doctor`: the report on this CPU machine (8 simulated devices), the warning a user
+gets when the system shows GPUs that JAX cannot use, and the attention kernel each backend's
+training gets (the accelerators' choices made from this CPU machine, their facts faked)."""
 
 import json
 import re
@@ -8,8 +9,9 @@ from pathlib import Path
 from support import invoke
 
 from theseus.distributed.join import Membership
+from theseus.model import kernels
 from theseus.training import environment
-from theseus.training.environment import SystemFacts, environment_report
+from theseus.training.environment import SystemFacts, attention_report, environment_report
 
 CONSTRAINTS = Path(__file__).resolve().parents[1] / "constraints.txt"
 
@@ -20,7 +22,9 @@ def test_cpu_report_with_simulated_devices():
     report = json.loads(result.output)
     assert report["backend"] == "cpu"
     assert [(d["platform"], d["count"]) for d in report["devices"]] == [("cpu", 8)]
-    assert report["attention"]["llama"] == "xla" and not report["attention"]["cudnn_runs"]
+    assert report["attention"] == {
+        "backend": "cpu", "kernel": "blockwise", "fallback": None, "ran": True, "error": None
+    }  # fmt: skip
     assert report["peak"]["flops_per_s"] == {"bfloat16": None, "float32": None}
     assert report["versions"]["jax"] == report["tested_jax"] and "jaxlib" in report["versions"]
     assert report["processes"] == {
@@ -49,3 +53,29 @@ def test_visible_gpus_without_a_plugin_warn():
 def test_the_tested_jax_is_the_pinned_one():
     pinned = re.search(r"^jax==(\S+)$", CONSTRAINTS.read_text(), re.MULTILINE)
     assert pinned and pinned.group(1) == environment.TESTED_JAX
+
+
+def test_the_accelerators_fall_back_to_blockwise_when_their_kernel_refuses():
+    """From this CPU, a GPU's and a TPU's choice: their fused kernels refuse (no such device
+    here), so training's attention is blockwise, which runs."""
+    gpu, tpu = attention_report("gpu"), attention_report("tpu")
+    assert (gpu.kernel, gpu.ran, tpu.kernel, tpu.ran) == ("blockwise", True, "blockwise", True)
+    assert "cuDNN attention needs an NVIDIA GPU" in gpu.fallback
+    assert "splash attention is a TPU kernel" in tpu.fallback
+    assert gpu.describe().startswith("attention on gpu (model.attention=auto): blockwise (cuDNN")
+
+
+def test_a_chosen_kernel_that_does_not_run_is_a_warning(monkeypatch):
+    """An NVIDIA GPU with cuDNN (faked): cuDNN is chosen; here it cannot run, and the report
+    says so and warns."""
+    cuda = kernels.Backend("gpu", nvidia=True, cudnn=True, hopper=True)
+    monkeypatch.setattr(kernels, "backend", lambda: cuda)
+    report = attention_report("gpu")
+    assert (report.kernel, report.fallback, report.ran) == ("cudnn", None, False)
+    assert "cuDNN is not detected" in report.error
+    system = SystemFacts(packages={}, visible_gpus=(), visible_tpus=(), flags={})
+    found = environment.warnings(system, "gpu", {"jax": environment.TESTED_JAX}, None, report)
+    assert found == [
+        "training's attention (cudnn, chosen by model.attention=auto) did not run here: "
+        f"{report.error}; train with model.attention=blockwise"
+    ]

@@ -68,6 +68,10 @@ def test_gpu_bench_refuses_cpu_and_dry_runs(capsys, monkeypatch):
     assert gpu.main(["--dry-run", "--policies", "tp=2+FSDP"]) == 0
     table = capsys.readouterr().out
     assert "| tiny | tp=2+FSDP |" in table and "theseus / hand-written" in table
+    for window in ("causal", "37"):  # the attention layer per kernel; cuDNN's refusal on a CPU
+        assert f"| 256 | {window} | cudnn | refused: cuDNN attention needs an NVIDIA GPU" in table
+        assert f"| 256 | {window} | splash | refused: splash attention is a TPU kernel" in table
+        assert f"| 256 | {window} | blockwise |" in table and f"| 256 | {window} | xla |" in table
 
 
 def test_tensorboard_writer_writes_scalars_and_config(tmp_path):

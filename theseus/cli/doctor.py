@@ -22,7 +22,7 @@ def doctor(
     """Check this machine: JAX, devices, processes, attention kernel, MFU peak, XLA flags.
 
     Prints versions, the backend and its devices, how the processes are found, the attention
-    kernel the Llama family gets, the peak FLOP/s used for MFU and the XLA flags in effect, then
+    kernel training gets here and whether it runs, the peak FLOP/s used for MFU and the XLA flags in effect, then
     warnings a user can act on. Exits 0 when healthy, 1 with warnings, 2 on bad input.
     """
     from theseus.distributed.join import resolve_membership

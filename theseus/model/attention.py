@@ -141,7 +141,7 @@ def _log_once(line: str) -> None:
         logger.info(line)
 
 
-def _refusal(name: str, q: jax.Array, mask: AttentionMask, softcap, windows) -> str | None:
+def kernel_refusal(name: str, q: jax.Array, mask: AttentionMask, softcap, windows) -> str | None:
     """Why the fused kernel ``name`` (cudnn, splash) cannot serve this call (None: it can)."""
     from theseus.model import kernels  # GPU/TPU only: imported when one is asked for
 
@@ -175,7 +175,7 @@ def chosen_kernel(
     if kernel in ("blockwise", "xla"):
         return kernel
     name = fused if kernel == "auto" else kernel
-    refusal = _refusal(name, q, mask, softcap, windows)
+    refusal = kernel_refusal(name, q, mask, softcap, windows)
     if refusal is None:
         return name
     if kernel == "auto":

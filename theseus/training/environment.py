@@ -1,6 +1,6 @@
 """What a run gets on this machine, for ``theseus doctor``: versions, backend and devices, how the
-processes are found, the attention kernel the Llama family gets, the peak FLOP/s behind MFU, the
-XLA flags, and warnings a user can act on.
+processes are found, the attention kernel training gets and whether it runs, the peak FLOP/s
+behind MFU, the XLA flags, and warnings a user can act on.
 
 :func:`system_facts` gathers what is read from the system (installed packages, device files,
 environment variables); :func:`environment_report` turns those facts and what JAX reports into a
@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from theseus.distributed.join import Membership
-from theseus.model.attention import AttentionMask, attention
+from theseus.model.attention import AttentionMask, attention, fused_kernel, kernel_refusal
 from theseus.training.flops import device_peak
 
 #: The jax version the tests run (constraints.txt pins it; tests/test_doctor.py keeps them equal).
@@ -81,11 +81,20 @@ class Processes:
 
 @dataclass(frozen=True)
 class Attention:
-    """The attention kernel the Llama family gets here, and whether cuDNN's would run."""
+    """The kernel training's causal attention gets on ``backend`` (``model.attention=auto``):
+    ``fallback`` says why not the backend's fused kernel when it is refused; ``ran`` whether a
+    tiny compiled call of the kernel ran here, ``error`` why not (one line)."""
 
-    llama: str  # "cudnn" or "xla": what the compiled Llama attention calls
-    cudnn_runs: bool
-    cudnn_error: str | None
+    backend: str
+    kernel: str  # "blockwise", "cudnn" or "splash"
+    fallback: str | None
+    ran: bool
+    error: str | None
+
+    def describe(self) -> str:
+        chosen = self.kernel + (f" ({self.fallback})" if self.fallback else "")
+        ran = "ran" if self.ran else f"did not run ({self.error})"
+        return f"attention on {self.backend} (model.attention=auto): {chosen}; {ran}"
 
 
 @dataclass(frozen=True)
@@ -128,16 +137,13 @@ class EnvironmentReport:
             for dtype, flops in self.peak.flops_per_s.items()
             if flops
         )
-        cudnn = (
-            "runs" if self.attention.cudnn_runs else f"does not run ({self.attention.cudnn_error})"
-        )
         lines = [
             "versions: "
             + ", ".join(f"{name} {version}" for name, version in self.versions.items())
             + f" (tested: jax {self.tested_jax})",
             f"backend: {self.backend}; devices: {devices}",
             f"processes: {self.processes.index} of {self.processes.count} ({self.processes.found_by})",
-            f"attention (Llama family): {self.attention.llama}; cuDNN attention {cudnn}",
+            self.attention.describe(),
             f"peak FLOP/s for MFU ({self.peak.device_kind}): {peaks or 'none'} ({self.peak.source})",
             "XLA flags: " + ("; ".join(f"{k}={v}" for k, v in self.xla_flags.items()) or "none"),
         ]
@@ -157,6 +163,7 @@ def environment_report(
         groups.setdefault((device.device_kind, device.platform), []).append(device)
     versions = {"jax": jax.__version__, **system.packages}
     peaks = {dtype: device_peak(devices[0], dtype) for dtype in ("bfloat16", "float32")}
+    attention = attention_report(backend)
     return EnvironmentReport(
         versions=versions,
         tested_jax=TESTED_JAX,
@@ -167,14 +174,14 @@ def environment_report(
         ),
         # The job this process would join (doctor itself starts no distributed runtime).
         processes=Processes(membership.num_processes, membership.process_id, found_by(membership)),
-        attention=attention_kernel(devices[0]),
+        attention=attention,
         peak=PeakFlops(
             devices[0].device_kind,
             {dtype: peak.flops_per_s for dtype, peak in peaks.items()},
             peaks["bfloat16"].source,
         ),
         xla_flags=system.flags,
-        warnings=tuple(warnings(system, backend, versions, simulated_cpu_devices)),
+        warnings=tuple(warnings(system, backend, versions, simulated_cpu_devices, attention)),
     )
 
 
@@ -192,29 +199,39 @@ def found_by(membership: Membership) -> str:
     return "single process: no cluster detected"
 
 
-def attention_kernel(device: Any) -> Attention:
-    """Which kernel the Llama family's attention (every family's: :func:`attention`, causal)
-    compiles to on ``device``, found by compiling it (a cuDNN custom call in the compiled program, or XLA's own ops), and whether cuDNN's
-    kernel compiles and runs here at all."""
-    shape = (1, 128, 4, 64)  # (batch, seq, heads, head_dim): a shape cuDNN supports
-    q = jax.device_put(jnp.ones(shape, jnp.bfloat16), device)
-    causal = jax.jit(lambda q: attention(q, q, q, AttentionMask.causal(q.shape[1])))
-    compiled = causal.lower(q).compile().as_text()
-    llama = "cudnn" if "cudnn" in compiled.lower() else "xla"
+def attention_report(backend: str) -> Attention:
+    """The kernel training's causal attention gets on ``backend`` (the backend's fused kernel
+    unless it refuses the call, else blockwise), and whether a tiny compiled call of it (bfloat16,
+    a shape every kernel takes) runs on this process's default device. ``backend`` is JAX's,
+    or another one's name to see what that backend would choose from this process."""
+    q = jnp.ones((1, 128, 4, 64), jnp.bfloat16)  # (batch, seq, heads, head_dim)
+    mask = AttentionMask.causal(q.shape[1])
+    kernel, fallback = "blockwise", None
+    if (fused := fused_kernel(backend)) is not None:
+        fallback = kernel_refusal(fused, q, mask, None, ())
+        kernel = "blockwise" if fallback else fused
     try:
-        cudnn = jax.jit(
-            lambda q: jax.nn.dot_product_attention(q, q, q, is_causal=True, implementation="cudnn")
-        )
-        jax.block_until_ready(cudnn(q))
-    except Exception as error:  # noqa: BLE001 — any failure means: not available here
-        return Attention(llama, cudnn_runs=False, cudnn_error=str(error).splitlines()[0][:200])
-    return Attention(llama, cudnn_runs=True, cudnn_error=None)
+        causal = jax.jit(lambda q: attention(q, q, q, mask, kernel=kernel))
+        jax.block_until_ready(causal(q))
+    except Exception as error:  # noqa: BLE001 — any failure means: it does not run here
+        return Attention(backend, kernel, fallback, ran=False, error=_first_line(error))
+    return Attention(backend, kernel, fallback, ran=True, error=None)
+
+
+def _first_line(error: Exception) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
 
 
 def warnings(
-    system: SystemFacts, backend: str, versions: dict[str, str], simulated_cpu_devices: int | None
+    system: SystemFacts,
+    backend: str,
+    versions: dict[str, str],
+    simulated_cpu_devices: int | None,
+    attention: Attention,
 ) -> list[str]:
-    """What a user can act on: accelerators JAX does not use, simulated devices, an untested jax."""
+    """What a user can act on: accelerators JAX does not use, simulated devices, an untested jax,
+    an attention kernel that does not run."""
     found = []
     plugins = [name for name in system.packages if name.startswith(("jax-cuda", "jax-rocm"))]
     # Simulated CPU devices were asked for: the CPU is the user's choice, not a failed plugin.
@@ -241,6 +258,12 @@ def warnings(
             f"the {simulated_cpu_devices} CPU devices are simulated (--cpu-devices or XLA's "
             "--xla_force_host_platform_device_count): they share this machine's cores, so speed "
             "and MFU say nothing about real devices"
+        )
+    if not attention.ran:
+        other = "blockwise" if attention.kernel != "blockwise" else "xla"
+        found.append(
+            f"training's attention ({attention.kernel}, chosen by model.attention=auto) did not "
+            f"run here: {attention.error}; train with model.attention={other}"
         )
     if versions["jax"] != TESTED_JAX:
         found.append(
