@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+import numpy as np
 import pydantic
 import yaml
 
@@ -229,6 +230,11 @@ class EvaluationConfig(Section):
     )
 
 
+#: The folder of a run directory that holds its checkpoints (one folder per committed step);
+#: here, below every layer, so the supervisor of a multi-process job can name it too.
+CHECKPOINTS = "checkpoints"
+
+
 class CheckpointingConfig(Section):
     """Orbax checkpoints of the whole training state, saved asynchronously."""
 
@@ -238,6 +244,22 @@ class CheckpointingConfig(Section):
 
 
 ConfigT = TypeVar("ConfigT", bound=pydantic.BaseModel)
+
+
+def is_int(value: object) -> bool:
+    """Whether ``value`` is an int: a Python or NumPy integer, never a bool (``True`` is an int
+    to Python, never a count or a seed to a user)."""
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
+def check_int(name: str, value: object, *, minimum: int, maximum: int | None = None) -> None:
+    """Refuse a ``value`` that is not an int (:func:`is_int`) in ``[minimum, maximum]``:
+    ``TypeError`` for the type, ``ValueError`` for the range, each naming ``name``."""
+    if not is_int(value):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum or (maximum is not None and value > maximum):
+        bounds = f"at least {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{name} must be {bounds}, got {value}")
 
 
 def _parse_value(raw: str) -> Any:

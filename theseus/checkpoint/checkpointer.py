@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 import jax
 import numpy as np
 
+from theseus.accounting.records import as_json
 from theseus.checkpoint.budget import HOST_BUDGET_BYTES, limit, read_requests, write_requests
 from theseus.checkpoint.checks import compatibility_problems, one_line
 from theseus.checkpoint.fingerprints import fingerprints
@@ -161,12 +162,12 @@ class Checkpointer:
         if self.read_only:
             raise CheckpointError(f"{self.directory} was opened read-only; cannot save step {step}")
         try:
-            json.dumps(meta.to_json(), allow_nan=False)
+            json.dumps(as_json(meta), allow_nan=False)
         except (TypeError, ValueError) as error:
             raise TypeError(f"checkpoint metadata must be plain JSON: {error}") from None
         self.wait()  # a failure of the previous save is reported as that step's
         self._clear_way_for(step)
-        payload = MetadataFile(meta, fingerprints(state)).to_json()
+        payload = as_json(MetadataFile(meta, fingerprints(state)))
         in_flight = limit(self.host_budget_bytes, write_requests(state))
         try:
             started = self._store.save(step, state, payload, in_flight_bytes=in_flight)

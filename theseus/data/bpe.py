@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import theseus.data.tokenize_io as tokenize_io
+from theseus.config import check_int, is_int
 from theseus.data.readers import Piece, estimated_text_bytes, fingerprint, read_pieces
 from theseus.data.shards import (
     FORMAT,
@@ -105,7 +106,7 @@ def train_tokenizer(texts: Iterator[str], vocab_size: int, *, progress: bool = F
 
 
 def check_vocab_size(vocab_size: int) -> None:
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
+    if not is_int(vocab_size):
         raise TypeError(f"vocab_size must be an int, got {type(vocab_size).__name__}")
     smallest = BYTE_VOCAB_SIZE + 1
     if not smallest <= vocab_size <= 2**32:
@@ -181,8 +182,7 @@ def tokenize(
             "tokenizer.json)"
         )
     for name, value in (("train_sample_bytes", train_sample_bytes), ("shard_tokens", shard_tokens)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_int(name, value, minimum=1)
     if vocab_size is not None:
         check_vocab_size(vocab_size)
     source = tokenize_io.corpus_inputs(corpus, text_field, validation_fraction, seed)

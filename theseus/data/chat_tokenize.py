@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 import theseus.data.tokenize_io as tokenize_io
+from theseus.config import check_int
 from theseus.data.bpe import DEFAULT_SHARD_TOKENS, TokenizedCorpus, token_dtype
 from theseus.data.chat import ChatEncoder
 from theseus.data.chat_batches import (
@@ -41,7 +42,6 @@ from theseus.data.chat_records import (
 )
 from theseus.data.packing import Packing, pack
 from theseus.data.readers import InputFile, fingerprint, list_inputs, walk_sorted
-from theseus.data.sampler import check_int
 from theseus.data.shards import (
     CHAT_TEMPLATE_FILE,
     DOCS_DTYPE,
@@ -139,8 +139,7 @@ def tokenize_chat(
         check_int("seq_len", seq_len, minimum=1)
     if workers is not None:
         check_int("workers", workers, minimum=1)
-    if isinstance(shard_tokens, bool) or not isinstance(shard_tokens, int) or shard_tokens < 1:
-        raise ValueError(f"shard_tokens must be a positive int, got {shard_tokens!r}")
+    check_int("shard_tokens", shard_tokens, minimum=1)
     files = chat_files(corpus)
     source = EncoderSource(
         str(tokenizer), None if chat_template is None else str(chat_template), eos_token

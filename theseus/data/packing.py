@@ -24,7 +24,8 @@ from typing import Literal
 
 import numpy as np
 
-from theseus.data.sampler import IndexedExamples, check_int
+from theseus.config import check_int
+from theseus.data.sampler import IndexedExamples
 
 TOKENS, MASK, SEGMENTS = range(3)
 ROW_FIELDS = 3

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from theseus.config import check_int
 from theseus.data.binfile import bin_corpus
 from theseus.data.corpus import BYTE_VOCAB_SIZE, Corpus, bytes_to_tokens
 from theseus.data.documents import split_documents
@@ -227,8 +228,7 @@ def _check_fraction(validation_fraction: float) -> None:
 
 
 def _check_seed(seed: int) -> None:
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
-        raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
+    check_int("seed", seed, minimum=0, maximum=2**32 - 1)
 
 
 def _check_byte_options(path: Path | None, vocab_size: int | None) -> None:

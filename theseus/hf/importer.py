@@ -25,8 +25,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 from theseus.checkpoint.checkpointer import Checkpointer
-from theseus.checkpoint.meta import CHECKPOINTS, CheckpointMeta
-from theseus.config import apply_overrides, save_yaml, validate
+from theseus.checkpoint.meta import CheckpointMeta
+from theseus.config import CHECKPOINTS, apply_overrides, save_yaml, validate
 from theseus.distributed.supervise import log_path
 from theseus.hf.config import ModelSpec, read_config
 from theseus.hf.safetensors import TensorInfo, checkpoint_tensors

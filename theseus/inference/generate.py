@@ -16,7 +16,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +27,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from theseus.checkpoint.meta import CheckpointMeta
+from theseus.config import check_int, is_int
 from theseus.inference.codec import Codec, resolve_codec
 from theseus.inference.logits import load_run
+from theseus.inference.programs import Program, ProgramCache
 from theseus.inference.sampling import Sampling, next_tokens, sample_keys
 from theseus.model.decode import ROWS
 from theseus.sharding.axis import Axis, partition_spec
@@ -65,9 +67,6 @@ class Generation:
     mesh_shape: dict[str, int]
     notes: list[str] = field(default_factory=list)
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 @dataclass(frozen=True)
 class GeneratedIds:
@@ -93,7 +92,7 @@ class Generator:
         self.params = params
         self.mesh = trainer.mesh
         self.rules = (*trainer.plan.rules(trainer.policy, "compute"), (ROWS, Axis.BATCH))
-        self._compiled_steps: dict[tuple[int, ...], tuple[Any, Any]] = {}
+        self._programs = ProgramCache(self.mesh)
         self.replicated = NamedSharding(self.mesh, P())
 
     def generate_ids(
@@ -115,8 +114,7 @@ class Generator:
         given the new ids so far (rows, n) every :data:`STOP_EVERY` tokens, ends the generation
         early when it returns True."""
         lengths = self._check(prompts, max_new_tokens, num_samples)
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
-            raise ValueError(f"seed={seed!r} must be an int in [0, 2**32)")
+        check_int("seed", seed, minimum=0, maximum=2**32 - 1)
         num_valid = self.decoder.vocab_size if num_valid is None else num_valid
         context = self.decoder.context_len
         notes = []
@@ -177,8 +175,7 @@ class Generator:
         if not prompts:
             raise ValueError("no prompts given; pass at least one (--prompt TEXT)")
         for name, value in (("max_new_tokens", max_new_tokens), ("num_samples", num_samples)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an int >= 1")
+            check_int(name, value, minimum=1)
         context = self.decoder.context_len
         lengths = [len(p) for p in prompts]
         for index, length in enumerate(lengths):
@@ -195,11 +192,11 @@ class Generator:
     def _compiled(self, num_rows: int, width: int, cache_len: int, num_valid: int):
         """The prefill and the decode step for this batch shape, compiled once each."""
         key = (num_rows, width, cache_len, num_valid)
-        if key not in self._compiled_steps:
-            self._compiled_steps[key] = self._compile(*key)
-        return self._compiled_steps[key]
+        return self._programs(key, lambda: self._programs_for(*key))
 
-    def _compile(self, num_rows: int, width: int, cache_len: int, num_valid: int):
+    def _programs_for(
+        self, num_rows: int, width: int, cache_len: int, num_valid: int
+    ) -> tuple[Program, Program]:
         decoder = self.decoder
         arrays = decoder.cache(num_rows, cache_len)
         cache_layout = {
@@ -208,7 +205,6 @@ class Generator:
         }
         rows = NamedSharding(self.mesh, P(Axis.BATCH))
         replicated = self.replicated
-        params_layout = self.trainer.layouts.compute
 
         def prefill(params, tokens, lengths, row_ids, controls):
             cache = {
@@ -228,38 +224,27 @@ class Generator:
             chosen = next_tokens(logits[:, 0], keys, controls, num_valid)
             return chosen, cache, positions + 1
 
+        params = abstract_with(self.trainer.abstract_state.params, self.trainer.layouts.compute)
+        row_ints = jax.ShapeDtypeStruct((num_rows,), jnp.int32, sharding=rows)
+        controls = {
+            name: jax.ShapeDtypeStruct((), dtype, sharding=replicated)
+            for name, dtype in (
+                ("seed", jnp.uint32),
+                ("temperature", jnp.float32),
+                ("top_k", jnp.int32),
+                ("top_p", jnp.float32),
+            )
+        }
         tokens_sharding = NamedSharding(self.mesh, P(Axis.BATCH, None))
+        tokens = jax.ShapeDtypeStruct((num_rows, width), jnp.int32, sharding=tokens_sharding)
+        cache = abstract_with(arrays, cache_layout)
+        chosen = jax.ShapeDtypeStruct((num_rows,), jnp.int32, sharding=replicated)
         # The chosen ids come out whole on every device, so every process reads them.
         outputs = (replicated, cache_layout, rows)
-        with jax.set_mesh(self.mesh):
-            prefill = jax.jit(
-                prefill,
-                in_shardings=(params_layout, tokens_sharding, rows, rows, replicated),
-                out_shardings=outputs,
-            )
-            step = jax.jit(
-                step,
-                in_shardings=(params_layout, cache_layout, replicated, rows, rows, replicated),
-                out_shardings=outputs,
-                donate_argnums=1,
-            )
-            abstract = abstract_with(self.trainer.abstract_state.params, params_layout)
-            row_ints = jax.ShapeDtypeStruct((num_rows,), jnp.int32, sharding=rows)
-            controls = {
-                name: jax.ShapeDtypeStruct((), dtype, sharding=replicated)
-                for name, dtype in (
-                    ("seed", jnp.uint32),
-                    ("temperature", jnp.float32),
-                    ("top_k", jnp.int32),
-                    ("top_p", jnp.float32),
-                )
-            }
-            tokens = jax.ShapeDtypeStruct((num_rows, width), jnp.int32, sharding=tokens_sharding)
-            cache = abstract_with(arrays, cache_layout)
-            compiled_prefill = prefill.lower(abstract, tokens, row_ints, row_ints, controls)
-            chosen = jax.ShapeDtypeStruct((num_rows,), jnp.int32, sharding=replicated)
-            compiled_step = step.lower(abstract, cache, chosen, row_ints, row_ints, controls)
-        return compiled_prefill.compile(), compiled_step.compile()
+        return (
+            Program(prefill, (params, tokens, row_ints, row_ints, controls), outputs),
+            Program(step, (params, cache, chosen, row_ints, row_ints, controls), outputs, (1,)),
+        )
 
 
 def _global(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
@@ -406,6 +391,4 @@ def _is_prompt(prompt: Any) -> bool:
     """Text, or a sequence of int token ids."""
     if isinstance(prompt, str):
         return True
-    return isinstance(prompt, Sequence) and all(
-        isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in prompt
-    )
+    return isinstance(prompt, Sequence) and all(is_int(i) for i in prompt)

@@ -29,6 +29,7 @@ from lm_eval.models.utils import (
     postprocess_generated_text,
 )
 
+from theseus.config import is_int
 from theseus.data.bpe import EOS_CANDIDATES, load_tokenizer
 from theseus.data.tokens import TOKENIZER_FILE
 from theseus.inference.generate import Generator
@@ -181,7 +182,7 @@ class TheseusLM(TemplateLM):
         replicas = model.trainer.topology.replicas
         if batch_size is None:
             per_replica = ROWS_PER_REPLICA
-        elif isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        elif not is_int(batch_size) or batch_size < 1:
             raise ValueError(
                 f"batch_size={batch_size!r} must be a whole number of requests >= 1 (theseus "
                 "batches in fixed shapes: no 'auto')"

@@ -22,8 +22,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from theseus.checkpoint.checkpointer import Checkpointer
-from theseus.checkpoint.meta import CHECKPOINTS, CheckpointMeta
-from theseus.config import apply_overrides, validate
+from theseus.checkpoint.meta import CheckpointMeta
+from theseus.config import CHECKPOINTS, apply_overrides, validate
 from theseus.inference.runs import reading_trainer
 from theseus.jobs import get_job, legacy_job
 from theseus.sharding.axis import Axis, ShardingPolicy

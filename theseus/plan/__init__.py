@@ -4,7 +4,7 @@
   pre-flight verdict (the trainer's own check) and optionally the compiled step's memory;
 - :mod:`theseus.plan.budget`: :func:`plan_for_budget`, the least communication that fits;
 - :mod:`theseus.plan.policies`: the policies a mesh allows and their communication order;
-- :mod:`theseus.plan.results`: the result dataclasses (JSON through ``Plan.to_json()``);
+- :mod:`theseus.plan.results`: the result dataclasses (JSON through :func:`theseus.accounting.records.as_json`);
 - :mod:`theseus.plan.render`: :func:`render`, the text ``theseus plan`` prints.
 
 Per-parameter rows, the replicated share and the one-line plan of a run come from the trainer

@@ -1,4 +1,4 @@
-"""A plan as text: what ``theseus plan`` prints (its JSON is ``Plan.to_json()``)."""
+"""A plan as text: what ``theseus plan`` prints (its JSON is ``as_json(plan)``)."""
 
 from __future__ import annotations
 

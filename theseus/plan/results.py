@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
 from theseus.accounting.memory import CompiledStep, MemoryTotals
-from theseus.accounting.records import as_json, json_field
+from theseus.accounting.records import json_field
 from theseus.accounting.text import number_text as _num
 from theseus.plan.policies import communication
 from theseus.sharding.axis import ShardingPolicy
@@ -139,7 +139,8 @@ class RematOption:
 
 @dataclass(frozen=True)
 class Plan:
-    """Everything ``theseus plan`` shows; :func:`~theseus.plan.render.render` is the text, :meth:`to_json` the JSON."""
+    """Everything ``theseus plan`` shows; :func:`~theseus.plan.render.render` is the text,
+    :func:`~theseus.accounting.records.as_json` the JSON."""
 
     trainer: str
     num_params: int
@@ -173,6 +174,3 @@ class Plan:
             if option.name == name:
                 return option
         raise KeyError(f"no policy named {name!r}; plans have {[o.name for o in self.options]}")
-
-    def to_json(self) -> dict:
-        return as_json(self)

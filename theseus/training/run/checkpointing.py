@@ -20,7 +20,8 @@ import jax.numpy as jnp
 
 from theseus.checkpoint.checkpointer import Checkpointer, Restored
 from theseus.checkpoint.fingerprints import fingerprints
-from theseus.checkpoint.meta import CHECKPOINTS, CheckpointMeta
+from theseus.checkpoint.meta import CheckpointMeta
+from theseus.config import CHECKPOINTS
 from theseus.sharding.layout import abstract_with
 from theseus.training.finetune import Partition, is_adapter
 from theseus.training.run.identity import job_of_trainer

@@ -10,8 +10,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from theseus.checkpoint.checkpointer import Checkpointer
-from theseus.checkpoint.meta import CHECKPOINTS
-from theseus.config import ConfigError, ConfigT, read_yaml, validate
+from theseus.config import CHECKPOINTS, ConfigError, ConfigT, read_yaml, validate
 from theseus.distributed.join import is_main_process
 from theseus.training.run.checkpointing import restore_params
 from theseus.training.run.data import load_data, validation_array
