@@ -10,6 +10,9 @@ import numpy as np
 import pydantic
 import yaml
 
+#: The dtype FSDP gathers parameters in (``training.gather_dtype``).
+GatherDtype = Literal["compute", "storage"]
+
 
 class ConfigError(ValueError):
     """A configuration key or value a user gave cannot be used."""
@@ -62,7 +65,7 @@ class TrainingConfig(Section):
     dtype: Literal["float32", "bfloat16"] = pydantic.Field(
         "float32", description="compute dtype; parameters and gradient sums stay float32"
     )
-    gather_dtype: Literal["compute", "storage"] = pydantic.Field(
+    gather_dtype: GatherDtype = pydantic.Field(
         "compute",
         description="dtype of FSDP's parameter gathers: compute (each shard cast before the "
         "gather, half the bytes under bfloat16; the same values, since the layer casts them "
