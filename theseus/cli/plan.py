@@ -66,7 +66,8 @@ def plan_command(
         ),
     ] = None,
     imports: Imports = None,
-    sharding: dict[str, Any] | None = None,
+    *,
+    sharding: dict[str, Any],
 ) -> None:
     """Plan before you train: every layout and the per-device memory, from shapes only.
 

@@ -63,7 +63,8 @@ def train(
     peak_tflops: PeakTflops = None,
     out: RunDir = None,
     imports: Imports = None,
-    flags: JobFlags | None = None,
+    *,
+    flags: JobFlags,
 ) -> None:
     """Train a job, or evaluate the run in --out (--job llama/evaluate).
 
@@ -103,7 +104,8 @@ def run(
     chain_file: ChainFile,
     out: Annotated[Path, typer.Argument(help="output directory of the chain")],
     imports: Imports = None,
-    flags: JobFlags | None = None,
+    *,
+    flags: JobFlags,
 ) -> None:
     """Run an execution chain saved as YAML; sharding flags merge into its policy."""
     join_job(flags.process, out)
@@ -148,7 +150,8 @@ def evaluate(
     base: BaseRun = None,
     cpu_devices: CPUDevices = None,
     imports: Imports = None,
-    sharding: dict[str, Any] | None = None,
+    *,
+    sharding: dict[str, Any],
 ) -> None:
     """Score a run's newest good checkpoint on the run's own data and config, or on tasks.
 
@@ -224,7 +227,8 @@ def configure(
         list[str] | None, typer.Option(help="another job to run after this one (repeatable)")
     ] = None,
     imports: Imports = None,
-    sharding: dict[str, Any] | None = None,
+    *,
+    sharding: dict[str, Any],
 ) -> None:
     """Write a job's full, resolved configuration as a chain YAML to edit and `theseus run`."""
     with user_errors():

@@ -160,7 +160,7 @@ def export_hf(
     run_dir: str | Path,
     out_dir: str | Path,
     *,
-    dtype: ExportDtype | None = None,
+    dtype: str | None = None,
     max_shard_size: str | int = "5GB",
     adapters: bool = False,
     policy_changes: dict[str, Any] | None = None,
@@ -185,8 +185,14 @@ def export_hf(
     check_out_dir(out_dir)
     if jax.process_count() > 1:
         raise ValueError("export-hf runs in one process; start it without --coordinator")
-    reading = {"policy_changes": policy_changes, "devices": devices, "job": job, "base": base}
-    loaded = load_run(run_dir, layout="storage", **reading)
+    loaded = load_run(
+        run_dir,
+        layout="storage",
+        policy_changes=policy_changes,
+        devices=devices,
+        job=job,
+        base=base,
+    )
     base_dir = loaded.base_dir
     spec = loaded.trainer.lora_spec
     if adapters and spec is None:

@@ -92,7 +92,7 @@ class Generator:
         self.params = params
         self.mesh = trainer.mesh
         self.rules = (*trainer.plan.rules(trainer.policy, "compute"), (ROWS, Axis.BATCH))
-        self._programs = ProgramCache(self.mesh)
+        self._programs = ProgramCache(trainer.topology.device_mesh)
         self.replicated = NamedSharding(self.mesh, P())
 
     def generate_ids(

@@ -132,8 +132,14 @@ def load_harness_model(
     ``policy_changes`` on ``devices`` (default: all; see
     :func:`theseus.inference.logits.load_run`), with its tokenizer."""
     run_dir = Path(run_dir)
-    reading = {"policy_changes": policy_changes, "devices": devices, "job": job, "base": base}
-    loaded = load_run(run_dir, layout="storage", **reading)
+    loaded = load_run(
+        run_dir,
+        layout="storage",
+        policy_changes=policy_changes,
+        devices=devices,
+        job=job,
+        base=base,
+    )
     trainer = loaded.trainer
     run_dirs = [run_dir, *([loaded.base_dir] if loaded.base_dir else [])]
     tokenizer = find_tokenizer(run_dirs, trainer.config.data.path)

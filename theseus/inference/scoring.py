@@ -78,7 +78,7 @@ class Scorer:
         self.vocab_size = trainer.config.model.vocab_size
         self.rows = rows_per_replica * trainer.topology.replicas
         self.widths = bucket_widths(self.context_len)
-        self._programs = ProgramCache(trainer.mesh)  # by width
+        self._programs = ProgramCache(trainer.topology.device_mesh)  # by width
 
     @property
     def num_programs(self) -> int:

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from numpy.typing import DTypeLike
 
@@ -30,16 +30,18 @@ from theseus.sharding.layout import Layouts, is_sharding, path_str
 from theseus.training.context import TrainerContext
 from theseus.training.keys import validation_keys
 
+Value = TypeVar("Value")  # what a loss returns: a scalar, a TokenLoss, logits
+
 
 def loss_with_layouts(
-    loss: Callable[[Any], jax.Array],
+    loss: Callable[[Any], Value],
     params: Any,
     layouts: Layouts,
     gathered: set[str] | None,
     *,
     cast_dtype: np.dtype | None = None,
     remat: Remat = "none",
-) -> jax.Array:
+) -> Value:
     """``loss(params)`` with ``layouts`` installed for :func:`theseus.scan_layers` (which
     gathers castable weights in ``cast_dtype`` when given and recomputes by ``remat``); adds
     the paths of the parameters it gathered per layer to ``gathered`` when given."""
@@ -182,7 +184,7 @@ def per_replica(fn: Callable[..., Any], replicas: int) -> Callable[..., Any]:
     return mapped
 
 
-def accumulator_layout(storage_layout: Any, mesh: Mesh, replicas: int) -> Any:
+def accumulator_layout(storage_layout: Any, mesh: Mesh | AbstractMesh, replicas: int) -> Any:
     """The float32 gradient sum: (replicas, *parameter), replicas over ``batch`` (when more than
     one), each in the storage layout; per device, the bytes of the parameters as stored."""
     lead = Axis.BATCH if replicas > 1 else None

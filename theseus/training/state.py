@@ -8,15 +8,17 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 from flax import struct
 
 
 @struct.dataclass
 class TrainState:
-    """Float32 params, optimizer state, step counter and the run's fixed key (see keys.py)."""
+    """Float32 params, optimizer state, step counter and the run's fixed key (see keys.py).
+
+    The same tree holds a state's arrays, its shapes (``jax.eval_shape``) and its layout
+    (``NamedSharding`` leaves): hence ``Any`` for the step and the key too."""
 
     params: Any
     opt_state: Any
-    step: jax.Array
-    rng: jax.Array
+    step: Any  # jax.Array () int32
+    rng: Any  # jax.Array: the run's key

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from theseus.accounting.memory import CompiledStep
 from theseus.sharding.axis import Axis
-from theseus.sharding.topology import under_mesh
+from theseus.sharding.topology import UnderMesh
 from theseus.training import gathering
 from theseus.training.context import TrainerContext
 from theseus.training.keys import Keys, step_keys, validation_keys
@@ -158,7 +158,7 @@ def train_step(context: TrainerContext, entry: gathering.Entry) -> TrainStep:
     return step
 
 
-def jitted_train_step(context: TrainerContext, entry: gathering.Entry) -> TrainStep:
+def jitted_train_step(context: TrainerContext, entry: gathering.Entry) -> UnderMesh:
     """One jitted step: state donated, explicit in/out shardings, run under the mesh."""
     replicated = NamedSharding(context.mesh, P())
     step = jax.jit(
@@ -167,17 +167,17 @@ def jitted_train_step(context: TrainerContext, entry: gathering.Entry) -> TrainS
         out_shardings=(context.state_layout, replicated),
         donate_argnums=0,
     )
-    return under_mesh(step, context.mesh)
+    return UnderMesh(step, context.topology.device_mesh)
 
 
 def compile_train_step(
-    context: TrainerContext, step: TrainStep, batch_shape: tuple[int, ...]
+    context: TrainerContext, step: UnderMesh, batch_shape: tuple[int, ...]
 ) -> CompiledStep:
     """``step`` (a :func:`jitted_train_step`) compiled ahead of time for batches of
     ``batch_shape`` (nothing allocated): the executable a training loop calls, and its
     per-device memory."""
     batch = jax.ShapeDtypeStruct(batch_shape, np.int32, sharding=batch_sharding(context.mesh))
-    return CompiledStep.of(step.lower(context.abstract_state, batch).compile())  # type: ignore[attr-defined]  # under_mesh adds lower
+    return CompiledStep.of(step.lower(context.abstract_state, batch).compile())
 
 
 def validation_loss(context: TrainerContext, entry: gathering.Entry) -> ValidationStep:
@@ -200,22 +200,23 @@ def validation_loss(context: TrainerContext, entry: gathering.Entry) -> Validati
     return mean_loss
 
 
-def jitted_validation_step(context: TrainerContext, entry: gathering.Entry) -> ValidationStep:
+def jitted_validation_step(context: TrainerContext, entry: gathering.Entry) -> UnderMesh:
     """:func:`validation_loss` jitted: parameters in storage, the loss replicated."""
     step = jax.jit(
         validation_loss(context, entry),
         in_shardings=(context.layouts.storage, batch_sharding(context.mesh)),
         out_shardings=NamedSharding(context.mesh, P()),
     )
-    return under_mesh(step, context.mesh)
+    return UnderMesh(step, context.topology.device_mesh)
 
 
 def put_batch(
-    mesh: Mesh, rows_for: Callable[[slice], np.ndarray], shape: tuple[int, ...]
+    mesh: Mesh | AbstractMesh, rows_for: Callable[[slice], np.ndarray], shape: tuple[int, ...]
 ) -> jax.Array:
     """A global batch array whose devices each read only their own example rows."""
 
-    def fetch(index: tuple[slice, ...]) -> np.ndarray:
+    def fetch(index: tuple[slice, ...] | None) -> np.ndarray:
+        assert index is not None  # a batch is never a scalar
         return np.asarray(rows_for(index[1]), dtype=np.int32)[
             (slice(None), slice(None), *index[2:])
         ]

@@ -10,7 +10,7 @@ import math
 from collections.abc import Callable
 from dataclasses import replace
 from functools import cached_property
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +44,7 @@ from theseus.sharding.layout import (
     optimizer_layout,
     resolve_layouts,
 )
-from theseus.sharding.topology import Topology
+from theseus.sharding.topology import Topology, UnderMesh
 from theseus.training import gathering, optimizer, step
 from theseus.training.context import TrainerContext
 from theseus.training.finetune import FinetuneConfig, lora_spec, partition
@@ -65,6 +65,8 @@ class TrainerConfig(Section):
     checkpointing: CheckpointingConfig = pydantic.Field(default_factory=CheckpointingConfig)
     finetune: FinetuneConfig = pydantic.Field(default_factory=FinetuneConfig)
     evaluation: EvaluationConfig = pydantic.Field(default_factory=EvaluationConfig)
+    if TYPE_CHECKING:  # each trainer's config class declares its own model section
+        model: Any = None
 
 
 class BaseTrainer(abc.ABC):
@@ -195,7 +197,8 @@ class BaseTrainer(abc.ABC):
         """The model's graph and its parameters as shapes with logical names (no allocation)."""
         with nnx.use_eager_sharding(False):
             model = nnx.eval_shape(lambda: self.build_model(nnx.Rngs(0)))
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        graphdef, params, *others = nnx.split(model, nnx.Param, ...)
+        (rest,) = others
         if jax.tree.leaves(rest):
             raise ValueError(
                 f"{type(model).__name__} has state that is not nnx.Param "
@@ -271,7 +274,7 @@ class BaseTrainer(abc.ABC):
         """Create the state directly in its layouts; it is never whole on one device."""
         seed = self.config.training.seed if seed is None else seed
         init = jax.jit(self._init_fn, out_shardings=self.state_layout)
-        with jax.set_mesh(self.mesh):
+        with jax.set_mesh(self.topology.device_mesh):
             return init(seed)
 
     def memory(
@@ -298,7 +301,8 @@ class BaseTrainer(abc.ABC):
         """Bytes of ``state`` on this process's first device of the mesh (no gradient
         accumulator: it exists only inside the step)."""
         here = jax.process_index()
-        device = next(d for d in self.mesh.devices.flat if d.process_index == here)
+        devices = self.topology.device_mesh.devices.flat
+        device = next(d for d in devices if d.process_index == here)
         return MemoryTotals(
             params=device_bytes(state.params, device),
             grad_accumulator=0,
@@ -321,12 +325,12 @@ class BaseTrainer(abc.ABC):
         return gathering.entry(self.context, self.per_layer_paths)
 
     @cached_property
-    def train_step(self) -> step.TrainStep:
+    def train_step(self) -> UnderMesh:
         """One jitted step: state donated, explicit in/out shardings."""
         return step.jitted_train_step(self.context, self.entry)
 
     @cached_property
-    def validation_step(self) -> step.ValidationStep:
+    def validation_step(self) -> UnderMesh:
         """Mean loss over the trained tokens of (num_batches, examples, ...) rows."""
         return step.jitted_validation_step(self.context, self.entry)
 

@@ -64,7 +64,7 @@ def saved_state(trainer: BaseTrainer, state: TrainState, base: dict | None) -> T
     """What a checkpoint holds of ``state``: without the frozen parameters when it has a base."""
     if base is None:
         return state
-    return state.replace(params=trainer.partition.trained(state.params))
+    return dataclasses.replace(state, params=trainer.partition.trained(state.params))
 
 
 def base_record(

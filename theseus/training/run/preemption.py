@@ -17,6 +17,8 @@ from __future__ import annotations
 import signal
 import threading
 from collections.abc import Callable
+from types import FrameType
+from typing import Any
 
 import jax
 
@@ -31,7 +33,7 @@ class PreemptionWatch:
     def __init__(self, reached_sync_point: Callable[[int], bool]):
         self._reached_sync_point = reached_sync_point
         self._flag = threading.Event()
-        self._previous = None
+        self._previous: signal.Handlers | Callable[[int, FrameType | None], Any] | int | None = None
         self._installed = False
 
     def __enter__(self) -> PreemptionWatch:
