@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeGuard, TypeVar
 
 import numpy as np
 import pydantic
@@ -249,7 +249,7 @@ class CheckpointingConfig(Section):
 ConfigT = TypeVar("ConfigT", bound=pydantic.BaseModel)
 
 
-def is_int(value: object) -> bool:
+def is_int(value: object) -> TypeGuard[int | np.integer]:
     """Whether ``value`` is an int: a Python or NumPy integer, never a bool (``True`` is an int
     to Python, never a count or a seed to a user)."""
     return isinstance(value, int | np.integer) and not isinstance(value, bool)

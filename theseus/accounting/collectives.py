@@ -177,7 +177,9 @@ def _callees(instruction: _Instruction) -> list[tuple[str, int]]:
             "collectives cannot be counted per step; loops from lax.scan and fori_loop with "
             "static bounds have one."
         )
-    body = re.search(r"\bbody=%?([^\s,]+)", instruction.attributes).group(1)
+    found = re.search(r"\bbody=%?([^\s,]+)", instruction.attributes)
+    assert found is not None, f"while loop {instruction.name} names no body"  # XLA always does
+    body = found.group(1)
     return [(body, int(trip.group(1)))]  # the condition runs no collectives
 
 

@@ -207,6 +207,7 @@ class Checkpointer:
     def _save_error(self, step: int | None, error: BaseException) -> CheckpointWriteError:
         """Why a save failed, and what is left: orbax commits a step by renaming its temporary
         directory, so a failed save leaves no step behind and removes none."""
+        committed: list[int] | str
         try:
             committed = self.all_steps()
         except Exception:  # noqa: BLE001 - e.g. the directory itself was removed
@@ -293,10 +294,12 @@ class Checkpointer:
     def _restore_step(self, step: int, target: Any, entry: str | None) -> Restored:
         """Read and check one step; every process reaches the same verdict."""
         where = f"checkpoint {self.step_directory(step)} (step {step})"
+        restored: Restored | None = None
+        error: CheckpointError | None = None
         try:
-            restored, error = self._read_step(step, target, entry, where), None
+            restored = self._read_step(step, target, entry, where)
         except CheckpointError as caught:
-            restored, error = None, caught
+            error = caught
         failing = _failing_processes(error is not None)
         if error is None and failing:
             error = CheckpointError(f"{where} is damaged: unreadable on process(es) {failing}")
@@ -305,6 +308,7 @@ class Checkpointer:
                 self._bad_steps.add(step)  # a later save at or before this step replaces it
             raise error
         self._bad_steps.discard(step)
+        assert restored is not None  # read without an error
         return restored
 
     def _read_step(self, step: int, target: Any, entry: str | None, where: str) -> Restored:

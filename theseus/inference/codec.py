@@ -11,8 +11,11 @@ from theseus.data.tokens import BYTE_VOCAB_SIZE, TOKENIZED_RECORD, TOKENIZER_FIL
 
 
 class Codec(Protocol):
-    vocab_size: int
-    description: str
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def description(self) -> str: ...
 
     def encode(self, text: str) -> list[int]: ...
 

@@ -36,7 +36,7 @@ class Sampling:
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p!r} must be in (0, 1], or None for no limit")
 
-    def arrays(self) -> dict[str, np.ndarray]:
+    def arrays(self) -> dict[str, np.generic]:
         """The settings as step inputs: top_k 0 and top_p 1 mean no limit."""
         return {
             "temperature": np.float32(self.temperature),

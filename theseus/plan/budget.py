@@ -42,7 +42,7 @@ def plan_for_budget(
     policies = candidate_policies(
         num_devices,
         devices_per_host,
-        activation_checkpointing=options.get("activation_checkpointing", False),
+        activation_checkpointing=options.get("activation_checkpointing", "none"),
     )
     survey = plan(
         trainer_class, config, policies[0], num_devices, devices_per_host=devices_per_host

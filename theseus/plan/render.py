@@ -22,7 +22,7 @@ def render(p: Plan) -> str:
         lines.append(p.batch)
     lines += ["", *layout_table(p.rows), "", *_memory(p)]
     lines += ["", p.closed_form.describe()] if p.closed_form is not None else []
-    lines += ["", *_replicated(p.replicated, p)]
+    lines += ["", *_replicated(p.replicated, p)] if p.replicated is not None else []
     lines += ["", *_compiled(p.compiled)] if p.compiled is not None else []
     lines += ["", *_remat(p.remat, p.policy.activation_checkpointing)] if p.remat else []
     lines += ["", *_budget(p.budget)] if p.budget is not None else []
@@ -118,7 +118,7 @@ def _verdict(p: Plan) -> list[str]:
         gathering = [f"  {p.verdict.gathering}"] if p.verdict.gathering else []
         return ["verdict: ok (the pre-flight check of a training run passes)", *gathering]
     lines = ["verdict: FAILED, a training run would stop with:"]
-    lines += ["  " + line for line in p.verdict.error.splitlines()]
+    lines += ["  " + line for line in (p.verdict.error or "").splitlines()]
     if p.verdict.also:
         lines.append("and, once that is fixed, the layout check would stop it with:")
         lines += ["  " + line for line in p.verdict.also.splitlines()]

@@ -30,7 +30,7 @@ class Verdict:
 
     @property
     def summary(self) -> str:
-        return "ok" if self.ok else self.error.splitlines()[0]
+        return "ok" if self.ok else (self.error or "").splitlines()[0]
 
 
 @dataclass(frozen=True)

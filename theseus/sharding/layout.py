@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import jax
 import numpy as np
@@ -61,7 +61,7 @@ def is_sharding(x: object) -> bool:
     return isinstance(x, NamedSharding)
 
 
-def _is_variable(x: object) -> bool:
+def _is_variable(x: object) -> TypeGuard[nnx.Variable]:
     return isinstance(x, nnx.Variable)
 
 

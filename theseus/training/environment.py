@@ -53,8 +53,9 @@ def system_facts() -> SystemFacts:
         if name == "jax" or name.startswith(BACKEND_PACKAGES):
             packages[name] = dist.version
     gpus = [path for pattern in GPU_MARKERS for path in sorted(glob.glob(pattern))]
-    if not gpus and shutil.which("nvidia-smi"):
-        gpus = [shutil.which("nvidia-smi")]
+    smi = shutil.which("nvidia-smi")
+    if not gpus and smi:
+        gpus = [smi]
     tpus = [path for pattern in TPU_MARKERS for path in sorted(glob.glob(pattern))]
     flags = {name: os.environ[name] for name in FLAG_VARIABLES if os.environ.get(name)}
     return SystemFacts(dict(sorted(packages.items())), tuple(gpus), tuple(tpus), flags)
@@ -199,7 +200,7 @@ def attention_kernel(device: Any) -> Attention:
     shape = (1, 128, 4, 64)  # (batch, seq, heads, head_dim): a shape cuDNN supports
     q = jax.device_put(jnp.ones(shape, jnp.bfloat16), device)
     causal = jax.jit(lambda q: attention(q, q, q, AttentionMask.causal(q.shape[1])))
-    compiled = causal.lower(q).compile().as_text()
+    compiled = causal.lower(q).compile().as_text() or ""
     llama = "cudnn" if "cudnn" in compiled.lower() else "xla"
     try:
         cudnn = jax.jit(

@@ -139,7 +139,7 @@ def partition(leaves: list[AbstractLeaf], config: FinetuneConfig, model: str) ->
             )
         frozen |= {p for p in paths if not is_adapter(p)}
     for pattern in config.freeze:
-        hits = {leaf.path for leaf in leaves if matches(pattern, leaf.path, leaf.names)}
+        hits = {leaf.path for leaf in leaves if matches(pattern, leaf.path, leaf.names or ())}
         if not hits:
             raise ValueError(
                 f"finetune.freeze pattern {pattern!r} matches no parameter of {model}; "
@@ -159,5 +159,5 @@ def merged_params(leaves: list[AbstractLeaf], params: Any, scale: float) -> Any:
     """``params`` with each LoRA-adapted weight merged, ``W + scale · ΔW`` (float32), and no
     adapters: what the base architecture computes (for export). ``leaves``: the trainer's
     abstract leaves, whose logical names tell each adapter pair's layout."""
-    names = {leaf.path: leaf.names for leaf in leaves}
+    names = {leaf.path: leaf.names or () for leaf in leaves}  # adapters always have names
     return merged(params, scale, lambda path: adapter_layout(names[path]))
