@@ -127,13 +127,12 @@ def tensor_blocks(
         pieces = []
         for part in tensor.parts:
             leaf = leaf_at(params, part.path)  # ([n_layer,] rows, ...)
-            stacked = part.layer is not None
-            layer = (slice(part.layer, part.layer + 1),) if stacked else ()
+            layer = () if part.layer is None else (slice(part.layer, part.layer + 1),)
             rest = tuple(slice(0, n) for n in leaf.shape[len(layer) + 1 :])
             stop = part.stop - part.start if len(tensor.shape) == 1 else min(rows, start + step)
             region = (*layer, slice(start, stop), *rest)
             block = host_region(leaf, region)  # ([1,] block, ...) float32
-            pieces.append(block[0] if stacked else block)
+            pieces.append(block if part.layer is None else block[0])
         yield np.concatenate(pieces, axis=-1).astype(dtype)
 
 

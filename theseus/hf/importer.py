@@ -143,11 +143,12 @@ def place(
     by_index: dict[tuple, list[jax.Device]] = defaultdict(list)
     indices = sharding.addressable_devices_indices_map(shape)
     for device, index in indices.items():
+        assert index is not None  # an array, not a scalar: every device holds slices
         key = tuple((s.start, s.stop) for s in index)
         by_index[key].append(device)
     arrays = {}
     for devices in by_index.values():
-        host = read(indices[devices[0]])
+        host = read(indices[devices[0]] or ())
         for device in devices:
             arrays[device] = jax.device_put(host, device)
         del host

@@ -30,7 +30,7 @@ from theseus.checkpoint.meta import CheckpointMeta
 from theseus.config import check_int, is_int
 from theseus.inference.codec import Codec, resolve_codec
 from theseus.inference.logits import load_run
-from theseus.inference.programs import Program, ProgramCache
+from theseus.inference.programs import Program, ProgramCache, global_array
 from theseus.inference.sampling import Sampling, next_tokens, sample_keys
 from theseus.model.decode import ROWS
 from theseus.sharding.axis import Axis, partition_spec
@@ -48,7 +48,7 @@ STOP_EVERY = 8
 class Completion:
     """One sample of one prompt."""
 
-    prompt: str
+    prompt: str  # as given, or the text its token ids spell
     sample: int
     completion: str
     prompt_ids: list[int]
@@ -148,10 +148,10 @@ class Generator:
         controls = {"seed": np.uint32(seed), **sampling.arrays()}
         # Every process holds the same prompts; each places the rows of its own devices.
         inputs = (
-            _global(tokens, NamedSharding(self.mesh, P(Axis.BATCH, None))),
-            _global(row_lengths, row_sharding),
-            _global(np.arange(padded, dtype=np.int32), row_sharding),
-            jax.tree.map(lambda c: _global(np.asarray(c), self.replicated), controls),
+            global_array(tokens, NamedSharding(self.mesh, P(Axis.BATCH, None))),
+            global_array(row_lengths, row_sharding),
+            global_array(np.arange(padded, dtype=np.int32), row_sharding),
+            jax.tree.map(lambda c: global_array(np.asarray(c), self.replicated), controls),
         )
         start = time.perf_counter()
         token, cache, positions = prefill(self.params, *inputs)
@@ -247,11 +247,6 @@ class Generator:
         )
 
 
-def _global(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
-    """``array`` (the same in every process) as a global array laid out by ``sharding``."""
-    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
-
-
 def _stacked(chosen: list[jax.Array], num_rows: int) -> np.ndarray:
     """The tokens chosen so far, one (rows,) array a step, as (num_rows, steps) ids."""
     return np.stack(jax.device_get(chosen), axis=1)[:num_rows]
@@ -342,7 +337,7 @@ def generate(
     prompt_ids = [codec.encode(p) if isinstance(p, str) else [int(i) for i in p] for p in prompts]
     for index, ids in enumerate(prompt_ids):
         check_prompt_ids(index, ids, vocab_size)
-    prompts = [
+    texts = [
         p if isinstance(p, str) else codec.decode(ids)
         for p, ids in zip(prompts, prompt_ids, strict=True)
     ]
@@ -355,21 +350,21 @@ def generate(
         num_valid=codec.vocab_size,
         stop=_every_row_stopped(stop_ids) if stop_ids else None,
     )
-    ids = generated.ids  # (rows, new tokens)
+    new_ids = generated.ids  # (rows, new tokens)
     completions = [
         Completion(
-            prompt=prompts[row // num_samples],
+            prompt=texts[row // num_samples],
             sample=row % num_samples,
-            completion=codec.decode(ids[row].tolist()),
+            completion=codec.decode(new_ids[row].tolist()),
             prompt_ids=prompt_ids[row // num_samples],
-            token_ids=ids[row].tolist(),
+            token_ids=new_ids[row].tolist(),
         )
-        for row in range(ids.shape[0])
+        for row in range(new_ids.shape[0])
     ]
     return Generation(
         completions,
         loaded.step,
-        int(ids.shape[1]),
+        int(new_ids.shape[1]),
         generated.tokens_per_s,
         trainer.policy.describe(),
         trainer.topology.mesh_shape,

@@ -168,7 +168,7 @@ class TheseusLM(TemplateLM):
         zero: bool | None = None,
         fsdp: bool | None = None,
         job: str | None = None,
-        base: str | None = None,
+        base: str | Path | None = None,
         batch_size: int | None = None,
     ):
         given = {"tp": tp, "zero": zero, "fsdp": fsdp}
@@ -194,7 +194,7 @@ class TheseusLM(TemplateLM):
                 "batches in fixed shapes: no 'auto')"
             )
         else:
-            per_replica = -(-batch_size // replicas)
+            per_replica = -(-int(batch_size) // replicas)
         self.model = model
         self.scorer = Scorer(model.trainer, model.params, rows_per_replica=per_replica)
         self.codec = model.tokenizer

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-from jax.sharding import Mesh
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
 
 
 @dataclass(frozen=True)
@@ -58,3 +59,9 @@ class ProgramCache:
         if key not in self._compiled:
             self._compiled[key] = tuple(compile_program(self.mesh, p) for p in build())
         return self._compiled[key]
+
+
+def global_array(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """``array`` (the same in every process) as a global array laid out by ``sharding``: each
+    process places the part its own devices hold."""
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from theseus.config import check_int
 from theseus.inference.logits import model_logits
-from theseus.inference.programs import Program, ProgramCache
+from theseus.inference.programs import Program, ProgramCache, global_array
 from theseus.sharding.axis import Axis
 from theseus.sharding.layout import abstract_with
 from theseus.training.trainer import BaseTrainer
@@ -117,10 +117,7 @@ class Scorer:
             scored[row, length - num_scored : length] = True
         program = self._program(width)
         sharding = NamedSharding(self.trainer.mesh, P(Axis.BATCH, None))
-        inputs = [
-            jax.make_array_from_callback(a.shape, sharding, lambda index, a=a: a[index])
-            for a in (tokens, targets, scored)
-        ]
+        inputs = [global_array(a, sharding) for a in (tokens, targets, scored)]
         logprobs, greedy = program(self.params, *inputs)
         return np.asarray(jax.device_get(logprobs)), np.asarray(jax.device_get(greedy))
 

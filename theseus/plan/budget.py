@@ -9,12 +9,13 @@ from theseus.accounting.memory import format_bytes
 from theseus.plan.build import plan
 from theseus.plan.policies import candidate_policies
 from theseus.plan.results import BudgetChoice, NoPolicyFits, Plan, Reason
+from theseus.sharding.axis import Remat
 from theseus.training.trainer import BaseTrainer, TrainerConfig
 
 
 class BudgetOptions(TypedDict, total=False):
     devices_per_host: int | None  # devices of one host (default: min(devices, 8))
-    activation_checkpointing: bool  # of every candidate policy (default: False)
+    activation_checkpointing: Remat  # of every candidate policy (default: "none")
     compile: bool  # also fit by the compiled peak, activations included (default: False)
 
 
@@ -42,7 +43,7 @@ def plan_for_budget(
     policies = candidate_policies(
         num_devices,
         devices_per_host,
-        activation_checkpointing=options.get("activation_checkpointing", "none"),
+        activation_checkpointing=options.get("activation_checkpointing") or "none",
     )
     survey = plan(
         trainer_class, config, policies[0], num_devices, devices_per_host=devices_per_host
@@ -55,6 +56,7 @@ def plan_for_budget(
         if not option.verdict.ok:
             reasons[name] = f"invalid: {option.verdict.summary}"
             continue
+        assert option.totals is not None  # a valid plan has its totals
         total = option.totals.total
         if total > budget:
             reasons[name] = f"model state needs {format_bytes(total)} > budget"
@@ -77,13 +79,14 @@ def plan_for_budget(
             )
         if not candidate.verdict.ok:
             reasons[name] = f"invalid: {candidate.verdict.summary}"
-        elif compile and candidate.compiled.peak > budget:
+        elif compile and candidate.compiled is not None and candidate.compiled.peak > budget:
             reasons[name] = f"compiled peak needs {format_bytes(candidate.compiled.peak)} > budget"
         else:
             fitting.append(candidate)
     # Compiled, the least collective bytes per step wins (ties: the communication order).
     chosen = min(fitting, key=_communicated, default=None)
     for candidate in fitting:
+        assert chosen is not None  # the least of a list that has this candidate
         reasons[candidate.name] = (
             f"chosen: {measure} {format_bytes(_measure(candidate))} fits"
             if candidate is chosen
@@ -108,4 +111,7 @@ def _communicated(plan_: Plan) -> int:
 
 
 def _measure(plan_: Plan) -> int:
-    return plan_.compiled.peak if plan_.compiled is not None else plan_.totals.total
+    if plan_.compiled is not None:
+        return plan_.compiled.peak
+    assert plan_.totals is not None  # only valid plans are measured
+    return plan_.totals.total

@@ -75,14 +75,16 @@ def plan(
         options.append(option)
         if candidate == policy:
             chosen, batch_plan = option, candidate_batch
-    compiled, verdict, remat = None, chosen.verdict, ()
+    compiled: CompiledStep | None = None
+    remat: tuple[RematOption, ...] = ()
+    verdict = chosen.verdict
     if verdict.ok:
         verdict = dataclasses.replace(
             verdict, gathering=gathering(shapes, policy, chosen.mesh_shape)
         )
         if compile:
             compiled = _device_trainer(trainer_class, config, policy, num_devices).compile()
-        if compile and compare_remat:
+        if compiled is not None and compare_remat:
             remat = remat_options(trainer_class, config, policy, num_devices, compiled)
     return Plan(
         trainer=trainer_class.__name__,
