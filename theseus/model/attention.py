@@ -52,7 +52,7 @@ class AttentionMask:
         queries = self.query_positions[:, :, None]  # (batch, q_len, 1)
         keys = self.key_positions[:, None, :]  # (batch, 1, k_len)
         visible = keys <= queries
-        if self.query_segments is not None:
+        if self.query_segments is not None and self.key_segments is not None:
             same = self.query_segments[:, :, None] == self.key_segments[:, None, :]
             visible = visible & same
         if self.window is not None:

@@ -238,9 +238,10 @@ def token_table(c: GQAConfig, rngs: nnx.Rngs) -> nnx.Param:
 
 def add_head(model: nnx.Module, c: GQAConfig, final_norm: nnx.Module, rngs: nnx.Rngs) -> None:
     """The final ``norm`` and, unless the head is tied, ``lm_head`` (created last)."""
-    model.norm = final_norm
+    # nnx modules take their sub-modules as attributes set at build time (not declared).
+    model.norm = final_norm  # type: ignore[attr-defined]
     if not c.tie_word_embeddings:
-        model.lm_head = token_table(c, rngs)
+        model.lm_head = token_table(c, rngs)  # type: ignore[attr-defined]
 
 
 def self_attention(

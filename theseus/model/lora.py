@@ -77,9 +77,9 @@ def adaptable(model: nnx.Module) -> list[Adaptable]:
         param = getattr(module, name)
         shape = tuple(param.shape)
         full = "/".join([*(str(p) for p in path), name])
-        found.append(
-            Adaptable(module, full, shape, _names_of(param, len(shape)), module.lora_layout)
-        )
+        # A module naming its lora_weight also gives its lora_layout (nnx: not declared).
+        layout = module.lora_layout  # type: ignore[attr-defined]
+        found.append(Adaptable(module, full, shape, _names_of(param, len(shape)), layout))
     return found
 
 

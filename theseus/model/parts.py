@@ -9,6 +9,7 @@ of either kind load without transposing; :func:`project` reads the layout from t
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Literal
 
 import jax
@@ -92,7 +93,7 @@ class Norm(nnx.Module):
 class Stack(nnx.Module):
     """A family's layers: the stacked modules under their names, in the order given."""
 
-    def __init__(self, modules: dict[str, nnx.Module]):
+    def __init__(self, modules: Mapping[str, nnx.Module]):
         for name, module in modules.items():
             setattr(self, name, module)
 

@@ -229,7 +229,7 @@ def scan_layers(
     carry: Any,
     layers: Any,
     *,
-    remat: bool | Remat | None = None,
+    remat: bool | str | None = None,  # checked by remat_policy
 ) -> Any:
     """``carry = layer_fn(layer, carry)`` for each layer of ``layers``; returns the last carry.
 

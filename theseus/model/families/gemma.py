@@ -101,6 +101,7 @@ def block(layer: dict, x: jax.Array, inputs: LayerInputs, s: Settings) -> jax.Ar
     """One layer on the float32 stream ``x`` (batch, seq, n_embd): normed attention (per-head
     q/k norms when the layer has them, the layer's rotary angles), its output normed and added;
     the GeGLU MLP likewise."""
+    assert inputs.inv_freq is not None  # Gemma's skeleton gives each layer its frequencies
     rotation = rotary(inputs.features, inputs.inv_freq)  # cos, sin (batch or 1, seq, head_dim)
     h = gemma_norm(x, layer["input_layernorm"], s.eps, s.compute_dtype)  # (batch, seq, n_embd)
 
@@ -186,7 +187,7 @@ _SHAPES = dict(
     query_pre_attn_scalar=256,
     sliding_window=4096,
 )
-_HF_DEFAULTS = {
+_HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma2": _SHAPES | dict(vocab_size=256000, max_position_embeddings=8192,
                              attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
     "gemma3_text": _SHAPES | dict(vocab_size=262208, max_position_embeddings=131072,
@@ -278,7 +279,7 @@ def to_hf(model: dict[str, Any], model_type: str) -> dict[str, Any]:
 def tensors(model: dict[str, Any]) -> list[HFTensor]:
     e = model["hidden_size"]
     head_dim, _, _ = gqa.widths(model)
-    shapes = {"input_layernorm": (e,), "post_attention_layernorm": (e,)}
+    shapes: dict[str, tuple[int, ...]] = {"input_layernorm": (e,), "post_attention_layernorm": (e,)}
     shapes |= {"pre_feedforward_layernorm": (e,), "post_feedforward_layernorm": (e,)}
     shapes |= gqa.projection_shapes(model)
     if model["qk_norm"]:

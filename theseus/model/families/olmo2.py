@@ -109,7 +109,7 @@ def to_hf(model: dict[str, Any], model_type: str) -> dict[str, Any]:
 def tensors(model: dict[str, Any]) -> list[HFTensor]:
     e = model["hidden_size"]
     _, n_q, n_kv = gqa.widths(model)
-    shapes = {"self_attn.q_norm": (n_q,), "self_attn.k_norm": (n_kv,)}
+    shapes: dict[str, tuple[int, ...]] = {"self_attn.q_norm": (n_q,), "self_attn.k_norm": (n_kv,)}
     shapes |= {"post_attention_layernorm": (e,), "post_feedforward_layernorm": (e,)}
     return gqa.checkpoint_tensors(model, shapes | gqa.projection_shapes(model))
 
