@@ -12,6 +12,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeGuard
 
 from theseus.data.readers import (
     InputFile,
@@ -48,7 +49,7 @@ class TextCompletion:
 Record = Conversation | TextCompletion
 
 
-def is_chat_record(record: object) -> bool:
+def is_chat_record(record: object) -> TypeGuard[dict[str, Any]]:
     return isinstance(record, dict) and (
         "messages" in record or ("prompt" in record and "completion" in record)
     )
