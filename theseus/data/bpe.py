@@ -223,12 +223,14 @@ def tokenize(
         write_progress()  # first: a run killed while training its tokenizer resumes too
         if reused is None and not (out / TOKENIZER_FILE).is_file():
             texts = sample_texts(pieces(), split_of, total_bytes, train_sample_bytes)
+            assert vocab_size is not None  # checked above: a tokenizer or a vocabulary size
             bpe = train_tokenizer(texts, vocab_size, progress=progress)
             bpe.save(str(out / TOKENIZER_FILE))
         elif reused is None:
             bpe = load_tokenizer(out / TOKENIZER_FILE)  # trained before the interruption
         else:
             bpe = reused
+            assert tokenizer is not None  # reused is the tokenizer it names
             given = Path(tokenizer)
             shutil.copyfile(
                 given / TOKENIZER_FILE if given.is_dir() else given, out / TOKENIZER_FILE

@@ -9,6 +9,7 @@ record is a ``ValueError`` naming its file and line or row.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,7 +56,7 @@ def is_chat_record(record: object) -> TypeGuard[dict[str, Any]]:
     )
 
 
-def chat_files(corpus: str | Path) -> list[InputFile]:
+def chat_files(corpus: str | os.PathLike) -> list[InputFile]:
     """The JSON Lines and Parquet files of a chat corpus (a file or a folder)."""
     root = Path(corpus)
     if not root.exists():

@@ -162,9 +162,9 @@ def tokenize_chat(
     out = Path(out_dir)
     state = tokenize_io.prepare_output(out, settings, overwrite=overwrite)
     if state.finished is not None:
-        record = tokenize_io.read_json(out / TOKENIZED_RECORD, "manifest")
+        manifest = tokenize_io.read_json(out / TOKENIZED_RECORD, "manifest")
         fields = {**state.finished, "seconds": time.perf_counter() - start}
-        return _result(TokenizedCorpus(**fields), record, seq_len)
+        return _result(TokenizedCorpus(**fields), manifest, seq_len)
     split = DocumentSplit(validation_fraction, seed)
     resume = {name: tuple(state.splits[name]["next"]) for name in SPLITS}
     done = {name: list(state.splits[name]["shards"]) for name in SPLITS}
@@ -197,7 +197,7 @@ def tokenize_chat(
                     if chosen:
                         _write(writer, batch, name, chosen, on_close)
         summaries = tokenize_io.close_splits(writers, corpus)
-    record = {
+    manifest = {
         "format": FORMAT,
         "vocab_size": encoder.tokenizer.get_vocab_size(),
         "token_dtype": dtype,
@@ -214,8 +214,9 @@ def tokenize_chat(
         "settings": settings,
         "splits": summaries,
     }
-    fields = tokenize_io.finish(out, record, fresh=state.fresh)
-    return _result(TokenizedCorpus(**fields, seconds=time.perf_counter() - start), record, seq_len)
+    fields = tokenize_io.finish(out, manifest, fresh=state.fresh)
+    seconds = time.perf_counter() - start
+    return _result(TokenizedCorpus(**fields, seconds=seconds), manifest, seq_len)
 
 
 def _raw_batches(

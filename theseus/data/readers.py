@@ -191,7 +191,7 @@ def _text_documents(item: InputFile, cut: int | None) -> Iterator[Iterator[str]]
             yield _text_pieces(stream, None)
 
 
-def _text_pieces(stream: BinaryIO, limit: int | None) -> Iterator[str]:
+def _text_pieces(stream: io.BufferedIOBase | BinaryIO, limit: int | None) -> Iterator[str]:
     """Pieces of whole lines of about ``PIECE_BYTES`` from ``stream`` (at most ``limit`` bytes),
     decoded as UTF-8 (invalid bytes become U+FFFD, as byte-level BPE encodes text)."""
     remaining = limit
@@ -274,7 +274,7 @@ def _field(record: object, text_field: str, where: str) -> str:
     return text
 
 
-def open_binary(item: InputFile) -> BinaryIO:
+def open_binary(item: InputFile) -> io.BufferedIOBase | BinaryIO:
     """The file's decompressed bytes as a stream."""
     if item.compression == "gz":
         return gzip.open(item.path, "rb")

@@ -110,7 +110,7 @@ class Sampler(IndexedExamples):
 
 
 def validation_batches(
-    tokens: np.ndarray, seq_len: int, num_batches: int, examples_per_batch: int
+    tokens: np.ndarray | ShardedTokens, seq_len: int, num_batches: int, examples_per_batch: int
 ) -> np.ndarray:
     """The fixed validation set: ``num_batches`` batches from the validation split ``tokens``.
 

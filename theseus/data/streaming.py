@@ -18,9 +18,11 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import TypeVar
 
 import numpy as np
+from tokenizers import Encoding
 
 from theseus.data.readers import Piece
 from theseus.data.shards import ShardWriter
@@ -55,7 +57,7 @@ def batches(
     return by_text_bytes(kept, lambda r: r.piece.text)
 
 
-def by_text_bytes(items: Iterator[T], text_of: Callable[[T], str]) -> Iterator[list[T]]:
+def by_text_bytes(items: Iterator[T], text_of: Callable[[T], str | bytes]) -> Iterator[list[T]]:
     """``items`` in batches of about ``BATCH_BYTES`` of text (the last one may be smaller)."""
     batch: list[T] = []
     size = 0
@@ -93,12 +95,12 @@ def encode_stream(
                 (r.piece, e) for r, e in zip(batch, encodings, strict=True) if r.split == split
             ]
             if pieces:
-                advance(_write_pieces(writer, pieces, eos_id, lambda p, s=split: on_shard(s, p)))
+                advance(_write_pieces(writer, pieces, eos_id, partial(on_shard, split)))
 
 
 def _write_pieces(
     writer: ShardWriter,
-    pieces: list[tuple[Piece, object]],
+    pieces: list[tuple[Piece, Encoding]],
     eos_id: int,
     on_shard: Callable[[Position], None],
 ) -> int:

@@ -5,6 +5,7 @@ cleaning up after a bad input found midway."""
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -39,16 +40,19 @@ class CorpusInputs:
 
     def splitter(self, fraction: float, seed: int) -> Callable[[int], str]:
         """Document position → ``"train"`` or ``"validation"``, as the byte loader splits."""
-        if self.builtin_validation is not None:
+        validation = self.builtin_validation
+        if validation is not None:
             names = [f.name for f in self.files]
-            return lambda d: "validation" if names[d] in self.builtin_validation else "train"
+            return lambda d: "validation" if names[d] in validation else "train"
         if is_single_text(self.files):  # documents 0 and 1 are the two sides of the tail cut
             return lambda d: "validation" if d == 1 else "train"
         split = DocumentSplit(fraction, seed)
         return lambda d: "validation" if split.is_validation(d) else "train"
 
 
-def corpus_inputs(corpus: str | Path, text_field: str, fraction: float, seed: int) -> CorpusInputs:
+def corpus_inputs(
+    corpus: str | os.PathLike, text_field: str, fraction: float, seed: int
+) -> CorpusInputs:
     """The files of ``corpus`` (a file, a folder, or ``"builtin"``), each opened and its first
     document read, so a bad input is an error before anything is written."""
     if str(corpus) == BUILTIN:
@@ -170,7 +174,7 @@ def abandon_on_error(writers: dict) -> Iterator[None]:
         raise
 
 
-def close_splits(writers: dict, corpus: str | Path) -> dict:
+def close_splits(writers: dict, corpus: str | os.PathLike) -> dict:
     """Close each split's last shard; the splits' manifest entries (both must hold documents)."""
     for writer in writers.values():
         writer.close_shard()
@@ -187,7 +191,7 @@ def finish(out: Path, record: dict, *, fresh: bool) -> dict:
     return result_fields(out, record, resumed=not fresh)
 
 
-def check_both_splits(summaries: dict, corpus: str | Path) -> None:
+def check_both_splits(summaries: dict, corpus: str | os.PathLike) -> None:
     for name in SPLITS:
         if not summaries[name]["documents"]:
             raise ValueError(
