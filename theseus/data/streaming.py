@@ -19,13 +19,15 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
-from tokenizers import Encoding
 
 from theseus.data.readers import Piece
 from theseus.data.shards import ShardWriter
+
+if TYPE_CHECKING:  # the library loads with the first tokenizer, not with this module
+    from tokenizers import Encoding
 
 BATCH_BYTES = 4 * 2**20  # text per encode_batch call
 QUEUE_BATCHES = 2  # batches read ahead of the encoder
