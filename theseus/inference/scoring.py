@@ -102,7 +102,9 @@ class Scorer:
             logprobs, greedy = self._run([windows[i] for i in chunk])
             for row, index in enumerate(chunk):
                 scores[index] = Score(float(logprobs[row]), bool(greedy[row]))
-        return scores  # type: ignore[return-value]
+        done = [score for score in scores if score is not None]
+        assert len(done) == len(scores)  # every request was in one chunk
+        return done
 
     def _run(self, windows: list[tuple[list[int], int]]) -> tuple[np.ndarray, np.ndarray]:
         longest = max(len(kept) - 1 for kept, _ in windows)
