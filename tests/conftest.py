@@ -20,18 +20,10 @@ from pathlib import Path
 # (support.run_steps(..., compiler_options=support.DEFAULT_CODEGEN)).
 #
 # XLA:CPU aborts a process when a device thread waits at a collective's rendezvous longer than
-# the terminate timeout (40 s by default); it is raised to 10 minutes here, for a loaded machine.
-# The whole-suite aborts "with no XLA message" were such aborts (their message swallowed by
-# pytest's capture of file descriptor 2; pyproject.toml now captures at sys level only), and what
-# they waited for was a starved thread pool, not load. Caught on 2026-12-01 in tests/test_llama.py
-# (tp=2 + FSDP, 4 microbatches): devices 0, 2, 4, 6 in the layer loop's all-reduce over `shard`
-# (op 8), devices 1, 3, 5 in its all-gather over `batch` (op 9), device 7 in op 55, an all-gather
-# that follows the layer loop in the microbatch loop's body. An in-process collective blocks the
-# pool thread it runs on, and XLA:CPU orders a device's collectives only by when they start, so
-# device 7 started op 55 while its layer loop still had work queued for the pool: the eight waits
-# took all eight threads (the pools have max(cores, devices) threads) and nothing ran again. The
-# pools now get 4 threads a device (size_cpu_thread_pools, as `--cpu-devices` does);
-# bench/collective_deadlock.py reproduces the abort with the default pools.
+# its terminate timeout (40 s by default): raised to 10 minutes here, for a loaded machine. The
+# thread pools get 4 threads a device (size_cpu_thread_pools, below): with XLA's default pools,
+# waiting collectives took every thread and the process aborted (docs/testing.md, "The collective
+# deadlock of the thread pools").
 
 
 def _classic_emitters_flag() -> str:

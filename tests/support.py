@@ -22,7 +22,7 @@ from theseus.config import apply_overrides
 from theseus.data import Sampler, load_corpus, validation_batches
 from theseus.jobs import families
 from theseus.sharding.axis import ShardingPolicy
-from theseus.sharding.topology import Topology, under_mesh
+from theseus.sharding.topology import Topology, UnderMesh
 from theseus.training.trainer import BaseTrainer, TrainerConfig
 
 # The model families from the registry (tests, like the package, never import a family module).
@@ -293,7 +293,8 @@ def run_steps(
             trainer.batch_plan.shape, np.int32, sharding=trainer.batch_sharding
         )
         lowered = trainer.train_step.lower(trainer.abstract_state, shape)
-        step = under_mesh(lowered.compile(compiler_options=compiler_options), trainer.mesh)
+        compiled = lowered.compile(compiler_options=compiler_options)
+        step = UnderMesh(compiled, trainer.topology.device_mesh)
     state = trainer.init_state()
     initial = jax.device_get(state.params)
     losses = []

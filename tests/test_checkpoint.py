@@ -23,6 +23,7 @@ from support import (
     step_batch,
 )
 
+from theseus.accounting.records import as_json
 from theseus.checkpoint.budget import limit, write_requests
 from theseus.checkpoint.checkpointer import (
     Checkpointer,
@@ -213,11 +214,11 @@ def test_checkpoint_meta_describes_the_run(saved):
     assert meta.step == 3
     assert meta.config["model"]["n_embd"] == MODEL.n_embd
     # Written and read as JSON by one function each; anything else is refused by name.
-    assert CheckpointMeta.from_json(json.loads(json.dumps(meta.to_json()))) == meta
+    assert CheckpointMeta.from_json(json.loads(json.dumps(as_json(meta)))) == meta
     with pytest.raises(ValueError, match=r"missing keys: \['data_position'\]"):
-        CheckpointMeta.from_json({k: v for k, v in meta.to_json().items() if k != "data_position"})
-    with pytest.raises(ValueError, match="step=-1 must be an int >= 0"):
-        CheckpointMeta.from_json({**meta.to_json(), "step": -1})
+        CheckpointMeta.from_json({k: v for k, v in as_json(meta).items() if k != "data_position"})
+    with pytest.raises(ValueError, match="metadata step must be at least 0, got -1"):
+        CheckpointMeta.from_json({**as_json(meta), "step": -1})
 
 
 def test_fingerprints_ignore_layout_and_see_one_bit():

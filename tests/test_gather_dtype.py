@@ -31,6 +31,7 @@ from support import (
 
 import theseus
 from theseus.accounting.collectives import loop_bodies_with, loop_collective_types
+from theseus.accounting.records import as_json
 from theseus.config import Section, apply_overrides
 from theseus.model.layers import dense, layer_norm
 from theseus.plan import plan, render
@@ -208,7 +209,7 @@ def test_plan_compares_recompute_policies():
     assert none.peak == result.compiled.peak
     text = render(result)
     assert "recompute policies" in text and "dots" in text
-    assert result.to_json()["remat_policies"][2]["activation_checkpointing"] == "dots"
+    assert as_json(result)["remat_policies"][2]["activation_checkpointing"] == "dots"
 
 
 def test_cast_analysis_finds_weights_read_only_in_the_compute_dtype():

@@ -13,8 +13,8 @@ from support import invoke
 
 import theseus
 from theseus.checkpoint.checkpointer import Checkpointer
-from theseus.checkpoint.meta import CHECKPOINTS, CheckpointMeta, MetadataFile
-from theseus.config import apply_overrides
+from theseus.checkpoint.meta import CheckpointMeta, MetadataFile
+from theseus.config import CHECKPOINTS, apply_overrides
 from theseus.execution import quick
 from theseus.inference.logits import load_run
 from theseus.jobs import get_job

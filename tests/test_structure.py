@@ -16,7 +16,7 @@ MAX_ROOT_MODULES = 6
 # from a later one. An entry names a module or a package (then every module under it); a module
 # belongs to its longest matching entry, and a module that matches none fails the test.
 LAYERS = [
-    ["config", "accounting", "distributed", "checkpoint.meta"],
+    ["config", "accounting", "distributed"],
     ["sharding", "accounting.memory"],
     ["accounting.preflight", "accounting.activations", "checkpoint"],
     ["data"],

@@ -27,6 +27,7 @@ from theseus.config import apply_overrides
 from theseus.sharding.axis import ShardingPolicy
 from theseus.sharding.layout import LayoutError
 from theseus.sharding.topology import Topology
+from theseus.training import step
 
 MODEL = EQUIVALENCE_MODEL
 GLOBAL_BATCH = EQUIVALENCE_BATCH
@@ -192,7 +193,8 @@ def test_activation_checkpointing_matches_one_device(remat):
     trainer = shared_trainer(config(2), policy)
     batch_shape = (trainer.batch_plan.accumulation_steps, 16, trainer.seq_len + 1)
     batch = jax.ShapeDtypeStruct(batch_shape, np.int32, sharding=trainer.batch_sharding)
-    jaxpr = str(jax.make_jaxpr(trainer._train_step)(trainer.abstract_state, batch))
+    traced = step.train_step(trainer.context, trainer.entry)
+    jaxpr = str(jax.make_jaxpr(traced)(trainer.abstract_state, batch))
     assert "remat" in jaxpr or "checkpoint" in jaxpr
     assert_matches_one_device(trainer)  # the recomputed layers draw the same dropout masks
 

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeGuard, TypeVar
 
+import numpy as np
 import pydantic
 import yaml
+
+#: The dtype FSDP gathers parameters in (``training.gather_dtype``).
+GatherDtype = Literal["compute", "storage"]
 
 
 class ConfigError(ValueError):
@@ -61,7 +65,7 @@ class TrainingConfig(Section):
     dtype: Literal["float32", "bfloat16"] = pydantic.Field(
         "float32", description="compute dtype; parameters and gradient sums stay float32"
     )
-    gather_dtype: Literal["compute", "storage"] = pydantic.Field(
+    gather_dtype: GatherDtype = pydantic.Field(
         "compute",
         description="dtype of FSDP's parameter gathers: compute (each shard cast before the "
         "gather, half the bytes under bfloat16; the same values, since the layer casts them "
@@ -229,6 +233,11 @@ class EvaluationConfig(Section):
     )
 
 
+#: The folder of a run directory that holds its checkpoints (one folder per committed step);
+#: here, below every layer, so the supervisor of a multi-process job can name it too.
+CHECKPOINTS = "checkpoints"
+
+
 class CheckpointingConfig(Section):
     """Orbax checkpoints of the whole training state, saved asynchronously."""
 
@@ -238,6 +247,22 @@ class CheckpointingConfig(Section):
 
 
 ConfigT = TypeVar("ConfigT", bound=pydantic.BaseModel)
+
+
+def is_int(value: object) -> TypeGuard[int | np.integer]:
+    """Whether ``value`` is an int: a Python or NumPy integer, never a bool (``True`` is an int
+    to Python, never a count or a seed to a user)."""
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
+def check_int(name: str, value: object, *, minimum: int, maximum: int | None = None) -> None:
+    """Refuse a ``value`` that is not an int (:func:`is_int`) in ``[minimum, maximum]``:
+    ``TypeError`` for the type, ``ValueError`` for the range, each naming ``name``."""
+    if not is_int(value):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum or (maximum is not None and value > maximum):
+        bounds = f"at least {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{name} must be {bounds}, got {value}")
 
 
 def _parse_value(raw: str) -> Any:

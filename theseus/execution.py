@@ -224,7 +224,10 @@ class QuickSession:
         if job_name is None and base is None:  # resumed: the job of the run it continues
             mode.runs_to_replace(Path(out_dir))  # nothing to resume: that error first
             job_name = job_of_run(out_dir)
-        self.job = get_job(job_name or job_of_run(base))
+        if job_name is None:
+            assert base is not None  # the first error above otherwise
+            job_name = job_of_run(base)
+        self.job = get_job(job_name)
         self.out_dir = Path(out_dir)
         config_class = self.job.trainer_class.config_class
         # An evaluation scores the run in out_dir: its config is the base of the user's changes.

@@ -173,7 +173,9 @@ def _callees(instruction: _Instruction) -> list[tuple[str, int | None]]:
     if instruction.opcode != "while":
         return [(name, 1) for name in names]
     trip = _TRIP_COUNT.search(instruction.attributes)
-    body = re.search(r"\bbody=%?([^\s,]+)", instruction.attributes).group(1)
+    found = re.search(r"\bbody=%?([^\s,]+)", instruction.attributes)
+    assert found is not None, f"while loop {instruction.name} names no body"  # XLA always does
+    body = found.group(1)
     return [(body, None if trip is None else int(trip.group(1)))]  # the condition: no collectives
 
 
@@ -195,13 +197,16 @@ def count_collectives(hlo_text: str) -> Collectives:
                 one = CollectiveTotal(1, hlo_type_bytes(type_text))
                 found[kind] = found.get(kind, CollectiveTotal()) + one
             for callee, times in _callees(instruction):
-                if times is None and totals(callee):
+                inner = totals(callee)
+                if not inner:
+                    continue
+                if times is None:
                     raise ValueError(
                         f"while loop {instruction.name} runs collectives and has no known trip "
                         "count in the compiled HLO, so they cannot be counted per step; loops "
                         "from lax.scan and fori_loop with static bounds have one."
                     )
-                for callee_kind, total in totals(callee):
+                for callee_kind, total in inner:
                     found[callee_kind] = found.get(callee_kind, CollectiveTotal()) + total * times
         return tuple(found.items())
 
@@ -246,9 +251,10 @@ def count_dot_flops(hlo_text: str) -> int:
     return flops(entry)
 
 
-def loop_bodies_with(hlo_text: str, op: str) -> list[tuple[str, int]]:
+def loop_bodies_with(hlo_text: str, op: str) -> list[tuple[str, int | None]]:
     """``(body name, trip count)`` of every ``while`` loop whose body itself (not a nested loop)
-    runs collective ``op``, for checking where communication sits."""
+    runs collective ``op``, for checking where communication sits (None: a trip count known
+    only at run time)."""
     computations, _ = _computations(hlo_text)
     bodies = []
     for instructions in computations.values():
@@ -261,9 +267,10 @@ def loop_bodies_with(hlo_text: str, op: str) -> list[tuple[str, int]]:
     return bodies
 
 
-def loop_collective_types(hlo_text: str, op: str) -> list[tuple[int, str]]:
+def loop_collective_types(hlo_text: str, op: str) -> list[tuple[int | None, str]]:
     """``(trip count, result type)`` of every collective ``op`` in the body of a ``while`` loop
-    (not a nested loop), for checking what the layer loop moves (e.g. ``u16[64,64]{1,0}``)."""
+    (not a nested loop), for checking what the layer loop moves (e.g. ``u16[64,64]{1,0}``;
+    None: a trip count known only at run time)."""
     computations, _ = _computations(hlo_text)
     found = []
     for body, trip in loop_bodies_with(hlo_text, op):

@@ -67,15 +67,16 @@ class CompiledStep:
 
     @classmethod
     def of(cls, executable: jax.stages.Compiled) -> CompiledStep:
-        stats = executable.memory_analysis()
+        stats, text = executable.memory_analysis(), executable.as_text()
+        assert stats is not None and text is not None, "XLA gave no memory analysis or HLO text"
         return cls(
             executable=executable,
             arguments=int(stats.argument_size_in_bytes),
             temporaries=int(stats.temp_size_in_bytes),
             outputs=int(stats.output_size_in_bytes),
             aliased=int(stats.alias_size_in_bytes),
-            collectives=count_collectives(executable.as_text()),
-            dot_flops=count_dot_flops(executable.as_text()),
+            collectives=count_collectives(text),
+            dot_flops=count_dot_flops(text),
         )
 
     @property

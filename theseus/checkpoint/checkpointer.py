@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 import jax
 import numpy as np
 
+from theseus.accounting.records import as_json
 from theseus.checkpoint.budget import HOST_BUDGET_BYTES, limit, read_requests, write_requests
 from theseus.checkpoint.checks import compatibility_problems, one_line
 from theseus.checkpoint.fingerprints import fingerprints
@@ -161,12 +162,12 @@ class Checkpointer:
         if self.read_only:
             raise CheckpointError(f"{self.directory} was opened read-only; cannot save step {step}")
         try:
-            json.dumps(meta.to_json(), allow_nan=False)
+            json.dumps(as_json(meta), allow_nan=False)
         except (TypeError, ValueError) as error:
             raise TypeError(f"checkpoint metadata must be plain JSON: {error}") from None
         self.wait()  # a failure of the previous save is reported as that step's
         self._clear_way_for(step)
-        payload = MetadataFile(meta, fingerprints(state)).to_json()
+        payload = as_json(MetadataFile(meta, fingerprints(state)))
         in_flight = limit(self.host_budget_bytes, write_requests(state))
         try:
             started = self._store.save(step, state, payload, in_flight_bytes=in_flight)
@@ -206,6 +207,7 @@ class Checkpointer:
     def _save_error(self, step: int | None, error: BaseException) -> CheckpointWriteError:
         """Why a save failed, and what is left: orbax commits a step by renaming its temporary
         directory, so a failed save leaves no step behind and removes none."""
+        committed: list[int] | str
         try:
             committed = self.all_steps()
         except Exception:  # noqa: BLE001 - e.g. the directory itself was removed
@@ -287,10 +289,12 @@ class Checkpointer:
     def _restore_step(self, step: int, target: Any, entry: str | None) -> Restored:
         """Read and check one step; every process reaches the same verdict."""
         where = f"checkpoint {self.step_directory(step)} (step {step})"
+        restored: Restored | None = None
+        error: CheckpointError | None = None
         try:
-            restored, error = self._read_step(step, target, entry, where), None
+            restored = self._read_step(step, target, entry, where)
         except CheckpointError as caught:
-            restored, error = None, caught
+            error = caught
         failing = _failing_processes(error is not None)
         if error is None and failing:
             error = CheckpointError(f"{where} is damaged: unreadable on process(es) {failing}")
@@ -299,6 +303,7 @@ class Checkpointer:
                 self._bad_steps.add(step)  # a later save at or before this step replaces it
             raise error
         self._bad_steps.discard(step)
+        assert restored is not None  # read without an error
         return restored
 
     def _read_step(self, step: int, target: Any, entry: str | None, where: str) -> Restored:

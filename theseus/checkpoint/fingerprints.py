@@ -138,6 +138,7 @@ def _leaf_fingerprint(x: jax.Array, layout: str | tuple[Any, tuple] = WHOLE) -> 
         return _block_sum(x, (0,) * x.ndim, strides)
     if layout == ROWS:
         return _rows_sum(x, (0,) * x.ndim, strides)
+    assert isinstance(layout, tuple)  # WHOLE and ROWS returned above: a (mesh, spec) pair
     mesh, spec = layout
     local = NamedSharding(mesh, PartitionSpec(*spec)).shard_shape(x.shape)
     used = tuple(

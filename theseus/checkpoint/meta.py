@@ -1,22 +1,20 @@
-"""What a checkpoint records besides its arrays, and where a run directory keeps its checkpoints.
+"""What a checkpoint records besides its arrays.
 
 :class:`CheckpointMeta` is the one description of a saved step: enough to resume it (step, data
 position, the job's config) and to audit it (the policy, mesh and batch accounting it was saved
 under, as ``BaseTrainer.execution_facts()`` gives them). It is written and read as JSON by
-:meth:`CheckpointMeta.to_json` and :meth:`CheckpointMeta.from_json` alone, as the ``meta`` entry of
-a checkpoint's metadata file (:class:`MetadataFile`). This module imports
-nothing of theseus, so every layer (the supervisor of a multi-process job included) can name the
-run directory's checkpoint folder, :data:`CHECKPOINTS`, from here.
+:func:`~theseus.accounting.records.as_json` and :meth:`CheckpointMeta.from_json` alone, as the
+``meta`` entry of a checkpoint's metadata file (:class:`MetadataFile`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-#: The folder of a run directory that holds its checkpoints (one folder per committed step).
-CHECKPOINTS = "checkpoints"
+from theseus.config import check_int
+
 #: The layout of a checkpoint's metadata file. Version 1: ``{"format_version": 1, "meta": {...},
 #: "fingerprints": {path: uint32}}``, ``meta`` holding exactly the fields of CheckpointMeta.
 FORMAT_VERSION = 1
@@ -70,8 +68,10 @@ class CheckpointMeta:
     def __post_init__(self) -> None:
         for name in _COUNTS:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"checkpoint metadata {name}={value!r} must be an int >= 0")
+            try:
+                check_int(f"checkpoint metadata {name}", value, minimum=0)
+            except TypeError as error:  # a malformed file: one kind of error for its reader
+                raise ValueError(str(error)) from None
         for name in _OBJECTS:
             value = getattr(self, name)
             if not isinstance(value, dict):
@@ -85,13 +85,9 @@ class CheckpointMeta:
                 f"checkpoint metadata base must be a JSON object or null, not {self.base!r}"
             )
 
-    def to_json(self) -> dict[str, Any]:
-        """The metadata as plain JSON data (the form a checkpoint stores)."""
-        return dataclasses.asdict(self)
-
     @classmethod
     def from_json(cls, data: Any) -> CheckpointMeta:
-        """Read what :meth:`to_json` wrote; ``ValueError`` names missing or unknown keys."""
+        """Read what :func:`~theseus.accounting.records.as_json` wrote; ``ValueError`` names missing or unknown keys."""
         if not isinstance(data, dict):
             raise ValueError(f"checkpoint metadata is a {type(data).__name__}, not a JSON object")
         fields = dataclasses.fields(cls)
@@ -114,16 +110,12 @@ class MetadataFile:
     meta: CheckpointMeta
     fingerprints: dict[str, int]
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "format_version": FORMAT_VERSION,
-            "meta": self.meta.to_json(),
-            "fingerprints": self.fingerprints,
-        }
+    json_properties: ClassVar[dict[str, str]] = {"format_version": "format_version"}
+    format_version: ClassVar[int] = FORMAT_VERSION
 
     @classmethod
     def from_json(cls, data: Any) -> MetadataFile:
-        """Read what :meth:`to_json` wrote; ``ValueError`` says what is wrong with it."""
+        """Read what :func:`~theseus.accounting.records.as_json` wrote; ``ValueError`` says what is wrong with it."""
         if not isinstance(data, dict):
             raise ValueError(f"metadata is a {type(data).__name__}, not a JSON object")
         version = data.get("format_version")

@@ -17,7 +17,8 @@ def doctor(
     json_output: Annotated[
         bool, typer.Option("--json", help="print the report as JSON, for tools")
     ] = False,
-    process: ProcessFlags | None = None,
+    *,
+    process: ProcessFlags,
 ) -> None:
     """Check this machine: JAX, devices, processes, attention kernel, MFU peak, XLA flags.
 

@@ -32,7 +32,8 @@ def import_hf(
     ],
     out_dir: Annotated[Path, typer.Argument(help="new run directory to create")],
     sharding: dict | None = None,
-    process: ProcessFlags | None = None,
+    *,
+    process: ProcessFlags,
 ) -> None:
     """Import a Llama, Mistral, Qwen2, Qwen3 or GPT-2 checkpoint as a run directory.
 

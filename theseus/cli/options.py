@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 
@@ -235,7 +235,7 @@ def log_lines_to_stderr() -> None:
     _TERMINAL.stream = "stderr"
 
 
-def fail(message: str, code: int = 2) -> None:
+def fail(message: str, code: int = 2) -> NoReturn:
     """A user error: one paragraph on stderr, no traceback, exit status ``code`` (2: bad input)."""
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code=code)
@@ -254,11 +254,13 @@ def user_errors(exit_codes: Mapping[type[Exception], int] | None = None) -> Iter
         )
         if isinstance(error, stops):  # a status of its own (see README)
             typer.echo(f"stopped: {error}", err=True)
-            raise typer.Exit(code=error.exit_code) from None
+            # Both types define exit_code; they are matched by name so their modules stay unloaded.
+            raise typer.Exit(code=error.exit_code) from None  # type: ignore[attr-defined]
         if isinstance(error, _loaded_types(("pydantic", "ValidationError"))):
             from theseus.config import describe_validation_error
 
-            fail(describe_validation_error(error))
+            # A pydantic.ValidationError, matched by name above (pydantic stays unloaded).
+            fail(describe_validation_error(error))  # type: ignore[arg-type]
         if isinstance(error, (ValueError, TypeError, FileNotFoundError, ModuleNotFoundError)):
             code = next((c for t, c in (exit_codes or {}).items() if isinstance(error, t)), 2)
             fail(str(error), code)
@@ -300,7 +302,8 @@ def shared_options(
             built = build(**{name: kwargs.pop(name) for name in options})
             return command(**kwargs, **{into: built})
 
-        wrapper.__signature__ = signature.replace(parameters=[*kept, *added])
+        # functools.wraps types its result without __signature__, which inspect (and typer) read.
+        wrapper.__signature__ = signature.replace(parameters=[*kept, *added])  # type: ignore[attr-defined]
         return wrapper
 
     return decorate

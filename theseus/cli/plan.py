@@ -74,7 +74,8 @@ def plan_command(
         ),
     ] = None,
     imports: Imports = None,
-    sharding: dict[str, Any] | None = None,
+    *,
+    sharding: dict[str, Any],
 ) -> None:
     """Plan before you train: every layout and the per-device memory, from shapes only.
 
@@ -91,6 +92,7 @@ def plan_command(
     source = rest.pop(0) if rest and "=" not in rest[0] else None
     with user_errors(exit_codes={NoPolicyFits: 1}):
         import_modules(imports)
+        from theseus.accounting.records import as_json
         from theseus.config import apply_overrides
         from theseus.plan import parse_bytes, plan, plan_for_budget, render
 
@@ -132,7 +134,7 @@ def plan_command(
                 activation_checkpointing=policy.merge(**sharding).activation_checkpointing,
                 compile=compile_step,
             )
-    typer.echo(json.dumps(result.to_json(), indent=2) if json_output else render(result))
+    typer.echo(json.dumps(as_json(result), indent=2) if json_output else render(result))
     if not result.verdict.ok:
         raise typer.Exit(code=1)
 

@@ -229,7 +229,9 @@ def generate(
                 base=base,
             )
         if json_output:
-            typer.echo(json.dumps(replies.to_json(), indent=2))
+            from theseus.accounting.records import as_json
+
+            typer.echo(json.dumps(as_json(replies), indent=2))
             return
         for number, reply in enumerate(replies.replies):
             if len(replies.replies) > 1:
@@ -260,7 +262,9 @@ def generate(
             base=base,
         )
     if json_output:
-        typer.echo(json.dumps(result.to_json(), indent=2))
+        from theseus.accounting.records import as_json
+
+        typer.echo(json.dumps(as_json(result), indent=2))
         return
     by_ids = len(prompt or [])  # prompts from this index on were given as token ids
     for row, item in enumerate(result.completions):

@@ -73,7 +73,8 @@ def train(
     ] = None,
     out: RunDir = None,
     imports: Imports = None,
-    flags: JobFlags | None = None,
+    *,
+    flags: JobFlags,
 ) -> None:
     """Train a job, or evaluate the run in --out (--job llama/evaluate).
 
@@ -129,14 +130,21 @@ def fit_budget(session: Any, budget: str, sharding: dict[str, Any]) -> None:
     result = plan_training_for_budget(
         trainer_class, session.config, devices, limit, devices_per_host=jax.local_device_count()
     )
-    acts = result.activations
+    acts, total = result.activations, result.total
+    if acts is None:
+        raise ValueError(
+            f"--budget fits the model state and one microbatch's activations, but "
+            f"{trainer_class.__name__} gives no activation estimate (its decoder_shape() is "
+            "None); choose the policy with `theseus plan --compile` instead, or drop --budget."
+        )
+    assert result.totals is not None and total is not None  # a chosen plan is valid
     session.override(f"training.per_device_batch_size={acts.examples}")
     session.shard(**result.policy.model_dump())
     echo_on_main(
         f"budget {format_bytes(limit)} per device on {devices} devices: chose {result.name}, "
         f"recompute {acts.remat}, {acts.examples} examples per device ({result.batch}); model "
         f"state {format_bytes(result.totals.total)} + activations {format_bytes(acts.total)} = "
-        f"{format_bytes(result.total)} fits"
+        f"{format_bytes(total)} fits"
     )
 
 
@@ -145,7 +153,8 @@ def run(
     chain_file: ChainFile,
     out: Annotated[Path, typer.Argument(help="output directory of the chain")],
     imports: Imports = None,
-    flags: JobFlags | None = None,
+    *,
+    flags: JobFlags,
 ) -> None:
     """Run an execution chain saved as YAML; sharding flags merge into its policy."""
     join_job(flags.process, out)
@@ -190,8 +199,9 @@ def evaluate(
     job: RunJob = None,
     base: BaseRun = None,
     imports: Imports = None,
-    sharding: dict[str, Any] | None = None,
-    process: ProcessFlags | None = None,
+    *,
+    sharding: dict[str, Any],
+    process: ProcessFlags,
 ) -> None:
     """Score a run's newest good checkpoint on the run's own data and config, or on tasks.
 
@@ -272,7 +282,8 @@ def configure(
         list[str] | None, typer.Option(help="another job to run after this one (repeatable)")
     ] = None,
     imports: Imports = None,
-    sharding: dict[str, Any] | None = None,
+    *,
+    sharding: dict[str, Any],
 ) -> None:
     """Write a job's full, resolved configuration as a chain YAML to edit and `theseus run`."""
     with user_errors():

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from theseus.data.packing import MaskedExamples
+from theseus.data.shards import ShardedTokens
 
 #: The vocabulary of byte corpora: one token per byte value.
 BYTE_VOCAB_SIZE = 256
@@ -20,8 +21,8 @@ _SAMPLE = 4096
 class Corpus:
     """Train and validation token arrays (1-D, possibly ``np.memmap``) and their vocabulary."""
 
-    train: np.ndarray
-    validation: np.ndarray
+    train: np.ndarray | ShardedTokens  # (tokens,): one array, or a split's shards as one
+    validation: np.ndarray | ShardedTokens
     vocab_size: int
     source: str
     tokenizer: Path | None = None  # tokenizer.json of a tokenized folder; None: byte or .bin
@@ -36,7 +37,7 @@ class Corpus:
         for tokens in (self.train, self.validation):
             step = max(1, tokens.size // _NUM_SAMPLES)
             for start in range(0, tokens.size, step):
-                crc = zlib.crc32(np.ascontiguousarray(tokens[start : start + _SAMPLE]), crc)
+                crc = zlib.crc32(np.ascontiguousarray(tokens[start : start + _SAMPLE]).data, crc)
         return {
             "train_tokens": int(self.train.size),
             "validation_tokens": int(self.validation.size),

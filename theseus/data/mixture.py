@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -135,7 +136,7 @@ class Mixture:
 
 def load_mixture(data: DataConfig) -> Mixture:
     """The sources of ``data``: ``data.sources``, or ``data.path`` (None: built-in) as one."""
-    options = {
+    options: dict[str, Any] = {
         "validation_fraction": data.validation_fraction,
         "token_dtype": data.token_dtype,
         "text_field": data.text_field,
@@ -150,7 +151,8 @@ def load_mixture(data: DataConfig) -> Mixture:
                 corpus = load_corpus(given.path, **options)
             except ValueError as error:
                 raise ValueError(f"data source {given.name!r}: {error}") from None
-            sources.append(Source(given.name, given.weight / total, corpus))
+            name = given.name or given.path  # named by the config's validator
+            sources.append(Source(name, given.weight / total, corpus))
         _check_same_vocabulary(sources)
     if data.document_masking:
         _check_end_of_text(sources)
@@ -215,9 +217,9 @@ def _check_same_vocabulary(sources: list[Source]) -> None:
     """Every source must be in the same token ids: the same vocabulary and tokenizer."""
     first = sources[0]
     for other in sources[1:]:
-        same_tokenizer = (first.corpus.tokenizer is None) == (other.corpus.tokenizer is None) and (
-            first.corpus.tokenizer is None
-            or first.corpus.tokenizer.read_bytes() == other.corpus.tokenizer.read_bytes()
+        ours, theirs = first.corpus.tokenizer, other.corpus.tokenizer
+        same_tokenizer = (ours is None and theirs is None) or (
+            ours is not None and theirs is not None and ours.read_bytes() == theirs.read_bytes()
         )
         if first.corpus.vocab_size != other.corpus.vocab_size or not same_tokenizer:
             raise ValueError(

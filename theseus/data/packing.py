@@ -24,7 +24,9 @@ from typing import Literal
 
 import numpy as np
 
-from theseus.data.sampler import IndexedExamples, check_int
+from theseus.config import check_int
+from theseus.data.sampler import IndexedExamples, Sampler
+from theseus.data.shards import ShardedTokens
 
 TOKENS, MASK, SEGMENTS = range(3)
 ROW_FIELDS = 3
@@ -39,8 +41,8 @@ class MaskedExamples:
     memory-mapped) and its examples' lengths in order (their running sum is where each
     begins)."""
 
-    tokens: np.ndarray
-    mask: np.ndarray
+    tokens: np.ndarray | ShardedTokens
+    mask: np.ndarray | ShardedTokens
     lengths: np.ndarray  # (examples,) int64
 
     @cached_property
@@ -107,8 +109,8 @@ def pack(
         for row in first_fit_decreasing(kept_of[run], row_tokens):
             members.extend(run[row])
             row_starts.append(len(members))
-    members = np.asarray(members, np.int64)
-    if not members.size:
+    member_ids = np.asarray(members, np.int64)
+    if not member_ids.size:
         raise ValueError(
             f"{where}: no example is left to train after data.overlong=drop ({num_long} of "
             f"{lengths.size} are longer than {row_tokens} tokens); raise training.seq_len"
@@ -117,8 +119,8 @@ def pack(
     dropped = num_long if overlong == "drop" else 0
     return Packing(
         np.asarray(row_starts, np.int64),
-        members,
-        kept_of[members],
+        member_ids,
+        kept_of[member_ids],
         row_tokens,
         int(lengths.size),
         truncated,
@@ -199,7 +201,7 @@ class PackedSampler(IndexedExamples):
 class DocumentRows(IndexedExamples):
     """A window sampler's windows as segmented rows (:func:`document_rows`)."""
 
-    def __init__(self, windows: IndexedExamples, eos_id: int | None):
+    def __init__(self, windows: Sampler, eos_id: int | None):
         self.windows = windows
         self.eos_id = eos_id
         self.num_windows = windows.num_windows

@@ -20,6 +20,7 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 PIECE_BYTES = 2**20  # a text document is read in pieces of whole lines of about this size
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
@@ -190,7 +191,7 @@ def _text_documents(item: InputFile, cut: int | None) -> Iterator[Iterator[str]]
             yield _text_pieces(stream, None)
 
 
-def _text_pieces(stream: io.BufferedIOBase, limit: int | None) -> Iterator[str]:
+def _text_pieces(stream: io.BufferedIOBase | BinaryIO, limit: int | None) -> Iterator[str]:
     """Pieces of whole lines of about ``PIECE_BYTES`` from ``stream`` (at most ``limit`` bytes),
     decoded as UTF-8 (invalid bytes become U+FFFD, as byte-level BPE encodes text)."""
     remaining = limit
@@ -273,7 +274,7 @@ def _field(record: object, text_field: str, where: str) -> str:
     return text
 
 
-def open_binary(item: InputFile) -> io.BufferedIOBase:
+def open_binary(item: InputFile) -> io.BufferedIOBase | BinaryIO:
     """The file's decompressed bytes as a stream."""
     if item.compression == "gz":
         return gzip.open(item.path, "rb")

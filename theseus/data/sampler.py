@@ -14,6 +14,7 @@ import abc
 
 import numpy as np
 
+from theseus.config import check_int
 from theseus.data.shards import ShardedTokens
 
 VALIDATION_SEED = 0
@@ -109,7 +110,7 @@ class Sampler(IndexedExamples):
 
 
 def validation_batches(
-    tokens: np.ndarray, seq_len: int, num_batches: int, examples_per_batch: int
+    tokens: np.ndarray | ShardedTokens, seq_len: int, num_batches: int, examples_per_batch: int
 ) -> np.ndarray:
     """The fixed validation set: ``num_batches`` batches from the validation split ``tokens``.
 
@@ -163,10 +164,3 @@ def _row_indices(rows: slice | np.ndarray, examples_per_microbatch: int) -> np.n
             "of examples_per_microbatch"
         )
     return rows.astype(np.int64)
-
-
-def check_int(name: str, value: int, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {value}")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,7 +77,7 @@ class ShardedTokens:
 
     ndim = 1
 
-    def __init__(self, shards: list[np.ndarray]):
+    def __init__(self, shards: Sequence[np.ndarray]):
         assert shards and all(s.ndim == 1 and s.dtype == shards[0].dtype for s in shards)
         self.shards = shards
         self.starts = np.cumsum([0] + [s.size for s in shards])  # (num_shards + 1,)
@@ -261,7 +261,7 @@ class ShardWriter:
         tokens last, so a shard whose tokens exist has its mask and lengths)."""
         if not self._files:
             return
-        entry = {}
+        entry: dict[str, Any] = {}
         for suffix in reversed(self.dtypes):
             stream = self._files.pop(suffix)
             stream.flush()

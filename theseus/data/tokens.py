@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from theseus.config import check_int
 from theseus.data.binfile import bin_corpus
 from theseus.data.corpus import BYTE_VOCAB_SIZE, Corpus, bytes_to_tokens
 from theseus.data.documents import split_documents
@@ -26,6 +27,8 @@ from theseus.data.shards import (
     SPLITS,
     TOKENIZED_RECORD,
     TOKENIZER_FILE,
+    Manifest,
+    ShardedTokens,
     example_lengths,
     is_incomplete,
     open_masks,
@@ -203,10 +206,9 @@ def _tokenized_corpus(root: Path, vocab_size: int | None) -> Corpus:
     eos_id = manifest.data.get("eos_id")
     examples = None
     if manifest.data.get("loss_mask"):
-        examples = tuple(
-            MaskedExamples(tokens, open_masks(root, manifest, name), lengths)
-            for tokens, name in ((train, "train"), (validation, "validation"))
-            for lengths in [example_lengths(root, manifest, name)]
+        examples = (
+            MaskedExamples(train, *_masks_and_lengths(root, manifest, "train")),
+            MaskedExamples(validation, *_masks_and_lengths(root, manifest, "validation")),
         )
         source = source.replace("tokenized folder", "tokenized chat folder", 1)
     return Corpus(train, validation, record_vocab, source, tokenizer, eos_id, examples)
@@ -227,8 +229,7 @@ def _check_fraction(validation_fraction: float) -> None:
 
 
 def _check_seed(seed: int) -> None:
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
-        raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
+    check_int("seed", seed, minimum=0, maximum=2**32 - 1)
 
 
 def _check_byte_options(path: Path | None, vocab_size: int | None) -> None:
@@ -238,3 +239,10 @@ def _check_byte_options(path: Path | None, vocab_size: int | None) -> None:
             f"vocab_size applies only to .bin token files, but {where} is a byte corpus "
             f"(vocab {BYTE_VOCAB_SIZE}); drop vocab_size"
         )
+
+
+def _masks_and_lengths(
+    root: Path, manifest: Manifest, split: str
+) -> tuple[np.ndarray | ShardedTokens, np.ndarray]:
+    """A masked split's loss masks and example lengths."""
+    return open_masks(root, manifest, split), example_lengths(root, manifest, split)

@@ -124,6 +124,7 @@ def start(membership: Membership, heartbeat_timeout_s: int) -> None:
     import jax
 
     if membership.kind == "explicit":
+        assert membership.coordinator is not None  # an explicit membership names it
         host = membership.coordinator.rsplit(":", 1)[0]
         jax.distributed.initialize(
             coordinator_address=membership.coordinator,
@@ -180,7 +181,7 @@ def describe_processes() -> str:
     kinds = sorted({d.platform for d in local})
     if _joined is not None:
         how = {"explicit": f"coordinator {_joined.coordinator}"}.get(
-            _joined.kind, f"{_joined.kind} cluster detected"
+            str(_joined.kind), f"{_joined.kind} cluster detected"
         )
     else:
         how = "no cluster detected" if jax.process_count() == 1 else "started by the caller"

@@ -119,7 +119,8 @@ def launch(
     if failed is not None:
         _stop(workers, grace_s)
     for worker in workers:
-        worker.reader.join(timeout=grace_s)
+        if worker.reader is not None:
+            worker.reader.join(timeout=grace_s)
     if failed is None:
         return 0
     status = _exit_status(failed.process.returncode)
@@ -134,6 +135,7 @@ def launch(
 
 def _relay(worker: Worker, out: TextIO, lock: threading.Lock) -> None:
     """Copy a process's output to ``out``, each line prefixed with its index."""
+    assert worker.process.stdout is not None  # started with stdout=PIPE
     for raw in worker.process.stdout:
         line = raw.decode(errors="replace").rstrip("\n")
         worker.tail.append(line)

@@ -35,7 +35,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TextIO
 
-from theseus.checkpoint.meta import CHECKPOINTS
+from theseus.config import CHECKPOINTS
 
 # Set in a worker's environment: the file descriptors of the terminal's stdout and stderr.
 WORKER_ENV = "THESEUS_WORKER_TERMINAL_FDS"

@@ -127,13 +127,12 @@ def tensor_blocks(
         pieces = []
         for part in tensor.parts:
             leaf = leaf_at(params, part.path)  # ([n_layer,] rows, ...)
-            stacked = part.layer is not None
-            layer = (slice(part.layer, part.layer + 1),) if stacked else ()
+            layer = () if part.layer is None else (slice(part.layer, part.layer + 1),)
             rest = tuple(slice(0, n) for n in leaf.shape[len(layer) + 1 :])
             stop = part.stop - part.start if len(tensor.shape) == 1 else min(rows, start + step)
             region = (*layer, slice(start, stop), *rest)
             block = host_region(leaf, region)  # ([1,] block, ...) float32
-            pieces.append(block[0] if stacked else block)
+            pieces.append(block if part.layer is None else block[0])
         yield np.concatenate(pieces, axis=-1).astype(dtype)
 
 
@@ -160,7 +159,7 @@ def export_hf(
     run_dir: str | Path,
     out_dir: str | Path,
     *,
-    dtype: ExportDtype | None = None,
+    dtype: str | None = None,
     max_shard_size: str | int = "5GB",
     adapters: bool = False,
     policy_changes: dict[str, Any] | None = None,
@@ -185,8 +184,14 @@ def export_hf(
     check_out_dir(out_dir)
     if jax.process_count() > 1:
         raise ValueError("export-hf runs in one process; start it without --coordinator")
-    reading = {"policy_changes": policy_changes, "devices": devices, "job": job, "base": base}
-    loaded = load_run(run_dir, layout="storage", **reading)
+    loaded = load_run(
+        run_dir,
+        layout="storage",
+        policy_changes=policy_changes,
+        devices=devices,
+        job=job,
+        base=base,
+    )
     base_dir = loaded.base_dir
     spec = loaded.trainer.lora_spec
     if adapters and spec is None:

@@ -25,8 +25,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 from theseus.checkpoint.checkpointer import Checkpointer
-from theseus.checkpoint.meta import CHECKPOINTS, CheckpointMeta
-from theseus.config import apply_overrides, save_yaml, validate
+from theseus.checkpoint.meta import CheckpointMeta
+from theseus.config import CHECKPOINTS, apply_overrides, save_yaml, validate
 from theseus.distributed.supervise import log_path
 from theseus.hf.config import ModelSpec, read_config
 from theseus.hf.safetensors import TensorInfo, checkpoint_tensors
@@ -144,11 +144,12 @@ def place(
     by_index: dict[tuple, list[jax.Device]] = defaultdict(list)
     indices = sharding.addressable_devices_indices_map(shape)
     for device, index in indices.items():
+        assert index is not None  # an array, not a scalar: every device holds slices
         key = tuple((s.start, s.stop) for s in index)
         by_index[key].append(device)
     arrays = {}
     for devices in by_index.values():
-        host = read(indices[devices[0]])
+        host = read(indices[devices[0]] or ())
         for device in devices:
             arrays[device] = jax.device_put(host, device)
         del host

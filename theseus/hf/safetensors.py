@@ -16,6 +16,7 @@ import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -121,7 +122,8 @@ def checkpoint_tensors(directory: Path) -> dict[str, TensorInfo]:
 
 
 def _header_bytes(entries: Mapping[str, tuple[np.dtype, tuple[int, ...]]]) -> bytes:
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    header: dict[str, dict[str, Any]] = {"__metadata__": {"format": "pt"}}
+    offset = 0
     for name, (dtype, shape) in entries.items():
         nbytes = math.prod(shape) * np.dtype(dtype).itemsize
         header[name] = {

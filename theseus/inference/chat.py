@@ -10,7 +10,7 @@ has its stop token (or at ``max_new_tokens``); the reply is what comes before it
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +44,6 @@ class ChatGeneration:
     stop_ids: list[int]
     new_tokens: int  # tokens each row decoded before every reply had stopped
     notes: list[str] = field(default_factory=list)
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def generate_chat(

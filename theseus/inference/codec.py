@@ -12,9 +12,14 @@ from theseus.tokenization.folder import TokenizerFolder
 
 
 class Codec(Protocol):
-    vocab_size: int
-    description: str
-    eos_ids: tuple[int, ...]  # the ids that end a generation, as transformers' generate stops
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def description(self) -> str: ...
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]: ...  # the ids that end a generation, as HF's do
 
     def encode(self, text: str) -> list[int]: ...
 

@@ -16,7 +16,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +27,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from theseus.checkpoint.meta import CheckpointMeta
+from theseus.config import check_int, is_int
 from theseus.inference.codec import Codec, resolve_codec
 from theseus.inference.logits import load_run
+from theseus.inference.programs import Program, ProgramCache, global_array
 from theseus.inference.sampling import Sampling, next_tokens, sample_keys
 from theseus.model.decode import ROWS
 from theseus.sharding.axis import Axis, partition_spec
@@ -46,7 +48,7 @@ STOP_EVERY = 8
 class Completion:
     """One sample of one prompt."""
 
-    prompt: str
+    prompt: str  # as given, or the text its token ids spell
     sample: int
     completion: str
     prompt_ids: list[int]
@@ -64,9 +66,6 @@ class Generation:
     policy: str
     mesh_shape: dict[str, int]
     notes: list[str] = field(default_factory=list)
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -93,7 +92,7 @@ class Generator:
         self.params = params
         self.mesh = trainer.mesh
         self.rules = (*trainer.plan.rules(trainer.policy, "compute"), (ROWS, Axis.BATCH))
-        self._compiled_steps: dict[tuple[int, ...], tuple[Any, Any]] = {}
+        self._programs = ProgramCache(trainer.topology.device_mesh)
         self.replicated = NamedSharding(self.mesh, P())
 
     def generate_ids(
@@ -115,8 +114,7 @@ class Generator:
         given the new ids so far (rows, n) every :data:`STOP_EVERY` tokens, ends the generation
         early when it returns True."""
         lengths = self._check(prompts, max_new_tokens, num_samples)
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
-            raise ValueError(f"seed={seed!r} must be an int in [0, 2**32)")
+        check_int("seed", seed, minimum=0, maximum=2**32 - 1)
         num_valid = self.decoder.vocab_size if num_valid is None else num_valid
         context = self.decoder.context_len
         notes = []
@@ -150,10 +148,10 @@ class Generator:
         controls = {"seed": np.uint32(seed), **sampling.arrays()}
         # Every process holds the same prompts; each places the rows of its own devices.
         inputs = (
-            _global(tokens, NamedSharding(self.mesh, P(Axis.BATCH, None))),
-            _global(row_lengths, row_sharding),
-            _global(np.arange(padded, dtype=np.int32), row_sharding),
-            jax.tree.map(lambda c: _global(np.asarray(c), self.replicated), controls),
+            global_array(tokens, NamedSharding(self.mesh, P(Axis.BATCH, None))),
+            global_array(row_lengths, row_sharding),
+            global_array(np.arange(padded, dtype=np.int32), row_sharding),
+            jax.tree.map(lambda c: global_array(np.asarray(c), self.replicated), controls),
         )
         start = time.perf_counter()
         token, cache, positions = prefill(self.params, *inputs)
@@ -177,8 +175,7 @@ class Generator:
         if not prompts:
             raise ValueError("no prompts given; pass at least one (--prompt TEXT)")
         for name, value in (("max_new_tokens", max_new_tokens), ("num_samples", num_samples)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an int >= 1")
+            check_int(name, value, minimum=1)
         context = self.decoder.context_len
         lengths = [len(p) for p in prompts]
         for index, length in enumerate(lengths):
@@ -195,11 +192,11 @@ class Generator:
     def _compiled(self, num_rows: int, width: int, cache_len: int, num_valid: int):
         """The prefill and the decode step for this batch shape, compiled once each."""
         key = (num_rows, width, cache_len, num_valid)
-        if key not in self._compiled_steps:
-            self._compiled_steps[key] = self._compile(*key)
-        return self._compiled_steps[key]
+        return self._programs(key, lambda: self._programs_for(*key))
 
-    def _compile(self, num_rows: int, width: int, cache_len: int, num_valid: int):
+    def _programs_for(
+        self, num_rows: int, width: int, cache_len: int, num_valid: int
+    ) -> tuple[Program, Program]:
         decoder = self.decoder
         arrays = decoder.cache(num_rows, cache_len)
         cache_layout = jax.tree.map(
@@ -207,7 +204,6 @@ class Generator:
         )
         rows = NamedSharding(self.mesh, P(Axis.BATCH))
         replicated = self.replicated
-        params_layout = self.trainer.layouts.compute
 
         def prefill(params, tokens, lengths, row_ids, controls):
             cache = jax.tree.map(
@@ -227,43 +223,27 @@ class Generator:
             chosen = next_tokens(logits, keys, controls, num_valid)
             return chosen, cache, positions + 1
 
+        params = abstract_with(self.trainer.abstract_state.params, self.trainer.layouts.compute)
+        row_ints = jax.ShapeDtypeStruct((num_rows,), jnp.int32, sharding=rows)
+        controls = {
+            name: jax.ShapeDtypeStruct((), dtype, sharding=replicated)
+            for name, dtype in (
+                ("seed", jnp.uint32),
+                ("temperature", jnp.float32),
+                ("top_k", jnp.int32),
+                ("top_p", jnp.float32),
+            )
+        }
         tokens_sharding = NamedSharding(self.mesh, P(Axis.BATCH, None))
+        tokens = jax.ShapeDtypeStruct((num_rows, width), jnp.int32, sharding=tokens_sharding)
+        cache = abstract_with(arrays, cache_layout)
+        chosen = jax.ShapeDtypeStruct((num_rows,), jnp.int32, sharding=replicated)
         # The chosen ids come out whole on every device, so every process reads them.
         outputs = (replicated, cache_layout, rows)
-        with jax.set_mesh(self.mesh):
-            prefill = jax.jit(
-                prefill,
-                in_shardings=(params_layout, tokens_sharding, rows, rows, replicated),
-                out_shardings=outputs,
-            )
-            step = jax.jit(
-                step,
-                in_shardings=(params_layout, cache_layout, replicated, rows, rows, replicated),
-                out_shardings=outputs,
-                donate_argnums=1,
-            )
-            abstract = abstract_with(self.trainer.abstract_state.params, params_layout)
-            row_ints = jax.ShapeDtypeStruct((num_rows,), jnp.int32, sharding=rows)
-            controls = {
-                name: jax.ShapeDtypeStruct((), dtype, sharding=replicated)
-                for name, dtype in (
-                    ("seed", jnp.uint32),
-                    ("temperature", jnp.float32),
-                    ("top_k", jnp.int32),
-                    ("top_p", jnp.float32),
-                )
-            }
-            tokens = jax.ShapeDtypeStruct((num_rows, width), jnp.int32, sharding=tokens_sharding)
-            cache = abstract_with(arrays, cache_layout)
-            compiled_prefill = prefill.lower(abstract, tokens, row_ints, row_ints, controls)
-            chosen = jax.ShapeDtypeStruct((num_rows,), jnp.int32, sharding=replicated)
-            compiled_step = step.lower(abstract, cache, chosen, row_ints, row_ints, controls)
-        return compiled_prefill.compile(), compiled_step.compile()
-
-
-def _global(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
-    """``array`` (the same in every process) as a global array laid out by ``sharding``."""
-    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+        return (
+            Program(prefill, (params, tokens, row_ints, row_ints, controls), outputs),
+            Program(step, (params, cache, chosen, row_ints, row_ints, controls), outputs, (1,)),
+        )
 
 
 def _stacked(chosen: list[jax.Array], num_rows: int) -> np.ndarray:
@@ -356,7 +336,7 @@ def generate(
     prompt_ids = [codec.encode(p) if isinstance(p, str) else [int(i) for i in p] for p in prompts]
     for index, ids in enumerate(prompt_ids):
         check_prompt_ids(index, ids, vocab_size)
-    prompts = [
+    texts = [
         p if isinstance(p, str) else codec.decode(ids)
         for p, ids in zip(prompts, prompt_ids, strict=True)
     ]
@@ -369,21 +349,21 @@ def generate(
         num_valid=codec.vocab_size,
         stop=_every_row_stopped(stop_ids) if stop_ids else None,
     )
-    ids = generated.ids  # (rows, new tokens)
+    new_ids = generated.ids  # (rows, new tokens)
     completions = [
         Completion(
-            prompt=prompts[row // num_samples],
+            prompt=texts[row // num_samples],
             sample=row % num_samples,
-            completion=codec.decode(ids[row].tolist()),
+            completion=codec.decode(new_ids[row].tolist()),
             prompt_ids=prompt_ids[row // num_samples],
-            token_ids=ids[row].tolist(),
+            token_ids=new_ids[row].tolist(),
         )
-        for row in range(ids.shape[0])
+        for row in range(new_ids.shape[0])
     ]
     return Generation(
         completions,
         loaded.step,
-        int(ids.shape[1]),
+        int(new_ids.shape[1]),
         generated.tokens_per_s,
         trainer.policy.describe(),
         trainer.topology.mesh_shape,
@@ -405,6 +385,4 @@ def _is_prompt(prompt: Any) -> bool:
     """Text, or a sequence of int token ids."""
     if isinstance(prompt, str):
         return True
-    return isinstance(prompt, Sequence) and all(
-        isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in prompt
-    )
+    return isinstance(prompt, Sequence) and all(is_int(i) for i in prompt)

@@ -30,6 +30,7 @@ from lm_eval.models.utils import (
     postprocess_generated_text,
 )
 
+from theseus.config import is_int
 from theseus.data.tokens import TOKENIZER_FILE
 from theseus.inference.generate import Generator
 from theseus.inference.logits import load_run
@@ -107,8 +108,14 @@ def load_harness_model(
     ``policy_changes`` on ``devices`` (default: all; see
     :func:`theseus.inference.logits.load_run`), with its tokenizer."""
     run_dir = Path(run_dir)
-    reading = {"policy_changes": policy_changes, "devices": devices, "job": job, "base": base}
-    loaded = load_run(run_dir, layout="storage", **reading)
+    loaded = load_run(
+        run_dir,
+        layout="storage",
+        policy_changes=policy_changes,
+        devices=devices,
+        job=job,
+        base=base,
+    )
     trainer = loaded.trainer
     run_dirs = [run_dir, *([loaded.base_dir] if loaded.base_dir else [])]
     tokenizer = find_tokenizer(run_dirs, trainer.config.data.path)
@@ -137,7 +144,7 @@ class TheseusLM(TemplateLM):
         zero: bool | None = None,
         fsdp: bool | None = None,
         job: str | None = None,
-        base: str | None = None,
+        base: str | Path | None = None,
         batch_size: int | None = None,
     ):
         given = {"tp": tp, "zero": zero, "fsdp": fsdp}
@@ -157,13 +164,13 @@ class TheseusLM(TemplateLM):
         replicas = model.trainer.topology.replicas
         if batch_size is None:
             per_replica = ROWS_PER_REPLICA
-        elif isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        elif not is_int(batch_size) or batch_size < 1:
             raise ValueError(
                 f"batch_size={batch_size!r} must be a whole number of requests >= 1 (theseus "
                 "batches in fixed shapes: no 'auto')"
             )
         else:
-            per_replica = -(-batch_size // replicas)
+            per_replica = -(-int(batch_size) // replicas)
         self.model = model
         self.scorer = Scorer(model.trainer, model.params, rows_per_replica=per_replica)
         self.codec = model.tokenizer

@@ -22,8 +22,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from theseus.checkpoint.checkpointer import Checkpointer
-from theseus.checkpoint.meta import CHECKPOINTS, CheckpointMeta
-from theseus.config import apply_overrides, validate
+from theseus.checkpoint.meta import CheckpointMeta
+from theseus.config import CHECKPOINTS, apply_overrides, validate
 from theseus.inference.runs import reading_trainer
 from theseus.jobs import get_job, legacy_job
 from theseus.sharding.axis import Axis, ShardingPolicy
@@ -92,7 +92,7 @@ def load_run(
     trainer, name = trainers[restored.step]
     # A fine-tuning checkpoint holds the trained parameters; its base holds the frozen ones.
     target = getattr(trainer.layouts, layout)
-    base_dir = base and Path(base)
+    base_dir = Path(base) if base else None
     found = (
         None if restored.meta.base is None else base_location(run_dir, restored.meta.base, base_dir)
     )
@@ -143,8 +143,14 @@ def logits(
     checkpoint of ``run_dir`` (a training run or an imported model), computed under the run's
     policy merged with ``policy_changes`` (e.g. ``{"tp": 2, "fsdp": True}``), or one that fits
     ``devices`` (see :func:`load_run`, which also says what ``job`` and ``base`` are)."""
-    reading = {"policy_changes": policy_changes, "devices": devices, "job": job, "base": base}
-    loaded = load_run(run_dir, layout="storage", **reading)
+    loaded = load_run(
+        run_dir,
+        layout="storage",
+        policy_changes=policy_changes,
+        devices=devices,
+        job=job,
+        base=base,
+    )
     trainer = loaded.trainer
     vocab = trainer.config.model.vocab_size
     ids = check_token_ids(token_ids, vocab)
@@ -152,7 +158,7 @@ def logits(
     replicas = trainer.topology.replicas
     padded = np.zeros((math.ceil(rows / replicas) * replicas, seq), np.int32)
     padded[:rows] = ids
-    mesh = trainer.mesh
+    mesh = trainer.topology.device_mesh
     row_sharding = NamedSharding(mesh, P(Axis.BATCH, None))
     with jax.set_mesh(mesh):
         score = jax.jit(

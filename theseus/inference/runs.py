@@ -129,7 +129,9 @@ def evaluate(
         return config if chosen else batch_for_replicas(config, topology.replicas)
 
     trainer = reading_trainer(trainer_class, config_for, policy, policy_changes, devices)
-    result = evaluate_checkpoint(trainer, run_dir, source_dir=run_dir, base_dir=base and Path(base))
+    result = evaluate_checkpoint(
+        trainer, run_dir, source_dir=run_dir, base_dir=Path(base) if base else None
+    )
     return Evaluation(
         str(run_dir),
         name,

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from theseus.config import is_int
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -29,12 +31,12 @@ class Sampling:
             raise ValueError(
                 f"temperature={self.temperature!r} must be a number >= 0 (0 means greedy)"
             )
-        if self.top_k is not None and (isinstance(self.top_k, bool) or self.top_k < 1):
+        if self.top_k is not None and (not is_int(self.top_k) or self.top_k < 1):
             raise ValueError(f"top_k={self.top_k!r} must be an int >= 1, or None for no limit")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p!r} must be in (0, 1], or None for no limit")
 
-    def arrays(self) -> dict[str, np.ndarray]:
+    def arrays(self) -> dict[str, np.generic]:
         """The settings as step inputs: top_k 0 and top_p 1 mean no limit."""
         return {
             "temperature": np.float32(self.temperature),

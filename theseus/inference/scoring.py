@@ -22,7 +22,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from theseus.config import check_int
 from theseus.inference.logits import model_logits
+from theseus.inference.programs import Program, ProgramCache, global_array
 from theseus.sharding.axis import Axis
 from theseus.sharding.layout import abstract_with
 from theseus.training.trainer import BaseTrainer
@@ -63,10 +65,7 @@ class Scorer:
     """A trainer's model with storage-layout parameters, scoring requests in fixed shapes."""
 
     def __init__(self, trainer: BaseTrainer, params: Any, *, rows_per_replica: int = 4):
-        if isinstance(rows_per_replica, bool) or not isinstance(rows_per_replica, int):
-            raise TypeError(f"rows_per_replica={rows_per_replica!r} must be an int")
-        if rows_per_replica < 1:
-            raise ValueError(f"rows_per_replica={rows_per_replica} must be at least 1")
+        check_int("rows_per_replica", rows_per_replica, minimum=1)
         self.trainer = trainer
         self.params = params
         decoder = trainer.decoder()
@@ -79,7 +78,7 @@ class Scorer:
         self.vocab_size = trainer.config.model.vocab_size
         self.rows = rows_per_replica * trainer.topology.replicas
         self.widths = bucket_widths(self.context_len)
-        self._programs: dict[int, Any] = {}  # by width
+        self._programs = ProgramCache(trainer.topology.device_mesh)  # by width
 
     @property
     def num_programs(self) -> int:
@@ -103,7 +102,9 @@ class Scorer:
             logprobs, greedy = self._run([windows[i] for i in chunk])
             for row, index in enumerate(chunk):
                 scores[index] = Score(float(logprobs[row]), bool(greedy[row]))
-        return scores  # type: ignore[return-value]
+        done = [score for score in scores if score is not None]
+        assert len(done) == len(scores)  # every request was in one chunk
+        return done
 
     def _run(self, windows: list[tuple[list[int], int]]) -> tuple[np.ndarray, np.ndarray]:
         longest = max(len(kept) - 1 for kept, _ in windows)
@@ -118,21 +119,16 @@ class Scorer:
             scored[row, length - num_scored : length] = True
         program = self._program(width)
         sharding = NamedSharding(self.trainer.mesh, P(Axis.BATCH, None))
-        inputs = [
-            jax.make_array_from_callback(a.shape, sharding, lambda index, a=a: a[index])
-            for a in (tokens, targets, scored)
-        ]
+        inputs = [global_array(a, sharding) for a in (tokens, targets, scored)]
         logprobs, greedy = program(self.params, *inputs)
         return np.asarray(jax.device_get(logprobs)), np.asarray(jax.device_get(greedy))
 
     def _program(self, width: int) -> Any:
-        if width not in self._programs:
-            self._programs[width] = self._compile(width)
-        return self._programs[width]
+        (program,) = self._programs(width, lambda: (self._program_for(width),))
+        return program
 
-    def _compile(self, width: int) -> Any:
+    def _program_for(self, width: int) -> Program:
         trainer = self.trainer
-        mesh = trainer.mesh
 
         def score(params, tokens, targets, scored):
             logits = model_logits(trainer, params, tokens)  # (rows, width, vocab) float32
@@ -142,15 +138,9 @@ class Scorer:
             total = jnp.sum(jnp.where(scored, picked, 0.0), axis=-1)  # (rows,)
             return total, jnp.all(greedy | ~scored, axis=-1)
 
-        rows = NamedSharding(mesh, P(Axis.BATCH, None))
-        replicated = NamedSharding(mesh, P())
-        with jax.set_mesh(mesh):
-            program = jax.jit(
-                score,
-                in_shardings=(trainer.layouts.storage, rows, rows, rows),
-                out_shardings=(replicated, replicated),
-            )
-            params = abstract_with(trainer.abstract_state.params, trainer.layouts.storage)
-            ints = jax.ShapeDtypeStruct((self.rows, width), jnp.int32, sharding=rows)
-            flags = jax.ShapeDtypeStruct((self.rows, width), jnp.bool_, sharding=rows)
-            return program.lower(params, ints, ints, flags).compile()
+        rows = NamedSharding(trainer.mesh, P(Axis.BATCH, None))
+        replicated = NamedSharding(trainer.mesh, P())
+        params = abstract_with(trainer.abstract_state.params, trainer.layouts.storage)
+        ints = jax.ShapeDtypeStruct((self.rows, width), jnp.int32, sharding=rows)
+        flags = jax.ShapeDtypeStruct((self.rows, width), jnp.bool_, sharding=rows)
+        return Program(score, (params, ints, ints, flags), (replicated, replicated))

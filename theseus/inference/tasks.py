@@ -23,6 +23,7 @@ from lm_eval.loggers import EvaluationTracker
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import make_table, sanitize_model_name
 
+from theseus.config import is_int
 from theseus.distributed.join import is_main_process
 from theseus.inference.harness import HarnessModel, TheseusLM, find_tokenizer
 from theseus.training.trainer import BaseTrainer
@@ -118,7 +119,7 @@ def evaluate_tasks(
     if not tasks:
         raise ValueError("--tasks names no task; give harness task names, e.g. arc_easy,hellaswag")
     for name, value in (("limit", limit), ("num_fewshot", num_fewshot)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        if value is not None and not is_int(value):
             raise TypeError(f"{name}={value!r} must be an int")
     manager = task_manager(tasks, include_path)
     check_datasets(manager, tasks)

@@ -69,7 +69,7 @@ class AttentionMask:
         queries = self.query_positions[:, :, None]  # (batch, q_len, 1)
         keys = self.key_positions[:, None, :]  # (batch, 1, k_len)
         visible = keys <= queries
-        if self.query_segments is not None:
+        if self.query_segments is not None and self.key_segments is not None:
             same = self.query_segments[:, :, None] == self.key_segments[:, None, :]
             visible = visible & same
         if self.window is not None:
@@ -150,7 +150,7 @@ def kernel_refusal(name: str, q: jax.Array, mask: AttentionMask, softcap, window
     return kernels.splash_refusal(q, mask, softcap=softcap, windows=windows)
 
 
-def fused_kernel(backend: str) -> str | None:
+def fused_kernel(backend: str) -> Kernel | None:
     """The fused attention kernel of a JAX backend (None: it has none)."""
     if backend in ("gpu", "cuda", "rocm"):
         return "cudnn"
@@ -169,12 +169,11 @@ def chosen_kernel(
             f"model.attention={kernel!r} is not an attention kernel; choose one of {KERNELS}."
         )
     backend = jax.default_backend()
-    fused = fused_kernel(backend)
-    if kernel == "auto" and fused is None:
-        return "blockwise"
     if kernel in ("blockwise", "xla"):
         return kernel
-    name = fused if kernel == "auto" else kernel
+    name = fused_kernel(backend) if kernel == "auto" else kernel
+    if name is None:  # auto on a backend with no fused kernel
+        return "blockwise"
     refusal = kernel_refusal(name, q, mask, softcap, windows)
     if refusal is None:
         return name
@@ -220,8 +219,8 @@ def attention(
     if keep is not None:
         _log_once("attention: dropout on the probabilities runs the written-out attention")
         return _written_out(q, k, v, mask, scale, softcap, dropout_rate, keep)
-    kernel = _KERNEL_OVERRIDE.get() or kernel
-    name = chosen_kernel(kernel, q, mask, softcap=softcap, windows=windows)
+    requested = _KERNEL_OVERRIDE.get() or kernel
+    name = chosen_kernel(requested, q, mask, softcap=softcap, windows=windows)
     if name == "blockwise":
         return blockwise_attention(
             q,

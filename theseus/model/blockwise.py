@@ -33,11 +33,20 @@ class Mask(Protocol):
     """What the kernel reads of :class:`theseus.model.attention.AttentionMask` (which imports
     this module to dispatch to it)."""
 
-    query_positions: jax.Array
-    key_positions: jax.Array
-    query_segments: jax.Array | None
-    key_segments: jax.Array | None
-    window: int | jax.Array | None
+    @property
+    def query_positions(self) -> jax.Array: ...
+
+    @property
+    def key_positions(self) -> jax.Array: ...
+
+    @property
+    def query_segments(self) -> jax.Array | None: ...
+
+    @property
+    def key_segments(self) -> jax.Array | None: ...
+
+    @property
+    def window(self) -> int | jax.Array | None: ...
 
 
 #: A window no position difference reaches (the whole context), as attention.NO_WINDOW.
@@ -145,7 +154,7 @@ def _block_visibility(tokens: _Tokens, tiling: _Tiling) -> jax.Array:
     k_min, k_max = _ranges(tokens.key_positions, tiling.block_k)  # (batch, n_k_blocks)
     visible = k_min[:, None, :] <= q_max[:, :, None]
     visible &= (q_min[:, :, None] - k_max[:, None, :]) < tokens.window
-    if tokens.query_segments is not None:
+    if tokens.query_segments is not None and tokens.key_segments is not None:
         qs_min, qs_max = _ranges(tokens.query_segments, tiling.block_q)
         ks_min, ks_max = _ranges(tokens.key_segments, tiling.block_k)
         visible &= (ks_min[:, None, :] <= qs_max[:, :, None]) & (
@@ -252,7 +261,7 @@ def _block_scores(queries: _QueryBlock, keys: _KeyBlock, window, tiling: _Tiling
     q_pos, k_pos = queries.positions[:, None], keys.positions[None, :]
     visible = (k_pos <= q_pos) & (q_pos - k_pos < window)  # (block_q, block_k)
     visible &= keys.index[None, :] < tiling.k_len
-    if queries.segments is not None:
+    if queries.segments is not None and keys.segments is not None:
         visible &= queries.segments[:, None] == keys.segments[None, :]
     return jnp.where(visible, capped, -jnp.inf), tanh
 

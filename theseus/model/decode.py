@@ -48,8 +48,11 @@ class CacheArray:
 class Decoder(Protocol):
     """A model's cached decoding (see the module docstring)."""
 
-    context_len: int
-    vocab_size: int
+    @property
+    def context_len(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
 
     def cache(self, num_rows: int, cache_len: int) -> Any: ...
 

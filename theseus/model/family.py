@@ -100,7 +100,7 @@ class Family:
     name: str
     trainer_name: str
     config_class: type[Section]
-    model_class: type[nnx.Module]
+    model_class: Callable[..., nnx.Module]
     plan: ShardingPlan
     context: Callable[[Any], Context]
     matmuls: Callable[[Any], Matmuls]

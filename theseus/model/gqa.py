@@ -217,6 +217,8 @@ class Model(DecoderModel):
 
     layers: Any = nnx.data()
     norm: Norm = nnx.data()
+    embed_tokens: nnx.Param  # (vocab, n_embd), a Variable: data without marking
+    lm_head: nnx.Param | None
 
     def weights(self) -> Weights:
         table, norm = self.embed_tokens, self.norm
@@ -272,7 +274,7 @@ def attention_projections(
     } | ({} if head_norm is None else {"q_norm": head_norm(hd), "k_norm": head_norm(hd)})
 
 
-def mlp_projections(c: GQAConfig, rngs: nnx.Rngs) -> dict[str, Projection]:
+def mlp_projections(c: GQAConfig, rngs: nnx.Rngs) -> dict[str, Any]:
     """Each layer's gated MLP: gate and up (n_embd to n_mlp), down (:class:`MLP`'s fields)."""
     n, e, mlp = c.num_layers, c.hidden_size, c.intermediate_size
 

@@ -74,7 +74,7 @@ def _per_window(
     traced = [WHOLE_CONTEXT if w is None else w for w in windows]
     matches = jnp.asarray(traced, jnp.int32) == window  # (len(windows),)
     found = jnp.where(matches.any(), jnp.argmax(matches), len(windows))
-    branches = [functools.partial(attend, s) for s in distinct]
+    branches: list[Callable[[], jax.Array]] = [functools.partial(attend, s) for s in distinct]
     branches.append(lambda: jnp.full(out.shape, jnp.nan, out.dtype))
     return jax.lax.switch(branch_of[found], branches)
 

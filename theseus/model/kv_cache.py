@@ -75,8 +75,9 @@ class Ring:
         slots = jnp.where(kept, positions % length, length)  # (rows, n)
         stale = before >= positions[:, :1]  # (rows, length): at or past the first new position
         before = jnp.where(stale, EMPTY, before)
-        evicts = group.window is not None and length >= group.window
-        read_first = evicts and num_new > length - group.window + 1
+        window = group.window
+        evicts = window is not None and length >= window
+        read_first = window is not None and evicts and num_new > length - window + 1
         after = _write(before[..., None], positions[..., None], slots)[..., 0]
         return Ring(slots, before, after, positions, group.window, read_first)
 

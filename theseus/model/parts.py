@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, dataclass_transform
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +39,8 @@ def static(default: Any = dataclasses.MISSING) -> Any:
     return dataclasses.field(default=default, metadata={"static": True})
 
 
+# Type checkers read a class decorated by ``weights`` as the keyword-only frozen dataclass it is.
+@dataclass_transform(frozen_default=True, kw_only_default=True, field_specifiers=(static,))
 def weights(cls: type[T]) -> type[T]:
     """``cls`` as a frozen, keyword-only dataclass registered as a pytree (fields marked
     :func:`static` are structure): the weights of a piece, read by attribute."""

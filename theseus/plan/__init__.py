@@ -5,7 +5,7 @@
 - :mod:`theseus.plan.budget`: :func:`plan_for_budget`, the least communication that fits, and
   :func:`plan_training_for_budget`, also the recompute and per-device batch (``train --budget``);
 - :mod:`theseus.plan.policies`: the policies a mesh allows and their communication order;
-- :mod:`theseus.plan.results`: the result dataclasses (JSON through ``Plan.to_json()``);
+- :mod:`theseus.plan.results`: the result dataclasses (JSON through :func:`theseus.accounting.records.as_json`);
 - :mod:`theseus.plan.render`: :func:`render`, the text ``theseus plan`` prints.
 
 Per-parameter rows, the replicated share and the one-line plan of a run come from the trainer

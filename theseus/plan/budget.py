@@ -10,13 +10,13 @@ from theseus.config import apply_overrides
 from theseus.plan.build import plan
 from theseus.plan.policies import candidate_policies
 from theseus.plan.results import BudgetChoice, NoPolicyFits, Plan, PolicyOption, Reason
-from theseus.sharding.axis import ShardingPolicy
+from theseus.sharding.axis import Remat, ShardingPolicy
 from theseus.training.trainer import BaseTrainer, TrainerConfig
 
 
 class BudgetOptions(TypedDict, total=False):
     devices_per_host: int | None  # devices of one host (default: min(devices, 8))
-    activation_checkpointing: bool  # of every candidate policy (default: False)
+    activation_checkpointing: Remat  # of every candidate policy (default: "none")
     compile: bool  # also fit by the compiled peak, activations included (default: False)
 
 
@@ -45,7 +45,7 @@ def plan_for_budget(
     policies = candidate_policies(
         num_devices,
         devices_per_host,
-        activation_checkpointing=options.get("activation_checkpointing", False),
+        activation_checkpointing=options.get("activation_checkpointing") or "none",
     )
     survey = plan(
         trainer_class, config, policies[0], num_devices, devices_per_host=devices_per_host
@@ -58,7 +58,7 @@ def plan_for_budget(
         if not option.verdict.ok:
             reasons[name] = f"invalid: {option.verdict.summary}"
             continue
-        total = option.total
+        total = _total(option)
         if total > budget:
             reasons[name] = f"{_needs(option)} > budget"
             continue
@@ -81,13 +81,14 @@ def plan_for_budget(
             )
         if not candidate.verdict.ok:
             reasons[name] = f"invalid: {candidate.verdict.summary}"
-        elif compile and candidate.compiled.peak > budget:
+        elif compile and candidate.compiled is not None and candidate.compiled.peak > budget:
             reasons[name] = f"compiled peak needs {format_bytes(candidate.compiled.peak)} > budget"
         else:
             fitting.append(candidate)
     # Compiled, the least collective bytes per step wins (ties: the communication order).
     chosen = min(fitting, key=_communicated, default=None)
     for candidate in fitting:
+        assert chosen is not None  # the least of a list that has this candidate
         reasons[candidate.name] = (
             f"chosen: {measure} {format_bytes(_measure(candidate))} fits"
             if candidate is chosen
@@ -107,9 +108,17 @@ def plan_for_budget(
     return dataclasses.replace(chosen, budget=choice, device_memory=budget)
 
 
+def _total(option: PolicyOption) -> int:
+    """A valid option's model state and activations per device (a valid option has totals)."""
+    total = option.total
+    assert total is not None, f"the valid policy {option.name} has no memory totals"
+    return total
+
+
 def _needs(option: PolicyOption) -> str:
     """What ``option`` needs per device, in words: the model state, and the activations when
     they are known."""
+    assert option.totals is not None  # only valid options are described
     state = f"model state needs {format_bytes(option.totals.total)}"
     if option.activations is None:
         return state
@@ -122,12 +131,15 @@ def _communicated(plan_: Plan) -> int:
 
 
 def _measure(plan_: Plan) -> int:
-    return plan_.compiled.peak if plan_.compiled is not None else plan_.total
+    if plan_.compiled is not None:
+        return plan_.compiled.peak
+    assert plan_.total is not None  # only valid plans are measured
+    return plan_.total
 
 
 #: Recompute policies from the least recomputation to the most: a step that fits without
 #: recomputing is chosen before one that recomputes.
-RECOMPUTE_ORDER = ("none", "dots", "full")
+RECOMPUTE_ORDER: tuple[Remat, ...] = ("none", "dots", "full")
 
 
 def plan_training_for_budget(
@@ -164,12 +176,12 @@ def plan_training_for_budget(
     for rank, option in enumerate(first.options):
         tried = [(key, s.options[rank]) for key, s in surveys.items()]
         valid = [(key, o) for key, o in tried if o.verdict.ok]
-        fits = [(key, o) for key, o in valid if o.total <= budget]
+        fits = [(key, o) for key, o in valid if _total(o) <= budget]
         if fits:
             (remat, size), chosen = fits[0]
             reasons[chosen.name] = (
                 f"chosen: recompute {remat}, {size} examples per device, "
-                f"{_needs(chosen)} = {format_bytes(chosen.total)} fits"
+                f"{_needs(chosen)} = {format_bytes(_total(chosen))} fits"
             )
             result = plan(
                 trainer_class,
@@ -189,7 +201,7 @@ def plan_training_for_budget(
         if not valid:
             reasons[option.name] = f"invalid: {option.verdict.summary}"
             continue
-        least = min(valid, key=lambda item: item[1].total)[1]
+        least = min(valid, key=lambda item: _total(item[1]))[1]
         reasons[option.name] = (
             f"even with recompute {least.policy.activation_checkpointing} and "
             f"{_examples(least)} per device, {_needs(least)} > budget"

@@ -26,7 +26,6 @@ from theseus.plan.results import ClosedForm, Plan, PolicyOption, RematOption, Ve
 from theseus.sharding.axis import MESH_AXES, REMAT_POLICIES, Axis, ShardingPolicy, partition_spec
 from theseus.sharding.layout import LayoutError, shard_shape
 from theseus.sharding.topology import Topology, mesh_grid_shape, resolve_devices_per_host
-from theseus.training.gathering import gather_dtype
 from theseus.training.summary import plan_rows, replicated_share
 from theseus.training.trainer import BaseTrainer, TrainerConfig
 
@@ -82,7 +81,9 @@ def plan(
         options.append(option)
         if candidate == policy:
             chosen, batch_plan = option, candidate_batch
-    compiled, verdict, remat = None, chosen.verdict, ()
+    compiled: CompiledStep | None = None
+    remat: tuple[RematOption, ...] = ()
+    verdict = chosen.verdict
     if verdict.ok and device_memory is not None:
         verdict = memory_verdict(chosen, device_memory)
     if verdict.ok:
@@ -91,7 +92,7 @@ def plan(
         )
         if compile:
             compiled = _device_trainer(trainer_class, config, policy, num_devices).compile()
-        if compile and compare_remat:
+        if compiled is not None and compare_remat:
             remat = remat_options(trainer_class, config, policy, num_devices, compiled)
     return Plan(
         trainer=trainer_class.__name__,
@@ -120,6 +121,7 @@ def memory_verdict(option: PolicyOption, device_memory: int) -> Verdict:
     total = option.total
     if total is None or total <= device_memory:
         return option.verdict
+    assert option.totals is not None  # a total has the model state in it
     state, acts = option.totals.total, option.activations
     parts = f"model state {format_bytes(state)}"
     if acts is not None:
@@ -227,7 +229,7 @@ def activations(
     device = Device.of(batch_plan, policy.tp, np.dtype(trainer.compute_dtype).itemsize)
     gathered = 0  # FSDP gathers each layer's weights, in the compute dtype when castable
     if policy.fsdp and batch_plan.replicas > 1:
-        cast = gather_dtype(trainer)
+        cast = trainer.context.gather_dtype
         itemsize = FLOAT32 if cast is None else np.dtype(cast).itemsize
         gathered = shape.layer_weights * itemsize // policy.tp
     return activation_memory(

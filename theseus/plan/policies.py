@@ -18,7 +18,7 @@ its buffer per device:
 
 from __future__ import annotations
 
-from theseus.sharding.axis import ShardingPolicy
+from theseus.sharding.axis import Remat, ShardingPolicy
 from theseus.sharding.topology import resolve_devices_per_host
 
 COMMUNICATION = {
@@ -42,7 +42,7 @@ def candidate_policies(
     num_devices: int,
     devices_per_host: int | None = None,
     *,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: Remat = "none",
 ) -> list[ShardingPolicy]:
     """Every policy the mesh allows, least communication first: each ``tp`` dividing the devices
     of one host, with DP, ZeRO and FSDP."""

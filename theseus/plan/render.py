@@ -1,11 +1,11 @@
-"""A plan as text: what ``theseus plan`` prints (its JSON is ``Plan.to_json()``)."""
+"""A plan as text: what ``theseus plan`` prints (its JSON is ``as_json(plan)``)."""
 
 from __future__ import annotations
 
 from theseus.accounting.memory import CompiledStep, format_bytes
 from theseus.accounting.text import mesh_text, number_text, percent, shape_text, text_table
 from theseus.plan.policies import COMMUNICATION
-from theseus.plan.results import BudgetChoice, Plan, RematOption
+from theseus.plan.results import BudgetChoice, Plan, RematOption, memory_sum
 from theseus.sharding.axis import Axis
 from theseus.training.summary import REPLICATED_WARNING_SHARE, ReplicatedShare, layout_table
 
@@ -22,7 +22,7 @@ def render(p: Plan) -> str:
         lines.append(p.batch)
     lines += ["", *layout_table(p.rows), "", *_memory(p)]
     lines += ["", p.closed_form.describe()] if p.closed_form is not None else []
-    lines += ["", *_replicated(p.replicated, p)]
+    lines += ["", *_replicated(p.replicated, p)] if p.replicated is not None else []
     lines += ["", *_compiled(p.compiled)] if p.compiled is not None else []
     lines += ["", *_remat(p.remat, p.policy.activation_checkpointing)] if p.remat else []
     lines += ["", *_budget(p.budget)] if p.budget is not None else []
@@ -44,7 +44,8 @@ def _memory(p: Plan) -> list[str]:
         if option.totals is not None:
             t, acts = option.totals, option.activations
             cells = [_num(t.params), _num(t.grad_accumulator), _num(t.optimizer), _num(t.total)]
-            cells += ["-" if acts is None else format_bytes(acts.total), format_bytes(option.total)]
+            total = memory_sum(t, acts)
+            cells += ["-" if acts is None else format_bytes(acts.total), format_bytes(total)]
         summary = option.verdict.summary
         summary = summary if len(summary) <= 72 else summary[:71] + "…"
         table.append([mark, option.name, mesh, *cells, summary])
@@ -70,6 +71,7 @@ def _activations(p: Plan) -> list[str]:
         f"logits and loss {format_bytes(a.logits)} + other {format_bytes(a.other)}"
     ]
     if p.device_memory is not None:
+        assert p.total is not None  # activations are estimated with the model state only
         lines.append(
             f"  sum {format_bytes(p.total)} per device against {format_bytes(p.device_memory)} "
             "of device memory"
@@ -151,7 +153,7 @@ def _verdict(p: Plan) -> list[str]:
             ]
         return ["verdict: ok (the pre-flight check of a training run passes)", *gathering, *memory]
     lines = ["verdict: FAILED, a training run would stop with:"]
-    lines += ["  " + line for line in p.verdict.error.splitlines()]
+    lines += ["  " + line for line in (p.verdict.error or "").splitlines()]
     if p.verdict.also:
         lines.append("and, once that is fixed, the layout check would stop it with:")
         lines += ["  " + line for line in p.verdict.also.splitlines()]

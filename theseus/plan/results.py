@@ -4,11 +4,11 @@ and as text by :func:`theseus.plan.render.render`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple, overload
 
 from theseus.accounting.activations import ActivationMemory
 from theseus.accounting.memory import CompiledStep, MemoryTotals
-from theseus.accounting.records import as_json, json_field
+from theseus.accounting.records import json_field
 from theseus.accounting.text import number_text as _num
 from theseus.plan.policies import communication
 from theseus.sharding.axis import ShardingPolicy
@@ -31,7 +31,7 @@ class Verdict:
 
     @property
     def summary(self) -> str:
-        return "ok" if self.ok else self.error.splitlines()[0]
+        return "ok" if self.ok else (self.error or "").splitlines()[0]
 
 
 @dataclass(frozen=True)
@@ -118,8 +118,17 @@ class PolicyOption:
         return communication(self.policy)
 
 
+@overload
+def memory_sum(totals: MemoryTotals, activations: ActivationMemory | None) -> int: ...
+
+
+@overload
+def memory_sum(totals: None, activations: ActivationMemory | None) -> None: ...
+
+
 def memory_sum(totals: MemoryTotals | None, activations: ActivationMemory | None) -> int | None:
-    """Per-device bytes of the model state and one microbatch's activations."""
+    """Per-device bytes of the model state and one microbatch's activations (None: no model
+    state, a layout cannot hold some tensor)."""
     if totals is None:
         return None
     return totals.total + (0 if activations is None else activations.total)
@@ -156,7 +165,8 @@ class RematOption:
 
 @dataclass(frozen=True)
 class Plan:
-    """Everything ``theseus plan`` shows; :func:`~theseus.plan.render.render` is the text, :meth:`to_json` the JSON."""
+    """Everything ``theseus plan`` shows; :func:`~theseus.plan.render.render` is the text,
+    :func:`~theseus.accounting.records.as_json` the JSON."""
 
     trainer: str
     num_params: int
@@ -205,6 +215,3 @@ class Plan:
             if option.name == name:
                 return option
         raise KeyError(f"no policy named {name!r}; plans have {[o.name for o in self.options]}")
-
-    def to_json(self) -> dict:
-        return as_json(self)

@@ -168,6 +168,7 @@ class ShardingPlan:
 
     def __init__(self, tp: Iterable[Rule], zero: Iterable[Rule] | None = None):
         tp_rules = _validated_rules(tp, "TP")
+        zero_rules: tuple[Rule, ...]
         if zero is None:
             zero_rules = tuple((name, Axis.BATCH) for name, axes in tp_rules if axes is not None)
         else:

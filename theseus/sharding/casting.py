@@ -59,7 +59,7 @@ def cast_only_inputs(
     dtype = np.dtype(dtype)
     leaves, treedef = jax.tree.flatten(args)
     abstract = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves]
-    closed = jax.make_jaxpr(lambda *flat: fn(*treedef.unflatten(flat)))(*abstract)
+    closed = jax.make_jaxpr(lambda *flat: fn(*jax.tree.unflatten(treedef, flat)))(*abstract)
     invars = closed.jaxpr.invars
     return [
         bool(wanted) and _only_cast(closed.jaxpr, var, dtype)

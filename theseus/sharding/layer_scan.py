@@ -120,7 +120,7 @@ def _slice(sharding: NamedSharding) -> NamedSharding:
 def _moves(leaves: list, layouts: LayerLayouts) -> list[Move | None]:
     """Per leaf, the move of one layer when it is a parameter array the trainer knows whose
     layouts differ, else None (nothing to gather). The dtype is left unset here."""
-    moves = []
+    moves: list[Move | None] = []
     for leaf in leaves:
         if id(leaf) not in layouts.compute:
             moves.append(None)
@@ -229,7 +229,7 @@ def scan_layers(
     carry: Any,
     layers: Any,
     *,
-    remat: bool | Remat | None = None,
+    remat: bool | str | None = None,  # checked by remat_policy
 ) -> Any:
     """``carry = layer_fn(layer, carry)`` for each layer of ``layers``; returns the last carry.
 
@@ -254,7 +254,8 @@ def scan_layers(
         moves = _with_dtypes(moves, layer_fn, carry, leaves, treedef, active.cast_dtype)
 
     def body(carry, layer):
-        stored = treedef.flatten_up_to(layer)
+        # jaxlib's stubs leave PyTreeDef.flatten_up_to out; it exists (jax 0.4 and on).
+        stored = treedef.flatten_up_to(layer)  # type: ignore[attr-defined]
         flat = [x if m is None else _gather(x, m) for x, m in zip(stored, moves, strict=True)]
         sources = {  # under full recompute the gathered weight is recomputed anyway
             id(w): (w, x, m)
@@ -263,7 +264,7 @@ def scan_layers(
         }
         token = _SOURCES.set(sources)
         try:
-            return layer_fn(treedef.unflatten(flat), carry), None
+            return layer_fn(jax.tree.unflatten(treedef, flat), carry), None
         finally:
             _SOURCES.reset(token)
 

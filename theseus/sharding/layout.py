@@ -11,13 +11,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import jax
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from theseus.sharding.axis import (
     PHASES,
@@ -61,7 +61,7 @@ def is_sharding(x: object) -> bool:
     return isinstance(x, NamedSharding)
 
 
-def _is_variable(x: object) -> bool:
+def _is_variable(x: object) -> TypeGuard[nnx.Variable]:
     return isinstance(x, nnx.Variable)
 
 
@@ -113,7 +113,7 @@ def leaf_spec(leaf: AbstractLeaf, rules: Sequence[Rule]) -> PartitionSpec:
     return partition_spec(leaf.names, rules)
 
 
-def layout(abstract_state: Any, rules: Sequence[Rule], mesh: Mesh) -> Any:
+def layout(abstract_state: Any, rules: Sequence[Rule], mesh: Mesh | AbstractMesh) -> Any:
     """One layout: a ``NamedSharding`` per leaf, shaped like ``abstract_state``."""
     leaves, treedef = abstract_leaves(abstract_state)
     shardings = [NamedSharding(mesh, leaf_spec(leaf, rules)) for leaf in leaves]
@@ -132,7 +132,7 @@ def abstract_with(tree: Any, shardings: Any) -> Any:
 
 
 def resolve_layouts(
-    abstract_state: Any, plan: ShardingPlan, policy: ShardingPolicy, mesh: Mesh
+    abstract_state: Any, plan: ShardingPlan, policy: ShardingPolicy, mesh: Mesh | AbstractMesh
 ) -> Layouts:
     """The compute, storage and update layouts of a parameter state."""
     return Layouts(**{p: layout(abstract_state, plan.rules(policy, p), mesh) for p in PHASES})
@@ -142,7 +142,7 @@ def optimizer_layout(
     optimizer: optax.GradientTransformation,
     abstract_opt_state: Any,
     param_update_layout: Any,
-    mesh: Mesh,
+    mesh: Mesh | AbstractMesh,
 ) -> Any:
     """The optimizer state's layout: parameter-shaped state (Adam's moments) follows the update
     layout of its parameter; everything else (step counters, scalars) is replicated."""
@@ -237,7 +237,7 @@ def check_layouts(
     abstract_state: Any,
     plan: ShardingPlan,
     policy: ShardingPolicy,
-    mesh: Mesh,
+    mesh: Mesh | AbstractMesh,
     phases: Sequence[Phase] = PHASES,
 ) -> None:
     """Check every leaf of every given layout divides evenly; raise one error listing them all."""

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import numpy as np
@@ -55,6 +56,16 @@ class Topology:
         return cls(mesh=mesh, policy=policy)
 
     @property
+    def device_mesh(self) -> Mesh:
+        """The mesh of devices, for what runs or places arrays (an abstract topology has none)."""
+        if not isinstance(self.mesh, Mesh):
+            raise ValueError(
+                f"this topology of {self.mesh.size} devices is abstract (planning, shapes only): "
+                "it cannot run a program or place arrays; build it with Topology.new on devices"
+            )
+        return self.mesh
+
+    @property
     def num_devices(self) -> int:
         return self.mesh.size
 
@@ -83,20 +94,21 @@ def mesh_grid_shape(policy: ShardingPolicy, num_devices: int) -> tuple[int, int]
     return (num_devices // policy.tp, policy.tp)
 
 
-def under_mesh(fn: Callable, mesh: Mesh) -> Callable:
+@dataclass(frozen=True)
+class UnderMesh:
     """``fn`` (a jitted function) run and lowered with ``mesh`` as the ambient mesh, which
     sharding constraints in traced code resolve against."""
 
-    def wrapped(*args, **kwargs):
-        with jax.set_mesh(mesh):
-            return fn(*args, **kwargs)
+    fn: Any  # a jax.jit-wrapped function
+    mesh: Mesh
 
-    def lower(*args, **kwargs):
-        with jax.set_mesh(mesh):
-            return fn.lower(*args, **kwargs)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with jax.set_mesh(self.mesh):
+            return self.fn(*args, **kwargs)
 
-    wrapped.lower = lower
-    return wrapped
+    def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
+        with jax.set_mesh(self.mesh):
+            return self.fn.lower(*args, **kwargs)
 
 
 def check_tp_within_host(tp: int, num_devices: int, which: str) -> None:

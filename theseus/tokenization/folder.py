@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from theseus.config import is_int
 from theseus.data.shards import TOKENIZER_FILE
 
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -156,7 +157,7 @@ class TokenizerFolder:
         if given is None:
             return (self.eos_token()[1],)
         ids = given if isinstance(given, list) else [given]
-        if not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        if not ids or not all(is_int(i) for i in ids):
             raise ValueError(
                 f"{self.path / GENERATION_CONFIG_FILE} has eos_token_id={given!r}; it must be a "
                 "token id or a list of them"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,16 +27,19 @@ class CorpusInputs:
 
     def splitter(self, fraction: float, seed: int) -> Callable[[int], str]:
         """Document position → ``"train"`` or ``"validation"``, as the byte loader splits."""
-        if self.builtin_validation is not None:
+        validation = self.builtin_validation
+        if validation is not None:
             names = [f.name for f in self.files]
-            return lambda d: "validation" if names[d] in self.builtin_validation else "train"
+            return lambda d: "validation" if names[d] in validation else "train"
         if is_single_text(self.files):  # documents 0 and 1 are the two sides of the tail cut
             return lambda d: "validation" if d == 1 else "train"
         split = DocumentSplit(fraction, seed)
         return lambda d: "validation" if split.is_validation(d) else "train"
 
 
-def corpus_inputs(corpus: str | Path, text_field: str, fraction: float, seed: int) -> CorpusInputs:
+def corpus_inputs(
+    corpus: str | os.PathLike, text_field: str, fraction: float, seed: int
+) -> CorpusInputs:
     """The files of ``corpus`` (a file, a folder, or ``"builtin"``), each opened and its first
     document read, so a bad input is an error before anything is written."""
     if str(corpus) == BUILTIN:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -93,7 +94,7 @@ class Output:
         self.summaries: dict = {}
 
     @classmethod
-    def prepare(cls, out: str | Path, settings: dict, *, overwrite: bool) -> Output:
+    def prepare(cls, out: str | os.PathLike, settings: dict, *, overwrite: bool) -> Output:
         """The output folder ``out`` as :func:`prepare_output` finds it."""
         out = Path(out)
         return cls(out, settings, prepare_output(out, settings, overwrite=overwrite))
@@ -123,7 +124,7 @@ class Output:
 
     @contextlib.contextmanager
     def shards(
-        self, shard_tokens: int, dtypes: dict[str, str], corpus: str | Path
+        self, shard_tokens: int, dtypes: dict[str, str], corpus: str | os.PathLike
     ) -> Iterator[dict[str, ShardWriter]]:
         """A :class:`ShardWriter` per split, going on from the complete shards. Whatever stops
         the writing (a bad input, an interruption), the partial shards go; when it ends, each
@@ -226,7 +227,7 @@ def cleanup_on_error(out: Path, *, fresh: bool) -> Iterator[None]:
         raise
 
 
-def check_both_splits(summaries: dict, corpus: str | Path) -> None:
+def check_both_splits(summaries: dict, corpus: str | os.PathLike) -> None:
     for name in SPLITS:
         if not summaries[name]["documents"]:
             raise ValueError(

@@ -18,12 +18,16 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TypeVar
+from functools import partial
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
 from theseus.data.readers import Piece
 from theseus.data.shards import ShardWriter
+
+if TYPE_CHECKING:  # the library loads with the first tokenizer, not with this module
+    from tokenizers import Encoding
 
 BATCH_BYTES = 4 * 2**20  # text per encode_batch call
 QUEUE_BATCHES = 2  # batches read ahead of the encoder
@@ -55,7 +59,7 @@ def batches(
     return by_text_bytes(kept, lambda r: r.piece.text)
 
 
-def by_text_bytes(items: Iterator[T], text_of: Callable[[T], str]) -> Iterator[list[T]]:
+def by_text_bytes(items: Iterator[T], text_of: Callable[[T], str | bytes]) -> Iterator[list[T]]:
     """``items`` in batches of about ``BATCH_BYTES`` of text (the last one may be smaller)."""
     batch: list[T] = []
     size = 0
@@ -93,12 +97,12 @@ def encode_stream(
                 (r.piece, e) for r, e in zip(batch, encodings, strict=True) if r.split == split
             ]
             if pieces:
-                advance(_write_pieces(writer, pieces, eos_id, lambda p, s=split: on_shard(s, p)))
+                advance(_write_pieces(writer, pieces, eos_id, partial(on_shard, split)))
 
 
 def _write_pieces(
     writer: ShardWriter,
-    pieces: list[tuple[Piece, object]],
+    pieces: list[tuple[Piece, Encoding]],
     eos_id: int,
     on_shard: Callable[[Position], None],
 ) -> int:

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from theseus.config import check_int, is_int
 from theseus.data.readers import Piece, estimated_text_bytes, fingerprint, read_pieces
 from theseus.data.shards import TOKENIZER_FILE
 from theseus.data.tokens import BYTE_VOCAB_SIZE
@@ -95,7 +96,7 @@ def train_tokenizer(texts: Iterator[str], vocab_size: int, *, progress: bool = F
 
 
 def check_vocab_size(vocab_size: int) -> None:
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
+    if not is_int(vocab_size):
         raise TypeError(f"vocab_size must be an int, got {type(vocab_size).__name__}")
     smallest = BYTE_VOCAB_SIZE + 1
     if not smallest <= vocab_size <= 2**32:
@@ -154,8 +155,7 @@ def tokenize(
             "tokenizer.json)"
         )
     for name, value in (("train_sample_bytes", train_sample_bytes), ("shard_tokens", shard_tokens)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_int(name, value, minimum=1)
     if vocab_size is not None:
         check_vocab_size(vocab_size)
     source = corpus_inputs(corpus, text_field, validation_fraction, seed)
@@ -189,12 +189,14 @@ def tokenize(
     with output.writing():  # a run killed while training its tokenizer resumes too
         if reused is None and not (out / TOKENIZER_FILE).is_file():
             texts = sample_texts(pieces(), split_of, total_bytes, train_sample_bytes)
+            assert vocab_size is not None  # checked above: a tokenizer or a vocabulary size
             bpe = train_tokenizer(texts, vocab_size, progress=progress)
             bpe.save(str(out / TOKENIZER_FILE))
         elif reused is None:
             bpe = load_tokenizer(out / TOKENIZER_FILE)  # trained before the interruption
         else:
             bpe = reused
+            assert given is not None  # reused is the tokenizer of this folder
             shutil.copyfile(given.tokenizer_file, out / TOKENIZER_FILE)
         eos_token, eos_id = end_of_text(bpe, eos_token, f"tokenizer {out / TOKENIZER_FILE}")
         dtype = token_dtype(bpe.get_vocab_size())

@@ -20,7 +20,13 @@ import jax
 import jax.numpy as jnp
 
 from theseus.distributed.join import Membership
-from theseus.model.attention import AttentionMask, attention, fused_kernel, kernel_refusal
+from theseus.model.attention import (
+    AttentionMask,
+    Kernel,
+    attention,
+    fused_kernel,
+    kernel_refusal,
+)
 from theseus.training.flops import device_peak
 
 #: The jax version the tests run (constraints.txt pins it; tests/test_doctor.py keeps them equal).
@@ -53,8 +59,9 @@ def system_facts() -> SystemFacts:
         if name == "jax" or name.startswith(BACKEND_PACKAGES):
             packages[name] = dist.version
     gpus = [path for pattern in GPU_MARKERS for path in sorted(glob.glob(pattern))]
-    if not gpus and shutil.which("nvidia-smi"):
-        gpus = [shutil.which("nvidia-smi")]
+    smi = shutil.which("nvidia-smi")
+    if not gpus and smi:
+        gpus = [smi]
     tpus = [path for pattern in TPU_MARKERS for path in sorted(glob.glob(pattern))]
     flags = {name: os.environ[name] for name in FLAG_VARIABLES if os.environ.get(name)}
     return SystemFacts(dict(sorted(packages.items())), tuple(gpus), tuple(tpus), flags)
@@ -206,7 +213,8 @@ def attention_report(backend: str) -> Attention:
     or another one's name to see what that backend would choose from this process."""
     q = jnp.ones((1, 128, 4, 64), jnp.bfloat16)  # (batch, seq, heads, head_dim)
     mask = AttentionMask.causal(q.shape[1])
-    kernel, fallback = "blockwise", None
+    kernel: Kernel = "blockwise"
+    fallback: str | None = None
     if (fused := fused_kernel(backend)) is not None:
         fallback = kernel_refusal(fused, q, mask, None, ())
         kernel = "blockwise" if fallback else fused

@@ -139,7 +139,7 @@ def partition(leaves: list[AbstractLeaf], config: FinetuneConfig, model: str) ->
             )
         frozen |= {p for p in paths if not is_adapter(p)}
     for pattern in config.freeze:
-        hits = {leaf.path for leaf in leaves if matches(pattern, leaf.path, leaf.names)}
+        hits = {leaf.path for leaf in leaves if matches(pattern, leaf.path, leaf.names or ())}
         if not hits:
             raise ValueError(
                 f"finetune.freeze pattern {pattern!r} matches no parameter of {model}; "

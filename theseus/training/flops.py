@@ -64,7 +64,9 @@ def xla_flops_per_token(trainer: BaseTrainer) -> float:
         closed = jax.make_jaxpr(jax.value_and_grad(loss))(trainer.abstract_state.params, tokens)
     unrolled = core.jaxpr_as_fun(_unrolled(closed))
     leaves = jax.tree.leaves((trainer.abstract_state.params, tokens))
-    flops = float(jax.jit(unrolled).lower(*leaves).cost_analysis()["flops"])
+    cost = jax.jit(unrolled).lower(*leaves).cost_analysis()
+    assert cost is not None, "XLA gave no cost analysis"  # XLA:CPU and GPU always give one
+    flops = float(cost["flops"])
     return flops / (plan.per_device_batch_size * plan.seq_len)
 
 

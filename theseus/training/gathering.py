@@ -12,31 +12,36 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from numpy.typing import DTypeLike
 
+from theseus.config import GatherDtype
 from theseus.sharding.axis import Axis, Remat, uses_axis
 from theseus.sharding.casting import cast_only_inputs
 from theseus.sharding.layer_scan import LayerLayouts, Move, layer_layouts, move_to_compute
 from theseus.sharding.layout import Layouts, is_sharding, path_str
+from theseus.training.context import TrainerContext
 from theseus.training.keys import validation_keys
+
+Value = TypeVar("Value")  # what a loss returns: a scalar, a TokenLoss, logits
 
 
 def loss_with_layouts(
-    loss: Callable[[Any], jax.Array],
+    loss: Callable[[Any], Value],
     params: Any,
     layouts: Layouts,
     gathered: set[str] | None,
     *,
     cast_dtype: np.dtype | None = None,
     remat: Remat = "none",
-) -> jax.Array:
+) -> Value:
     """``loss(params)`` with ``layouts`` installed for :func:`theseus.scan_layers` (which
     gathers castable weights in ``cast_dtype`` when given and recomputes by ``remat``); adds
     the paths of the parameters it gathered per layer to ``gathered`` when given."""
@@ -59,13 +64,13 @@ def loss_with_layouts(
     return value
 
 
-def gather_dtype(trainer: Any) -> np.dtype | None:
-    """The dtype a trainer gathers castable parameters in: its compute dtype under
-    ``training.gather_dtype=compute`` when that is narrower than float32 storage, else None
-    (their own dtype: float32 compute needs no cast)."""
-    compute = np.dtype(trainer.compute_dtype)
+def gather_dtype(compute_dtype: DTypeLike, setting: GatherDtype) -> np.dtype | None:
+    """The dtype castable parameters are gathered in: the compute dtype under
+    ``training.gather_dtype=compute`` (``setting``) when that is narrower than float32 storage,
+    else None (their own dtype: float32 compute needs no cast)."""
+    compute = np.dtype(compute_dtype)
     narrower = compute.itemsize < np.dtype(np.float32).itemsize
-    return compute if trainer.config.training.gather_dtype == "compute" and narrower else None
+    return compute if setting == "compute" and narrower else None
 
 
 @dataclass(frozen=True)
@@ -78,14 +83,15 @@ class Entry:
     dtype: np.dtype | None = None
 
 
-def entry(trainer: Any) -> Entry:
-    """A trainer's :class:`Entry`: the parameters moved before the loss (their layouts differ and
-    the layer scan does not gather them) that the loss reads only through a cast to the gather
-    dtype are cast on their shards before the move (found by tracing the loss once, abstractly,
-    without layouts: :mod:`theseus.sharding.casting`)."""
-    layouts, per_layer = trainer.layouts, trainer.per_layer_paths
-    layout = entry_layout(layouts, per_layer)
-    dtype = gather_dtype(trainer)
+def entry(context: TrainerContext, per_layer_paths: frozenset[str]) -> Entry:
+    """The :class:`Entry` of a trainer's parameters (``per_layer_paths``: those its layer scan
+    gathers, :func:`theseus.training.step.per_layer_paths`): the parameters moved before the
+    loss (their layouts differ and the layer scan does not gather them) that the loss reads only
+    through a cast to the gather dtype are cast on their shards before the move (found by
+    tracing the loss once, abstractly, without layouts: :mod:`theseus.sharding.casting`)."""
+    layouts = context.layouts
+    layout = entry_layout(layouts, per_layer_paths)
+    dtype = context.gather_dtype
     flat = [
         jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_sharding)[0]
         for tree in (layouts.storage, layouts.compute)
@@ -93,18 +99,18 @@ def entry(trainer: Any) -> Entry:
     moved = {
         path_str(path)
         for (path, storage), (_, compute) in zip(*flat, strict=True)
-        if storage.spec != compute.spec and path_str(path) not in per_layer
+        if storage.spec != compute.spec and path_str(path) not in per_layer_paths
     }
     if dtype is None or not moved:
         return Entry(layout)
-    shape = (trainer.batch_plan.per_device_batch_size, trainer.seq_len + 1)
+    shape = (context.batch_plan.per_device_batch_size, context.seq_len + 1)
 
-    def loss(params):
-        model = nnx.merge(trainer.graphdef, params)
+    def loss(params: Any) -> jax.Array:
+        model = nnx.merge(context.graphdef, params)
         tokens = jnp.zeros(shape, jnp.int32)
-        return trainer.loss(model, tokens, validation_keys(shape[:1]), train=True)
+        return context.loss(model, tokens, validation_keys(shape[:1]), train=True)
 
-    params = trainer.abstract_state.params
+    params = context.abstract_state.params
     paths = [path_str(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     found = cast_only_inputs(loss, (params,), dtype, [path in moved for path in paths])
     casts = frozenset(path for path, cast in zip(paths, found, strict=True) if cast)
@@ -178,7 +184,7 @@ def per_replica(fn: Callable[..., Any], replicas: int) -> Callable[..., Any]:
     return mapped
 
 
-def accumulator_layout(storage_layout: Any, mesh: Mesh, replicas: int) -> Any:
+def accumulator_layout(storage_layout: Any, mesh: Mesh | AbstractMesh, replicas: int) -> Any:
     """The float32 gradient sum: (replicas, *parameter), replicas over ``batch`` (when more than
     one), each in the storage layout; per device, the bytes of the parameters as stored."""
     lead = Axis.BATCH if replicas > 1 else None

@@ -1,15 +1,16 @@
-"""BaseTrainer: what a model needs to train under any policy: its config, abstract model, layouts
-and pre-flight check; the state (:mod:`theseus.training.state`) and the steps
-(:mod:`theseus.training.step`) are its other two parts.
+"""BaseTrainer: what a model needs to train under any policy: its config, abstract model, layouts,
+pre-flight check and sharded state, and the :class:`~theseus.training.context.TrainerContext` its
+steps (:mod:`theseus.training.step`) read.
 """
 
 from __future__ import annotations
 
 import abc
 import math
+from collections.abc import Callable
 from dataclasses import replace
 from functools import cached_property
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -17,8 +18,11 @@ import numpy as np
 import optax
 import pydantic
 from flax import nnx
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from theseus.accounting.activations import AttentionKernel, DecoderShape
+from theseus.accounting.memory import CompiledStep, MemoryTotals, device_bytes, model_state_totals
 from theseus.accounting.preflight import preflight
 from theseus.config import (
     CheckpointingConfig,
@@ -32,18 +36,22 @@ from theseus.config import (
 from theseus.data import Corpus
 from theseus.model.decode import Decoder
 from theseus.model.lora import LoraSpec
-from theseus.sharding.axis import ShardingPlan, ShardingPolicy
+from theseus.sharding.axis import PHASES, ShardingPlan, ShardingPolicy
 from theseus.sharding.layout import (
     AbstractLeaf,
+    Layouts,
     abstract_leaves,
+    check_layouts,
+    optimizer_layout,
+    resolve_layouts,
 )
-from theseus.sharding.topology import Topology
-from theseus.training import optimizer
+from theseus.sharding.topology import Topology, UnderMesh
+from theseus.training import gathering, optimizer, step
+from theseus.training.context import TrainerContext
 from theseus.training.finetune import FinetuneConfig, lora_spec, partition
 from theseus.training.keys import Keys
 from theseus.training.losses import TokenLoss, next_token_loss
-from theseus.training.state import TrainerState
-from theseus.training.step import TrainerStep
+from theseus.training.state import TrainState
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -58,14 +66,17 @@ class TrainerConfig(Section):
     checkpointing: CheckpointingConfig = pydantic.Field(default_factory=CheckpointingConfig)
     finetune: FinetuneConfig = pydantic.Field(default_factory=FinetuneConfig)
     evaluation: EvaluationConfig = pydantic.Field(default_factory=EvaluationConfig)
+    if TYPE_CHECKING:  # each trainer's config class declares its own model section
+        model: Any = None
 
 
-class BaseTrainer(TrainerState, TrainerStep, abc.ABC):
+class BaseTrainer(abc.ABC):
     """Trains an annotated NNX model under any :class:`ShardingPolicy` with the same numbers.
 
     A subclass names its config class and plan and builds its model; the base class does the
     rest: abstract state, layouts, the pre-flight check, sharded initialisation and the steps.
     Constructing a trainer allocates nothing; :meth:`init_state` creates the state in its layouts.
+    What the steps need is one frozen value built here, :attr:`context`.
     """
 
     config_class: ClassVar[type[TrainerConfig]] = TrainerConfig
@@ -93,15 +104,34 @@ class BaseTrainer(TrainerState, TrainerStep, abc.ABC):
                 f"tp={policy.tp}"
             )
         self.mesh = self.topology.mesh
-        self.optimizer = self.build_optimizer()
         self.graphdef, self.abstract_params = self._build_abstract_model()
         leaves = abstract_leaves(self.abstract_params)[0]
         self.partition = partition(leaves, config.finetune, type(self).__name__)
+        self.optimizer = self.build_optimizer()
         self.batch_plan = preflight(
             self.abstract_params, self.plan, policy, self.topology, config.training, self.seq_len
         )
         self.layouts = self._resolve_layouts(policy, self.mesh)
-        self.state_layout = self._state_layout()
+        self.abstract_state: TrainState = jax.eval_shape(self._init_fn, 0)
+        replicated = NamedSharding(self.mesh, P())
+        opt_layout = self._optimizer_layout(self.layouts.update, self.mesh)
+        self.state_layout = TrainState(self.layouts.storage, opt_layout, replicated, replicated)
+        self.context = TrainerContext(
+            topology=self.topology,
+            policy=policy,
+            graphdef=self.graphdef,
+            abstract_state=self.abstract_state,
+            layouts=self.layouts,
+            state_layout=self.state_layout,
+            partition=self.partition,
+            optimizer=self.optimizer,
+            learning_rate=self.learning_rate(),
+            batch_plan=self.batch_plan,
+            seq_len=self.seq_len,
+            loss=self.loss,
+            token_loss=self.token_loss,
+            gather_dtype=gathering.gather_dtype(self.compute_dtype, config.training.gather_dtype),
+        )
 
     # --- what a subclass provides ------------------------------------------------------------
 
@@ -178,7 +208,8 @@ class BaseTrainer(TrainerState, TrainerStep, abc.ABC):
         """The model's graph and its parameters as shapes with logical names (no allocation)."""
         with nnx.use_eager_sharding(False):
             model = nnx.eval_shape(lambda: self.build_model(nnx.Rngs(0)))
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        graphdef, params, *others = nnx.split(model, nnx.Param, ...)
+        (rest,) = others
         if jax.tree.leaves(rest):
             raise ValueError(
                 f"{type(model).__name__} has state that is not nnx.Param "
@@ -230,3 +261,98 @@ class BaseTrainer(TrainerState, TrainerStep, abc.ABC):
             "global_batch_size": plan.global_batch_size,
             "seq_len": plan.seq_len,
         }
+
+    # --- the state ---------------------------------------------------------------------------
+
+    def _init_fn(self, seed: jax.Array | int) -> TrainState:
+        init_key, rng = jax.random.split(jax.random.PRNGKey(seed))
+        with nnx.use_eager_sharding(False):
+            model = self.build_model(nnx.Rngs(params=init_key))
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        params = self.partition.cast_frozen(params, self.frozen_dtype)
+        opt_state = self.optimizer.init(self.partition.trained(params))  # none for frozen ones
+        return TrainState(params, opt_state, jnp.zeros((), jnp.int32), rng)
+
+    def _resolve_layouts(self, policy: ShardingPolicy, mesh: Mesh | AbstractMesh) -> Layouts:
+        annotated = resolve_layouts(self.abstract_params, self.plan, policy, mesh)
+        return Layouts(*(nnx.to_pure_dict(annotated[p]) for p in PHASES))
+
+    def _optimizer_layout(self, update_layout: Any, mesh: Mesh | AbstractMesh) -> Any:
+        update_layout = self.partition.trained(update_layout)
+        return optimizer_layout(self.optimizer, self.abstract_state.opt_state, update_layout, mesh)
+
+    def init_state(self, seed: int | None = None) -> TrainState:
+        """Create the state directly in its layouts; it is never whole on one device."""
+        seed = self.config.training.seed if seed is None else seed
+        init = jax.jit(self._init_fn, out_shardings=self.state_layout)
+        with jax.set_mesh(self.topology.device_mesh):
+            return init(seed)
+
+    def memory(
+        self, policy: ShardingPolicy | None = None, mesh: Mesh | AbstractMesh | None = None
+    ) -> MemoryTotals:
+        """Per-device model-state bytes predicted from this trainer's layouts; with ``policy``
+        and/or ``mesh`` (real or abstract), from the layouts they would give after the same
+        layout check (raises :class:`~theseus.sharding.layout.LayoutError`). No trainer is built."""
+        if policy is None and mesh is None:
+            storage, opt_layout = self.layouts.storage, self.state_layout.opt_state
+        else:
+            policy = self.policy if policy is None else policy
+            mesh = self.mesh if mesh is None else mesh
+            check_layouts(self.abstract_params, self.plan, policy, mesh)
+            layouts = self._resolve_layouts(policy, mesh)
+            storage, opt_layout = layouts.storage, self._optimizer_layout(layouts.update, mesh)
+        params, trained = self.abstract_state.params, self.partition.trained
+        opt_state = self.abstract_state.opt_state
+        return model_state_totals(
+            params, opt_state, storage, opt_layout, trained=(trained(params), trained(storage))
+        )
+
+    def measured_memory(self, state: TrainState) -> MemoryTotals:
+        """Bytes of ``state`` on this process's first device of the mesh (no gradient
+        accumulator: it exists only inside the step)."""
+        here = jax.process_index()
+        devices = self.topology.device_mesh.devices.flat
+        device = next(d for d in devices if d.process_index == here)
+        return MemoryTotals(
+            params=device_bytes(state.params, device),
+            grad_accumulator=0,
+            optimizer=device_bytes(state.opt_state, device),
+        )
+
+    # --- the steps (:mod:`theseus.training.step`, on :attr:`context`) ------------------------
+
+    @property
+    def batch_sharding(self) -> NamedSharding:
+        return step.batch_sharding(self.mesh)
+
+    @cached_property
+    def per_layer_paths(self) -> frozenset[str]:
+        """Parameters gathered one layer at a time inside the layer scan (one abstract trace)."""
+        return step.per_layer_paths(self.context)
+
+    @cached_property
+    def entry(self) -> gathering.Entry:
+        return gathering.entry(self.context, self.per_layer_paths)
+
+    @cached_property
+    def train_step(self) -> UnderMesh:
+        """One jitted step: state donated, explicit in/out shardings."""
+        return step.jitted_train_step(self.context, self.entry)
+
+    @cached_property
+    def validation_step(self) -> UnderMesh:
+        """Mean loss over the trained tokens of (num_batches, examples, ...) rows."""
+        return step.jitted_validation_step(self.context, self.entry)
+
+    def compile(self, batch_shape: tuple[int, ...] | None = None) -> CompiledStep:
+        """The train step compiled ahead of time for this mesh (nothing allocated) for batches
+        of ``batch_shape`` (default: the plan's plain token rows)."""
+        shape = self.batch_plan.shape if batch_shape is None else batch_shape
+        return step.compile_train_step(self.context, self.train_step, shape)
+
+    def put_batch(
+        self, rows_for: Callable[[slice], np.ndarray], shape: tuple[int, ...]
+    ) -> jax.Array:
+        """A global batch array whose devices each read only their own example rows."""
+        return step.put_batch(self.mesh, rows_for, shape)

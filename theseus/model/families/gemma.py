@@ -172,7 +172,7 @@ _SHAPES = dict(
     query_pre_attn_scalar=256,
     sliding_window=4096,
 )
-_HF_DEFAULTS = {
+_HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma2": _SHAPES | dict(vocab_size=256000, max_position_embeddings=8192,
                              attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
     "gemma3_text": _SHAPES | dict(vocab_size=262208, max_position_embeddings=131072,
@@ -264,7 +264,7 @@ def to_hf(model: dict[str, Any], model_type: str) -> dict[str, Any]:
 def tensors(model: dict[str, Any]) -> list[HFTensor]:
     e = model["hidden_size"]
     head_dim, _, _ = gqa_hf.widths(model)
-    shapes = {"input_layernorm": (e,), "post_attention_layernorm": (e,)}
+    shapes: dict[str, tuple[int, ...]] = {"input_layernorm": (e,), "post_attention_layernorm": (e,)}
     shapes |= {"pre_feedforward_layernorm": (e,), "post_feedforward_layernorm": (e,)}
     shapes |= gqa_hf.projection_shapes(model)
     if model["qk_norm"]:

@@ -144,7 +144,7 @@ def to_hf(model: dict[str, Any], model_type: str) -> dict[str, Any]:
 def tensors(model: dict[str, Any]) -> list[HFTensor]:
     e = model["hidden_size"]
     head_dim, n_q, n_kv = gqa_hf.widths(model)
-    shapes = {"input_layernorm": (e,), "post_attention_layernorm": (e,)}
+    shapes: dict[str, tuple[int, ...]] = {"input_layernorm": (e,), "post_attention_layernorm": (e,)}
     shapes |= gqa_hf.projection_shapes(model)
     if model["qk_norm"]:
         shapes |= {"self_attn.q_norm": (head_dim,), "self_attn.k_norm": (head_dim,)}

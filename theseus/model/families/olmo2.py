@@ -24,7 +24,7 @@ from theseus.model import gqa, gqa_hf
 from theseus.model.decoder import LayerInputs, LayerOutput
 from theseus.model.family import HFSpec, HFTensor
 from theseus.model.gqa import GQAConfig, Settings, field
-from theseus.model.parts import weights
+from theseus.model.parts import RMSNorm, weights
 from theseus.model.rotary import apply_rotary, rope_from_hf, rope_to_hf
 
 
@@ -39,6 +39,9 @@ class Olmo2Config(GQAConfig):
 @weights
 class Layer(gqa.Attention, gqa.MLP, gqa.OutputNorms):
     """An OLMo 2 layer's weights: q/k norms over all heads, each sublayer's output normed."""
+
+    q_norm: RMSNorm  # always present in OLMo 2 (optional in the other families)
+    k_norm: RMSNorm
 
 
 def block(layer: Layer, x: jax.Array, inputs: LayerInputs, s: Settings) -> LayerOutput:
@@ -108,7 +111,7 @@ def to_hf(model: dict[str, Any], model_type: str) -> dict[str, Any]:
 def tensors(model: dict[str, Any]) -> list[HFTensor]:
     e = model["hidden_size"]
     _, n_q, n_kv = gqa_hf.widths(model)
-    shapes = {"self_attn.q_norm": (n_q,), "self_attn.k_norm": (n_kv,)}
+    shapes: dict[str, tuple[int, ...]] = {"self_attn.q_norm": (n_q,), "self_attn.k_norm": (n_kv,)}
     shapes |= {"post_attention_layernorm": (e,), "post_feedforward_layernorm": (e,)}
     return gqa_hf.checkpoint_tensors(model, shapes | gqa_hf.projection_shapes(model))
 

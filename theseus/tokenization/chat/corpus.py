@@ -20,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
+from theseus.config import check_int
 from theseus.data.packing import Packing, pack
 from theseus.data.readers import InputFile, fingerprint, list_inputs, walk_sorted
-from theseus.data.sampler import check_int
 from theseus.data.shards import (
     DOCS_DTYPE,
     MASK_DTYPE,
@@ -134,8 +134,7 @@ def tokenize_chat(
         check_int("seq_len", seq_len, minimum=1)
     if workers is not None:
         check_int("workers", workers, minimum=1)
-    if isinstance(shard_tokens, bool) or not isinstance(shard_tokens, int) or shard_tokens < 1:
-        raise ValueError(f"shard_tokens must be a positive int, got {shard_tokens!r}")
+    check_int("shard_tokens", shard_tokens, minimum=1)
     files = chat_files(corpus)
     source = EncoderSource(
         str(tokenizer), None if chat_template is None else str(chat_template), eos_token
@@ -158,9 +157,9 @@ def tokenize_chat(
         overwrite=overwrite,
     )
     if output.finished is not None:
-        record = read_json(output.out / TOKENIZED_RECORD, "manifest")
+        manifest = read_json(output.out / TOKENIZED_RECORD, "manifest")
         fields = {**output.finished, "seconds": time.perf_counter() - start}
-        return _result(TokenizedCorpus(**fields), record, seq_len)
+        return _result(TokenizedCorpus(**fields), manifest, seq_len)
     split = DocumentSplit(validation_fraction, seed)
     dtype = token_dtype(encoder.tokenizer.get_vocab_size())
     dtypes = {"bin": dtype, "mask": MASK_DTYPE, "docs": DOCS_DTYPE}
@@ -178,7 +177,7 @@ def tokenize_chat(
 
                     if chosen:
                         _write(writer, batch, name, chosen, on_close)
-    record, fields = output.finish(
+    manifest, fields = output.finish(
         f"chat records {str(corpus)!r}, {len(files)} file(s)",
         vocab_size=encoder.tokenizer.get_vocab_size(),
         token_dtype=dtype,
@@ -189,7 +188,8 @@ def tokenize_chat(
         loss_mask=True,
         chat_template_sha256=own["chat_template"],
     )
-    return _result(TokenizedCorpus(**fields, seconds=time.perf_counter() - start), record, seq_len)
+    seconds = time.perf_counter() - start
+    return _result(TokenizedCorpus(**fields, seconds=seconds), manifest, seq_len)
 
 
 def _raw_batches(

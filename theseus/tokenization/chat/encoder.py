@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from tokenizers import Tokenizer
 from tokenizers.pre_tokenizers import ByteLevel
 
 from theseus.tokenization.chat.records import Conversation, Record, TextCompletion
@@ -118,7 +119,7 @@ def _untrimmed(post_processor: dict | None) -> bool:
 class ChatEncoder:
     """A model's tokenizer and chat template (None when its folder has none)."""
 
-    tokenizer: object  # tokenizers.Tokenizer
+    tokenizer: Tokenizer
     template: ChatTemplate | None
     eos_token: str
     eos_id: int

@@ -9,9 +9,11 @@ record is a ``ValueError`` naming its file and line or row.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeGuard
 
 from theseus.data.readers import (
     InputFile,
@@ -48,13 +50,13 @@ class TextCompletion:
 Record = Conversation | TextCompletion
 
 
-def is_chat_record(record: object) -> bool:
+def is_chat_record(record: object) -> TypeGuard[dict[str, Any]]:
     return isinstance(record, dict) and (
         "messages" in record or ("prompt" in record and "completion" in record)
     )
 
 
-def chat_files(corpus: str | Path) -> list[InputFile]:
+def chat_files(corpus: str | os.PathLike) -> list[InputFile]:
     """The JSON Lines and Parquet files of a chat corpus (a file or a folder)."""
     root = Path(corpus)
     if not root.exists():

@@ -120,7 +120,8 @@ class ChatTemplate:
         try:
             if spans is None:  # no {% generation %} spans to record: the text alone
                 return compiled.render(**variables)
-            with compiled.environment.track_generation(blocks, spans):
+            # The sandboxed environment this module builds has track_generation (see below).
+            with compiled.environment.track_generation(blocks, spans):  # type: ignore[attr-defined]
                 for block in compiled.generate(**variables):
                     blocks.append(block)
         except (jinja2.TemplateError, TypeError) as error:  # TypeError: e.g. text + a list
@@ -180,7 +181,7 @@ class _GenerationTracker(jinja2.ext.Extension):
         environment.extend(track_generation=self.track_generation)
         self._tracking: ContextVar = ContextVar("generation_tracking", default=None)
 
-    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.CallBlock:
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno
         body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
         call = self.call_method("_generation", [], [])

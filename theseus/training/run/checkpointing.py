@@ -20,7 +20,8 @@ import jax.numpy as jnp
 
 from theseus.checkpoint.checkpointer import Checkpointer, Restored
 from theseus.checkpoint.fingerprints import fingerprints
-from theseus.checkpoint.meta import CHECKPOINTS, CheckpointMeta
+from theseus.checkpoint.meta import CheckpointMeta
+from theseus.config import CHECKPOINTS
 from theseus.sharding.layout import abstract_with
 from theseus.training.finetune import Partition, is_adapter
 from theseus.training.run.identity import job_of_trainer
@@ -63,7 +64,7 @@ def saved_state(trainer: BaseTrainer, state: TrainState, base: dict | None) -> T
     """What a checkpoint holds of ``state``: without the frozen parameters when it has a base."""
     if base is None:
         return state
-    return state.replace(params=trainer.partition.trained(state.params))
+    return dataclasses.replace(state, params=trainer.partition.trained(state.params))
 
 
 def base_record(

@@ -97,9 +97,10 @@ class GuardedDashboard:
             self.tracker.__exit__(*exc_info)
         except Exception as error:  # noqa: BLE001 - closing a broken dashboard must not fail the run
             logger.warning(f"{self.name} could not be closed ({one_line(error)})")
-        if self.held or self.given_up:
-            first = self.given_up[0] if self.given_up else self.held[0]["step"]
-            last = self.held[-1]["step"] if self.held else self.given_up[1]
+        given_up = self.given_up
+        if self.held or given_up:
+            first = given_up[0] if given_up else self.held[0]["step"]
+            last = given_up[1] if given_up and not self.held else self.held[-1]["step"]
             logger.warning(
                 f"{self.name} did not get {steps_text(first, last)} (metrics.jsonl holds every row)"
             )

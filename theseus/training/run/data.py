@@ -3,9 +3,13 @@ each source's fixed held-out batches, and the global batch of each step, placed 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from theseus.data import Mixture, MixtureSampler, load_mixture
 from theseus.distributed.join import check_same_everywhere
@@ -41,7 +45,7 @@ class Validation:
         """The weighted mean validation loss, and each source's (None for a single data.path);
         on the device, not read."""
         by_source = {n: trainer.validation_step(params, b) for n, b in self.batches.items()}
-        mean = sum(self.weights[name] * loss for name, loss in by_source.items())
+        mean = sum((self.weights[name] * loss for name, loss in by_source.items()), jnp.zeros(()))
         return mean, by_source if self.named else None
 
 
@@ -62,9 +66,7 @@ def validation_array(trainer: BaseTrainer, mixture: Mixture) -> Validation:
             )  # (num, examples, *row shape)
         except ValueError as error:
             raise ValueError(f"data source {source.name!r}: {error}") from None
-        arrays[source.name] = trainer.put_batch(
-            lambda rows, batches=batches: batches[:, rows], batches.shape
-        )
+        arrays[source.name] = trainer.put_batch(_rows_of(batches), batches.shape)
     weights = {source.name: source.weight for source in mixture.sources}
     return Validation(arrays, weights, mixture.named)
 
@@ -89,13 +91,18 @@ def train_batch(
     )
 
 
-def data_facts(trainer: BaseTrainer, mixture: Mixture) -> dict:
+def _rows_of(batches: np.ndarray) -> Callable[[slice], np.ndarray]:
+    """The rows (examples) of every batch of ``batches`` (num, examples, ...) a device reads."""
+    return lambda rows: batches[:, rows]
+
+
+def data_facts(trainer: BaseTrainer, mixture: Mixture) -> dict[str, Any]:
     """run.json's entries on the rows: whether they are segmented, and for masked sources how
     they packed (rows, non-padding fraction, examples truncated or dropped by data.overlong)."""
     if not mixture.segmented:
         return {"segmented_rows": False}
     seq_len, seed = trainer.batch_plan.seq_len, trainer.config.training.seed
-    facts = {"segmented_rows": True, "document_masking": mixture.document_masking}
+    facts: dict[str, Any] = {"segmented_rows": True, "document_masking": mixture.document_masking}
     packing = mixture.packing_facts(seq_len, seed)
     if packing is not None:
         facts |= {"overlong": mixture.overlong, "packing": packing}

@@ -10,12 +10,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from theseus.checkpoint.checkpointer import Checkpointer
-from theseus.checkpoint.meta import CHECKPOINTS
-from theseus.config import ConfigError, ConfigT, read_yaml, validate
+from theseus.config import CHECKPOINTS, ConfigError, ConfigT, read_yaml, validate
 from theseus.distributed.join import is_main_process
 from theseus.training.run.checkpointing import restore_params
 from theseus.training.run.data import load_data, validation_array
-from theseus.training.trainer import BaseTrainer
+from theseus.training.trainer import BaseTrainer, TrainerConfig
 
 RUN_CONFIG = "config.yaml"
 
@@ -37,7 +36,7 @@ def run_config(config_class: type[ConfigT], run_dir: str | Path) -> ConfigT | No
         ) from None
 
 
-def model_changes(given: ConfigT, run: ConfigT, whose: str = "the run's") -> list[str]:
+def model_changes(given: TrainerConfig, run: TrainerConfig, whose: str = "the run's") -> list[str]:
     """Each ``model.*`` field where ``given`` differs from ``run``, with both values."""
     ours, theirs = given.model.model_dump(mode="json"), run.model.model_dump(mode="json")
     return [
@@ -47,7 +46,7 @@ def model_changes(given: ConfigT, run: ConfigT, whose: str = "the run's") -> lis
     ]
 
 
-def check_same_model(config: ConfigT, source: str | Path) -> None:
+def check_same_model(config: TrainerConfig, source: str | Path) -> None:
     """Refuse to evaluate ``source`` with a model other than its own: restoring would fail on
     shapes or, worse, score a different function with the run's weights."""
     saved = run_config(type(config), source)
@@ -61,7 +60,7 @@ def check_same_model(config: ConfigT, source: str | Path) -> None:
         )
 
 
-def check_base_model(config: ConfigT, base_dir: str | Path) -> None:
+def check_base_model(config: TrainerConfig, base_dir: str | Path) -> None:
     """Refuse to start from ``base_dir``'s parameters (``--init-from``) with a model other
     than the base run's own, field by field, before anything is restored."""
     saved = run_config(type(config), base_dir)
@@ -118,8 +117,8 @@ def evaluate(
     with Checkpointer(source / CHECKPOINTS, read_only=True) as checkpointer:
         storage = trainer.layouts.storage
         restored = restore_params(trainer, checkpointer, storage, base_dir=base_dir)
-    val_loss, by_source = validation.losses(trainer, restored.state)
-    by_source = None if by_source is None else {k: float(v) for k, v in by_source.items()}
+    val_loss, on_device = validation.losses(trainer, restored.state)
+    by_source = None if on_device is None else {k: float(v) for k, v in on_device.items()}
     result = EvalResult(str(out_dir), str(source), restored.step, float(val_loss), by_source)
     if is_main_process():
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 
 from theseus.checkpoint.checkpointer import Checkpointer
-from theseus.checkpoint.meta import CHECKPOINTS
+from theseus.config import CHECKPOINTS
 from theseus.data import MixtureSampler
 from theseus.distributed.join import describe_processes, is_main_process, main_process_logger
 from theseus.training.flops import count_flops

@@ -33,6 +33,10 @@ class Tracker(Protocol):
 
     def write(self, row: dict[str, Any]) -> None: ...
 
+    def __enter__(self) -> Any: ...
+
+    def __exit__(self, *exc_info: object) -> None: ...
+
 
 @dataclass
 class MetricsHistory:
@@ -137,7 +141,7 @@ class MetricsWriter:
         """The row of a step (reads its metrics from the device): numbers as floats, flags as
         booleans."""
         metrics = jax.device_get(pending.metrics)
-        row = {"step": pending.step}
+        row: dict[str, Any] = {"step": pending.step}
         row |= {k: bool(v) if v.dtype == bool else float(v) for k, v in metrics.items()}
         row["trained_tokens"] = int(row["trained_tokens"])  # targets that trained (masked: fewer)
         # device_get returned when the step finished

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from theseus.checkpoint.meta import CHECKPOINTS
+from theseus.config import CHECKPOINTS
 
 # Files a run writes: an output directory holding any of them holds a run.
 RUN_FILES = (

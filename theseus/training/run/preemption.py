@@ -25,6 +25,8 @@ from __future__ import annotations
 import signal
 import threading
 from collections.abc import Callable
+from types import FrameType
+from typing import Any
 
 import jax
 
@@ -47,7 +49,7 @@ class PreemptionWatch:
         self._sync_point = sync_point
         self._calls = 0
         self._flag = threading.Event()
-        self._previous = None
+        self._previous: signal.Handlers | Callable[[int, FrameType | None], Any] | int | None = None
         self._installed = False
 
     def __enter__(self) -> PreemptionWatch:

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from theseus.accounting.records import as_json
 from theseus.checkpoint.meta import CheckpointMeta
 from theseus.config import Section, validate
 
@@ -85,7 +86,7 @@ def saved_config(config_class: type[Section], saved: Mapping) -> Mapping:
 def resume_changes(saved: CheckpointMeta, config: Section, facts: Mapping) -> list[Change]:
     """Changes from a checkpoint's metadata to the resuming run's config and execution facts."""
     changes = config_diff(saved_config(type(config), saved.config), config.model_dump(mode="json"))
-    saved_facts = saved.to_json()
+    saved_facts = as_json(saved)
     changes += [
         Change(key, saved_facts[key], facts[key])
         for key in EXECUTION_KEYS

@@ -3,6 +3,7 @@ with the same numbers), or another run's parameters (``--init-from``)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,7 +52,7 @@ def starting_point(
             trainer, params, run_dir=mode.init_from, step=restored.step, out_dir=out_dir
         )
         origin = f"parameters from {mode.init_from} (step {restored.step})"
-        state = fresh.replace(params=params)
+        state = dataclasses.replace(fresh, params=params)
         return StartingPoint(state, first_step=1, data_position=0, resumed_from=origin, base=base)
     if not mode.resume:
         state = trainer.init_state()

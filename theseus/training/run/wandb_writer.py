@@ -60,7 +60,7 @@ def require_wandb(config: WandbConfig) -> None:
 def wandb_row(row: dict[str, Any]) -> dict[str, Any]:
     """A ``metrics.jsonl`` row as W&B metrics: every value but the step, a dict of them (such as
     ``val_loss_by_source``) as ``KEY/NAME``, as TensorBoard names them."""
-    flat = {}
+    flat: dict[str, Any] = {}
     for key, value in row.items():
         if isinstance(value, dict):
             flat |= {f"{key}/{name}": item for name, item in value.items()}
