@@ -152,7 +152,7 @@ def attention_transient(
         return score_elements(shape, device) * XLA_BACKWARD_BYTES[remat]
     heads = shape.num_heads / device.tp
     blocks = device.examples * heads * min(kernel.block_q, device.seq_len)
-    blocks *= min(kernel.block_k, device.seq_len) * 3 * FLOAT32
+    blocks *= min(kernel.block_k, device.seq_len) * BLOCKWISE_SCORE_BYTES
     widths = (shape.query_width + 2 * shape.kv_width) / device.tp
     return blocks + device.tokens * widths * FLOAT32
 
@@ -169,6 +169,13 @@ def attention_invariant(shape: DecoderShape, kernel: AttentionKernel, device: De
 #: without recomputation (beside the hoisted invariant), 8 after recomputing the layer's
 #: residuals (measured on the compiled step: docs/performance.md).
 XLA_BACKWARD_BYTES = {"none": 9.0, "dots": 8.0, "full": 8.0}
+
+
+#: Bytes per score of one (query block × key block) tile that the blockwise kernel's backward
+#: holds at once: scores, probabilities and their gradients in float32, partly overlapped by
+#: XLA (3.5: fitted to the compiled steps of tests/test_planner.py, 2 layers at 512 and 1,536
+#: tokens, one device and tp=2 + FSDP, each within 12%).
+BLOCKWISE_SCORE_BYTES = 3.5 * FLOAT32
 
 
 # --- one layer ----------------------------------------------------------------------------------

@@ -10,9 +10,10 @@ import jax
 import pydantic
 from flax import nnx
 
-from theseus.accounting.activations import DecoderShape
+from theseus.accounting.activations import AttentionKernel, DecoderShape
 from theseus.accounting.preflight import check_context_length
 from theseus.data import Corpus
+from theseus.model.attention import DEFAULT_BLOCK
 from theseus.model.decode import Decoder
 from theseus.model.family import Family
 from theseus.training.flops import flops_per_token
@@ -83,6 +84,17 @@ class FamilyTrainer(BaseTrainer):
 
     def decoder_shape(self) -> DecoderShape:
         return self.family.shape(self.config.model)
+
+    def attention_kernel(self) -> AttentionKernel:
+        """The model's attention as the estimate models it: the written-out product for
+        ``model.attention=xla`` and for dropout on the probabilities (GPT's ``model.dropout``),
+        else the blockwise algorithm in the model's blocks (the fused kernels of GPUs and TPUs
+        hold per-block memory as it does)."""
+        model = self.config.model
+        if model.attention == "xla" or getattr(model, "dropout", 0.0) > 0:
+            return AttentionKernel("xla")
+        block_q = model.attention_block_q or DEFAULT_BLOCK
+        return AttentionKernel("blockwise", block_q, model.attention_block_k or DEFAULT_BLOCK)
 
     def check_corpus(self, corpus: Corpus) -> None:
         vocab = self.config.model.vocab_size
