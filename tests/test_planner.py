@@ -11,7 +11,15 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from support import FAMILIES, GPT_7_5B, GPTTrainer, GPTTrainerConfig, invoke, subprocess_env
+from support import (
+    FAMILIES,
+    GPT_7_5B,
+    LLAMA31_8B_CONFIG,
+    GPTTrainer,
+    GPTTrainerConfig,
+    invoke,
+    subprocess_env,
+)
 
 import theseus.jobs
 import theseus.plan as planner
@@ -617,33 +625,8 @@ def test_recompute_and_tensor_parallelism_divide_the_estimate():
     assert tp2.logits == acts["none"].logits  # the vocabulary is whole on every TP device
 
 
-# Llama 3.1 8B's config.json (the planner reads no weights).
-LLAMA_3_1_8B = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "vocab_size": 128256,
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "max_position_embeddings": 131072,
-    "rope_theta": 500000.0,
-    "rope_scaling": {
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-        "rope_type": "llama3",
-    },
-    "rms_norm_eps": 1e-05,
-    "tie_word_embeddings": False,
-    "hidden_act": "silu",
-}
-
-
 def test_llama_3_1_8b_at_32k_tokens_on_8_devices_does_not_fit_with_dense_attention(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_1_8B))
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA31_8B_CONFIG))
     flags = ["--hf", tmp_path, "--devices", "8", "--fsdp", "--activation-checkpointing", "full"]
     batch = ["training.batch_size=8", "training.per_device_batch_size=1"]
     dense = "model.attention=xla"
