@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from theseus.model.blockwise import blockwise_attention
+from theseus.model.kernels import per_device
 from theseus.model.layers import apply_dropout
 
 logger = logging.getLogger(__name__)
@@ -187,6 +188,35 @@ def chosen_kernel(
     )
 
 
+def _blockwise_per_device(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: AttentionMask,
+    scale: float | None,
+    softcap: float | None,
+    blocks: tuple[int, int],
+) -> jax.Array:
+    """The blockwise kernel on each device's examples and heads (:func:`kernels.per_device`):
+    XLA cannot partition its loops, and resharded inside them otherwise. The mask's positions and
+    segments travel split as the examples are, its window whole."""
+    batch = q.shape[0]
+    fields = (mask.query_positions, mask.key_positions, mask.query_segments, mask.key_segments)
+    present = tuple(field is not None for field in fields)
+    rows = tuple(jnp.broadcast_to(f, (batch, f.shape[-1])) for f in fields if f is not None)
+    window = () if mask.window is None else (jnp.asarray(mask.window, jnp.int32),)
+
+    def local(q: jax.Array, k: jax.Array, v: jax.Array, *arrays: jax.Array) -> jax.Array:
+        given = iter(arrays)
+        fields = [next(given) if here else None for here in present]
+        local_mask = AttentionMask(*fields, window=next(given, None))  # type: ignore[arg-type]
+        return blockwise_attention(
+            q, k, v, local_mask, scale=scale, softcap=softcap, block_q=blocks[0], block_k=blocks[1]
+        )
+
+    return per_device(local, q, k, v, rows, window)
+
+
 def attention(
     q: jax.Array,
     k: jax.Array,
@@ -222,16 +252,8 @@ def attention(
     requested = _KERNEL_OVERRIDE.get() or kernel
     name = chosen_kernel(requested, q, mask, softcap=softcap, windows=windows)
     if name == "blockwise":
-        return blockwise_attention(
-            q,
-            k,
-            v,
-            mask,
-            scale=scale,
-            softcap=softcap,
-            block_q=block_q or DEFAULT_BLOCK,
-            block_k=block_k or DEFAULT_BLOCK,
-        )
+        blocks = (block_q or DEFAULT_BLOCK, block_k or DEFAULT_BLOCK)
+        return _blockwise_per_device(q, k, v, mask, scale, softcap, blocks)
     if name == "cudnn":
         from theseus.model.kernels import cudnn_attention
 

@@ -127,23 +127,25 @@ def backend() -> Backend:
     return Backend(name, nvidia=True, cudnn=cuda_versions is not None, hopper=capability >= (9, 0))
 
 
-def _per_device(
+def per_device(
     local: Callable[..., jax.Array],
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
-    segments: jax.Array | None = None,
+    rows: tuple[jax.Array, ...] = (),
+    shared: tuple[jax.Array, ...] = (),
 ) -> jax.Array:
-    """``local(q, k, v[, segments])`` on each device of the ambient mesh, manual over its
+    """``local(q, k, v, *rows, *shared)`` on each device of the ambient mesh, manual over its
     automatic axes: examples over ``batch`` and heads over ``shard`` where they divide, else
-    repeated. A Pallas call has no partitioning rule (XLA would gather every input onto every
-    device), and a fused kernel inside the step's ``shard_map`` (manual over ``batch``) then sees
-    no automatic axis left. ``q``, ``k``, ``v`` (batch, seq, heads, head_dim); ``segments``
-    (batch, seq)."""
+    repeated. An attention kernel is a loop or a Pallas call that XLA cannot partition: it would
+    gather every input onto every device (Pallas) or reshard inside the loops (the blockwise
+    kernel), and a fused kernel inside the step's ``shard_map`` (manual over ``batch``) sees no
+    automatic axis left. ``q``, ``k``, ``v`` (batch, seq, heads, head_dim); ``rows`` arrays
+    (batch, ...) split as the examples are; ``shared`` arrays whole on every device."""
     mesh = jax.sharding.get_abstract_mesh()
     kinds = zip(mesh.axis_names, mesh.axis_types, strict=True)
     automatic = {name for name, kind in kinds if kind == AxisType.Auto}
-    inputs = (q, k, v) if segments is None else (q, k, v, segments)
+    inputs = (q, k, v, *rows, *shared)
     if not automatic:  # no mesh, or every axis already manual
         return local(*inputs)
 
@@ -151,11 +153,11 @@ def _per_device(
         divides = axis in automatic and not any(d % mesh.shape[axis] for d in dims)
         return axis if divides else None
 
-    rows, heads = split(Axis.BATCH, q.shape[0]), split(Axis.SHARD, q.shape[2], k.shape[2])
-    spec = P(rows, None, heads)  # (batch, seq, heads, head_dim)
+    examples, heads = split(Axis.BATCH, q.shape[0]), split(Axis.SHARD, q.shape[2], k.shape[2])
+    spec = P(examples, None, heads)  # (batch, seq, heads, head_dim)
     return jax.shard_map(
         local,
-        in_specs=(spec,) * 3 + (P(rows),) * (len(inputs) - 3),
+        in_specs=(spec,) * 3 + (P(examples),) * len(rows) + (P(),) * len(shared),
         out_specs=spec,
         axis_names=automatic,
         check_vma=False,
@@ -233,7 +235,7 @@ def cudnn_attention(
                 implementation="cudnn",
             )  # (batch, seq, n_heads, head_dim)
 
-        return _per_device(local, q, k, v)
+        return per_device(local, q, k, v)
 
     out = jax.ShapeDtypeStruct(q.shape, q.dtype)
     return _per_window(mask.window, windows, seq_len, attend, out)
@@ -343,7 +345,7 @@ def splash_attention(
                 out = jax.vmap(one)(qh, kh, vh, *segments)  # (batch, n_heads, seq, head_dim)
             return jnp.swapaxes(out, 1, 2).astype(q.dtype)  # (batch, seq, n_heads, head_dim)
 
-        return _per_device(local, scaled, k, v, segments)
+        return per_device(local, scaled, k, v, () if segments is None else (segments,))
 
     out = jax.ShapeDtypeStruct(q.shape, q.dtype)
     return _per_window(mask.window, windows, seq_len, attend, out)
