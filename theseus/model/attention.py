@@ -201,15 +201,18 @@ def _blockwise_per_device(
     XLA cannot partition its loops, and resharded inside them otherwise. The mask's positions and
     segments travel split as the examples are, its window whole."""
     batch = q.shape[0]
-    fields = (mask.query_positions, mask.key_positions, mask.query_segments, mask.key_segments)
-    present = tuple(field is not None for field in fields)
-    rows = tuple(jnp.broadcast_to(f, (batch, f.shape[-1])) for f in fields if f is not None)
+    segmented = mask.query_segments is not None
+    assert segmented == (mask.key_segments is not None), "segments go with queries and keys"
+    fields = [mask.query_positions, mask.key_positions]
+    if mask.query_segments is not None and mask.key_segments is not None:
+        fields += [mask.query_segments, mask.key_segments]
+    rows = tuple(jnp.broadcast_to(f, (batch, f.shape[-1])) for f in fields)
     window = () if mask.window is None else (jnp.asarray(mask.window, jnp.int32),)
 
     def local(q: jax.Array, k: jax.Array, v: jax.Array, *arrays: jax.Array) -> jax.Array:
-        given = iter(arrays)
-        fields = [next(given) if here else None for here in present]
-        local_mask = AttentionMask(*fields, window=next(given, None))  # type: ignore[arg-type]
+        query_segments, key_segments = (arrays[2], arrays[3]) if segmented else (None, None)
+        local_window = arrays[-1] if window else None
+        local_mask = AttentionMask(arrays[0], arrays[1], query_segments, key_segments, local_window)
         return blockwise_attention(
             q, k, v, local_mask, scale=scale, softcap=softcap, block_q=blocks[0], block_k=blocks[1]
         )
