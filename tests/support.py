@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import pytest
 from typer.testing import CliRunner, Result
 
 from theseus.cli.app import app
@@ -460,3 +461,14 @@ def assert_flops_match_xla(model) -> None:
     one = shared_trainer(equivalence_config(4, model), ShardingPolicy(), num_devices=1)
     analytic, xla = one.flops_per_token(), xla_flops_per_token(one)
     assert abs(analytic / xla - 1) < 0.1, (analytic, xla)
+
+
+def lm_eval_module():
+    """lm_eval, or a skip (a failure under CI) without the ``eval`` extra."""
+    try:
+        import lm_eval
+    except ImportError:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip("needs lm-evaluation-harness: pip install -c constraints.txt -e '.[eval]'")
+    return lm_eval

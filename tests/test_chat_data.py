@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from hf_reference import libraries
-from support import invoke
+from support import invoke, lm_eval_module
 from tokenizers import (
     AddedToken,
     Regex,
@@ -381,11 +381,12 @@ def test_end_of_sequence_ids_equal_transformers(folders, tmp_path):
     ids transformers' generate stops on (GenerationConfig's eos_token_id, an id or a list),
     else, for a folder without generation_config.json, its tokenizer's eos_token_id: for run
     folders holding tokenizer files laid out as Llama 3's and Qwen2.5's are published."""
+    transformers = libraries().transformers
+    lm_eval_module()  # the harness's module builds on lm_eval
     from theseus.inference.chat import chat_folder
     from theseus.inference.codec import resolve_codec
     from theseus.inference.harness import find_tokenizer
 
-    transformers = libraries().transformers
     for name, (base, generation) in GENERATION_CONFIGS.items():
         run = tmp_path / name
         shutil.copytree(folders[base], run)

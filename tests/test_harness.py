@@ -8,7 +8,6 @@ Part of the Hugging Face group (tests/conftest.py): torch, transformers and lm_e
 worker; without them the tests skip, except under CI, where they fail."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from pathlib import Path
 import jax
 import pytest
 from hf_reference import COMMON, byte_tokenizer, libraries
-from support import invoke, read_events, subprocess_env
+from support import invoke, lm_eval_module, read_events, subprocess_env
 
 from theseus.plot import plot_losses
 
@@ -87,17 +86,6 @@ TASKS = {
         },
     ),
 }
-
-
-def lm_eval_module():
-    """lm_eval, or a skip (a failure under CI) without the ``eval`` extra."""
-    try:
-        import lm_eval
-    except ImportError:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip("needs lm-evaluation-harness: pip install -c constraints.txt -e '.[eval]'")
-    return lm_eval
 
 
 def write_tasks(folder: Path) -> Path:
