@@ -1,0 +1,177 @@
+"""Preference tuning: the losses against TRL's own code (float32, the same log-probabilities)."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from types import SimpleNamespace
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.hf_reference import libraries
+from theseus.training.preference import PairLogps, PreferenceConfig, pair_losses
+
+PAIRS = 5
+RNG = np.random.default_rng(7)
+LENGTHS = RNG.integers(1, 12, (2, PAIRS))  # completion tokens: chosen, rejected
+LOGPS = -RNG.uniform(0.05, 3.0, (4, PAIRS)) * LENGTHS[[0, 1, 0, 1]]  # policy c/r, reference c/r
+
+
+def _ours(config: PreferenceConfig, pairs: slice = slice(None)):
+    lengths = jnp.asarray(LENGTHS[:, pairs], jnp.float32)
+    logps = jnp.asarray(LOGPS[:, pairs], jnp.float32)
+    policy = PairLogps(logps[0], logps[1], lengths[0], lengths[1])
+    reference = PairLogps(logps[2], logps[3], lengths[0], lengths[1])
+    return pair_losses(config, policy, reference if config.has_reference else None)
+
+
+def _identity(x):
+    return x
+
+
+def _accelerator(torch):
+    return SimpleNamespace(
+        device=torch.device("cpu"), gather_for_metrics=_identity, gather=_identity
+    )
+
+
+def _trl_dpo(torch, pairs: slice, **settings) -> tuple[float, dict]:
+    """TRL's DPOTrainer._compute_loss on a stand-in model whose per-token log-probabilities sum,
+    over each completion's tokens, to the test's (spread evenly over them)."""
+    from trl.trainer.dpo_trainer import DPOTrainer
+
+    lengths = np.concatenate(LENGTHS[:, pairs])  # (2 × pairs,) chosen first
+    logps = np.concatenate(LOGPS[:2, pairs])
+    width = int(lengths.max()) + 3
+    mask = np.zeros((lengths.size, width), np.int64)
+    for row, n in enumerate(lengths):
+        mask[row, 2 : 2 + n] = 1  # a prompt of two tokens, then the completion
+    per_token = torch.tensor(mask[:, 1:] * (logps / lengths)[:, None], dtype=torch.float32)
+    zeros = torch.zeros_like(per_token)
+    model = lambda **kwargs: SimpleNamespace(  # noqa: E731
+        log_probs=per_token, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool()
+    )
+    stub = SimpleNamespace(
+        model=SimpleNamespace(training=True),
+        accelerator=_accelerator(torch),
+        aux_loss_enabled=False,
+        precompute_ref_logps=True,
+        ld_alpha=None,
+        f_divergence_type="reverse_kl",
+        use_weighting=False,
+        _metrics=defaultdict(lambda: defaultdict(list)),
+        _total_train_tokens=0,
+        _tp_size=1,
+        **settings,
+    )
+    inputs = {
+        "input_ids": torch.zeros(mask.shape, dtype=torch.long),
+        "attention_mask": torch.ones(mask.shape, dtype=torch.long),
+        "completion_mask": torch.tensor(mask),
+        "ref_chosen_logps": torch.tensor(LOGPS[2, pairs], dtype=torch.float32),
+        "ref_rejected_logps": torch.tensor(LOGPS[3, pairs], dtype=torch.float32),
+    }
+    loss = DPOTrainer._compute_loss(stub, model, inputs, False)
+    return float(loss), {k: v[-1] for k, v in stub._metrics["train"].items()}
+
+
+def _trl_reference_free(torch, loss: str, pairs: slice, beta: float, **settings):
+    """TRL's CPOTrainer (simpo) or ORPOTrainer get_batch_loss_metrics, its forward standing in:
+    mean token log-probabilities and the chosen tokens' NLL."""
+    from trl.experimental.cpo.cpo_trainer import CPOTrainer
+    from trl.experimental.orpo.orpo_trainer import ORPOTrainer
+
+    lengths = LENGTHS[:, pairs]
+    sums = torch.tensor(LOGPS[:2, pairs], dtype=torch.float32)
+    means = sums / torch.tensor(lengths, dtype=torch.float32)
+    nll = -sums[0].sum() / float(lengths[0].sum())
+    logits = torch.zeros(1)
+    stub = SimpleNamespace(
+        accelerator=_accelerator(torch),
+        aux_loss_enabled=False,
+        beta=beta,
+        concatenated_forward=lambda model, batch: (means[0], means[1], logits, logits, nll),
+        **settings,
+    )
+    if loss == "simpo":
+        stub.cpo_loss = lambda c, r: CPOTrainer.cpo_loss(stub, c, r)
+        value, metrics = CPOTrainer.get_batch_loss_metrics(stub, None, {})
+    else:
+        stub.odds_ratio_loss = lambda c, r: ORPOTrainer.odds_ratio_loss(stub, c, r)
+        value, metrics = ORPOTrainer.get_batch_loss_metrics(stub, None, {})
+    return float(value), metrics
+
+
+DPO_CASES = {
+    "sigmoid": ({"beta": 0.3}, {"loss_types": ["sigmoid"]}),
+    "robust": (
+        {"beta": 0.2, "label_smoothing": 0.15},
+        {"loss_types": ["robust"], "label_smoothing": 0.15},
+    ),
+    "ipo": ({"beta": 0.4}, {"loss_types": ["ipo"]}),
+    "hinge": ({"beta": 0.7}, {"loss_types": ["hinge"]}),
+    "rpo": ({"beta": 0.3, "rpo_alpha": 0.6}, {"loss_types": ["sigmoid", "sft"]}),
+}
+
+
+@pytest.mark.parametrize("loss", sorted(DPO_CASES))
+def test_dpo_family_equals_trl(loss):
+    """The batch mean of our per-pair losses and rewards equals TRL's DPOTrainer on the same
+    log-probabilities (float32, 1e-6); RPO's NLL term, a per-pair mean in theseus, is compared
+    pair by pair (TRL's token mean over the batch equals it on one pair)."""
+    torch = libraries().torch
+    ours_settings, trl_settings = DPO_CASES[loss]
+    config = PreferenceConfig(loss=loss, **ours_settings)
+    trl_settings = {"beta": config.beta, "label_smoothing": 0.0, **trl_settings}
+    weights = [1.0, config.rpo_alpha] if loss == "rpo" else [1.0]
+    batches = [slice(p, p + 1) for p in range(PAIRS)] if loss == "rpo" else [slice(None)]
+    for pairs in batches:
+        want_loss, want = _trl_dpo(torch, pairs, loss_weights=weights, **trl_settings)
+        got = _ours(config, pairs)
+        assert abs(float(got.loss.mean()) - want_loss) <= 1e-6
+        ones = jnp.ones(got.loss.shape)
+        sums = got.metric_sums(ones)
+        for name, value in sums.items():
+            assert abs(float(value) / ones.size - want[name]) <= 1e-6 * max(1, abs(want[name]))
+    chosen = config.beta * (LOGPS[0] - LOGPS[2])  # rewards/chosen = beta · (policy − ref)
+    np.testing.assert_allclose(_ours(config).chosen_rewards, chosen, rtol=1e-6)
+
+
+@pytest.mark.parametrize("loss", ["simpo", "orpo"])
+def test_reference_free_losses_equal_trl(loss):
+    """SimPO (TRL's CPOTrainer, loss_type=simpo, cpo_alpha=0) on the whole batch, and ORPO
+    (ORPOTrainer) pair by pair: its NLL term is per pair here, TRL's a token mean of the batch."""
+    torch = libraries().torch
+    config = (
+        PreferenceConfig(loss="simpo", beta=2.0, gamma=0.7, label_smoothing=0.1)
+        if loss == "simpo"
+        else PreferenceConfig(loss="orpo", beta=0.25)
+    )
+    settings = (
+        {"loss_type": "simpo", "label_smoothing": 0.1, "simpo_gamma": 0.7, "cpo_alpha": 0.0,
+         "alpha": 0.0}
+        if loss == "simpo"
+        else {}
+    )  # fmt: skip
+    batches = [slice(None)] if loss == "simpo" else [slice(p, p + 1) for p in range(PAIRS)]
+    for pairs in batches:
+        want_loss, want = _trl_reference_free(torch, loss, pairs, config.beta, **settings)
+        got = _ours(config, pairs)
+        assert abs(float(got.loss.mean()) - want_loss) <= 1e-6
+        sums = got.metric_sums(jnp.ones(got.loss.shape))
+        for name, value in sums.items():
+            want_value = float(want[name])
+            assert abs(float(value) / got.loss.size - want_value) <= 1e-6 * max(1, abs(want_value))
+
+
+def test_dpo_at_the_reference_is_ln2():
+    """Policy = reference: DPO's loss is ln 2 and every reward 0."""
+    lengths = jnp.asarray(LENGTHS, jnp.float32)
+    same = PairLogps(jnp.asarray(LOGPS[0]), jnp.asarray(LOGPS[1]), lengths[0], lengths[1])
+    got = pair_losses(PreferenceConfig(), same, same)
+    np.testing.assert_allclose(got.loss, math.log(2), atol=1e-7)
+    assert (
+        float(jnp.abs(got.chosen_rewards).max()) == 0 == float(jnp.abs(got.rejected_rewards).max())
+    )
