@@ -305,7 +305,7 @@ def run_steps(
     val_loss = None
     if validation:
         val_loss = float(
-            trainer.validation_step(state.params, validation_batch(trainer, validation))
+            trainer.validation_step(state.params, validation_batch(trainer, validation))["loss"]
         )
     run = Run(np.array(losses), initial, jax.device_get(state.params), val_loss, int(state.step))
     _RUNS[key] = run

@@ -376,7 +376,7 @@ def test_packed_loss_is_the_token_weighted_mean_of_transformers_losses(kind, ref
     rows = build_rows(data, packing, np.arange(packing.num_rows))  # (rows, 3, 48)
     assert packing.num_rows < len(lengths)  # rows hold several examples
     loaded = load_run(imported(kind), layout="storage", devices=jax.devices()[:1])
-    got = float(loaded.trainer.validation_step(loaded.params, rows[None]))
+    got = float(loaded.trainer.validation_step(loaded.params, rows[None])["loss"])
     model, total, count = references(kind).model, 0.0, 0
     for example, mask in zip(ids, masks, strict=True):
         labels = np.where(mask == 1, example, -100)

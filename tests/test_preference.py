@@ -1,17 +1,24 @@
-"""Preference tuning: the losses against TRL's own code (float32, the same log-probabilities)."""
+"""Preference tuning: the losses against TRL's own code (float32, the same log-probabilities),
+packed pairs' log-probabilities against TRL's on a transformers model, and the trainer."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import defaultdict
 from types import SimpleNamespace
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hf_reference import VOCAB, Reference, libraries
 
-from tests.hf_reference import libraries
+from theseus.data.pairs import PairSampler, pairs_of
+from theseus.hf.importer import import_hf
+from theseus.inference.logits import load_run
 from theseus.training.preference import PairLogps, PreferenceConfig, pair_losses
+from theseus.training.reference import split_reference
 
 PAIRS = 5
 RNG = np.random.default_rng(7)
@@ -175,3 +182,73 @@ def test_dpo_at_the_reference_is_ln2():
     assert (
         float(jnp.abs(got.chosen_rewards).max()) == 0 == float(jnp.abs(got.rejected_rewards).max())
     )
+
+
+@pytest.fixture(scope="module")
+def llama_reference(tmp_path_factory):
+    """A tiny random transformers Llama (float32), and the theseus run importing it."""
+    reference = Reference("llama", tmp_path_factory.mktemp("llama") / "hf")
+    run = tmp_path_factory.mktemp("llama") / "run"
+    import_hf(reference.directory, run)
+    return reference, run
+
+
+def _records(count: int, seed: int) -> list[dict[str, list[int]]]:
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            "prompt_ids": rng.integers(1, VOCAB, rng.integers(2, 9)).tolist(),
+            "chosen_ids": rng.integers(1, VOCAB, rng.integers(1, 12)).tolist(),
+            "rejected_ids": rng.integers(1, VOCAB, rng.integers(1, 12)).tolist(),
+        }
+        for _ in range(count)
+    ]
+
+
+def _pairs(records: list[dict[str, list[int]]]):
+    """The records as (chosen ids, mask, rejected ids, mask): the mask 1 on the completion."""
+
+    def side(record, key):
+        ids = record["prompt_ids"] + record[key]
+        return np.asarray(ids), np.r_[
+            np.zeros(len(record["prompt_ids"])), np.ones(len(record[key]))
+        ]
+
+    return [(*side(r, "chosen_ids"), *side(r, "rejected_ids")) for r in records]
+
+
+def _trl_logps(model, records) -> np.ndarray:
+    """TRL's per-example completion log-probabilities (DPOTrainer.compute_ref_log_probs on the
+    batch of its DataCollatorForPreference): (pairs, 2), chosen then rejected."""
+    torch = libraries().torch
+    from trl.trainer.dpo_trainer import DataCollatorForPreference, DPOTrainer
+    from trl.trainer.utils import add_fused_lm_head
+
+    add_fused_lm_head(model)
+    batch = DataCollatorForPreference(pad_token_id=0)(records)
+    stub = SimpleNamespace(
+        accelerator=SimpleNamespace(device=torch.device("cpu"), autocast=contextlib.nullcontext),
+        ref_model=None,
+        model=model,
+        args=SimpleNamespace(gradient_checkpointing_kwargs=None),
+        ld_alpha=None,
+    )
+    chosen, rejected = DPOTrainer.compute_ref_log_probs(stub, model, batch)
+    return torch.stack([chosen, rejected], 1).double().numpy()
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_pair_logps_equal_trl(layout, llama_reference):
+    """Per-example chosen and rejected completion log-probabilities of pair rows (packed: several
+    pairs a row, segment ids and restarted positions) equal TRL's on its collator's padded batch
+    of the same records (float32, 1e-5 relative)."""
+    reference, run = llama_reference
+    records = _records(11, seed=3)
+    loaded = load_run(
+        run, job="llama/train/preference", layout="storage", devices=jax.devices()[:1]
+    )
+    sampler = PairSampler(pairs_of(_pairs(records)), 63, 0, "error", layout, "test")
+    if layout == "packed":
+        assert sampler.num_windows < len(records)
+    got = split_reference(loaded.trainer, sampler, loaded.params).reshape(-1, 2)
+    np.testing.assert_allclose(got, _trl_logps(reference.model, records), rtol=1e-5)

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from theseus.config import read_yaml
 from theseus.model.family import Family
 from theseus.training.family import FamilyTrainer, trainer_class
+from theseus.training.preference_trainer import preference_trainer_class
 from theseus.training.run.evaluation import RUN_CONFIG
 from theseus.training.run.identity import record_training_job
 from theseus.training.trainer import BaseTrainer
@@ -147,12 +148,14 @@ BUILTIN_FAMILIES = (
 _FAMILY_JOBS: tuple[tuple[str, Action], ...] = (
     ("train/pretrain", "train"),
     ("evaluate", "evaluate"),
+    ("train/preference", "train"),
 )
 
 
 def register_family(module: str) -> RegisteredFamily:
     """Import ``module`` (a dotted name), which defines ``FAMILY``, and register its jobs:
-    ``NAME/train/pretrain`` and ``NAME/evaluate``, with one trainer class."""
+    ``NAME/train/pretrain`` and ``NAME/evaluate`` with the family's trainer class, and
+    ``NAME/train/preference`` with its preference trainer."""
     family = importlib.import_module(module).FAMILY
     if not isinstance(family, Family):
         raise TypeError(f"{module}.FAMILY is {family!r}, not a theseus.model.family.Family")
@@ -165,9 +168,15 @@ def register_family(module: str) -> RegisteredFamily:
             )
         return existing
     trainer = trainer_class(family)
+    trainers = {"train/preference": preference_trainer_class(trainer)}
+    descriptions = {
+        "train/preference": f"preference-tune the {family.name} family's model on chosen/rejected "
+        "pairs (DPO, robust DPO, IPO, hinge, RPO, ORPO, SimPO)",
+        **family.descriptions,
+    }
     jobs = tuple(f"{family.name}/{suffix}" for suffix, _ in _FAMILY_JOBS)
     for job, (suffix, action) in zip(jobs, _FAMILY_JOBS, strict=True):
-        register_job(job, trainer, family.descriptions[suffix], action)
+        register_job(job, trainers.get(suffix, trainer), descriptions[suffix], action)
     registered = RegisteredFamily(family.name, jobs, module, family, trainer)
     _FAMILIES[family.name] = registered
     return registered

@@ -11,7 +11,7 @@ before. Validation holds out each source's own fixed set.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ import numpy as np
 
 from theseus.config import DataConfig
 from theseus.data.packing import ROW_FIELDS, DocumentRows, Overlong, PackedSampler
+from theseus.data.pairs import PAIR_FIELDS, PairRows, PairSampler
 from theseus.data.sampler import VALIDATION_SEED, IndexedExamples, Sampler, validation_batches
 from theseus.data.tokens import Corpus, load_corpus
 
@@ -46,6 +47,7 @@ class Mixture:
     named: bool
     overlong: Overlong = "error"
     document_masking: bool = False
+    pairs: PairRows | None = None  # masked sources read as preference pairs (theseus.data.pairs)
     _packed: dict = field(default_factory=dict, repr=False)  # packings made, by their inputs
 
     @property
@@ -58,7 +60,11 @@ class Mixture:
 
     @property
     def segmented(self) -> bool:
-        return self.document_masking or any(s.corpus.examples is not None for s in self.sources)
+        return (
+            self.document_masking
+            or self.pairs is not None
+            or any(s.corpus.examples is not None for s in self.sources)
+        )
 
     @property
     def description(self) -> str:
@@ -78,13 +84,18 @@ class Mixture:
         }
 
     def row_shape(self, seq_len: int) -> tuple[int, ...]:
-        """The shape of one example of a batch: (seq_len + 1,), or (ROW_FIELDS, seq_len + 1)."""
+        """The shape of one example of a batch: (seq_len + 1,), (ROW_FIELDS, seq_len + 1), or
+        (PAIR_FIELDS, seq_len + 1) for pairs."""
+        if self.pairs is not None:
+            return (PAIR_FIELDS, seq_len + 1)
         return (ROW_FIELDS, seq_len + 1) if self.segmented else (seq_len + 1,)
 
     def split_sampler(self, source: Source, split: int, seq_len: int, seed: int):
         """``source``'s sampler of split ``split`` (0: train, 1: validation) in the mixture's
         row format: packed rows, windows split at end-of-text tokens, or plain windows."""
         corpus = source.corpus
+        if self.pairs is not None:
+            return self._pair_sampler(source, split, seq_len, seed, self.pairs)
         if corpus.examples is not None:
             key = (source.name, split, seq_len, seed)
             if key not in self._packed:  # packed once: the run, run.json and validation share it
@@ -96,6 +107,30 @@ class Mixture:
         if not self.segmented:
             return windows
         return DocumentRows(windows, corpus.eos_id if self.document_masking else None)
+
+    def _pair_sampler(
+        self, source: Source, split: int, seq_len: int, seed: int, pairs: PairRows
+    ) -> PairSampler:
+        corpus = source.corpus
+        where = f"the {('train', 'validation')[split]} split of {corpus.source}"
+        if corpus.examples is None:
+            raise ValueError(
+                f"{where} is a token stream, but preference tuning reads pairs (chosen, then "
+                "rejected examples of a preference corpus written by `theseus tokenize`); "
+                "give such a corpus as data.path or data.sources"
+            )
+        key = (source.name, split, seq_len, seed)
+        if key not in self._packed:
+            reference = pairs.reference.get((source.name, split))
+            self._packed[key] = PairSampler(
+                corpus.examples[split], seq_len, seed, self.overlong, pairs.layout, where,
+                reference,
+            )  # fmt: skip
+        return self._packed[key]
+
+    def with_pairs(self, pairs: PairRows) -> Mixture:
+        """This mixture read as preference pairs laid out and referenced as ``pairs`` says."""
+        return replace(self, pairs=pairs, _packed={})
 
     def sampler(self, seq_len: int, seed: int) -> MixtureSampler:
         samplers = [self.split_sampler(s, 0, seq_len, seed) for s in self.sources]

@@ -18,6 +18,7 @@ permutes windows, so the data position is one integer and a resumed run reads th
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal
@@ -88,20 +89,8 @@ def pack(
     lengths: np.ndarray, row_tokens: int, seed: int, overlong: Overlong, where: str
 ) -> Packing:
     """Pack examples of ``lengths`` (examples,) into rows of ``row_tokens`` as the module says."""
-    check_int("row_tokens", row_tokens, minimum=2)
     lengths = np.asarray(lengths, np.int64)
-    order = np.random.default_rng([seed, PACKING_SALT]).permutation(lengths.size)  # (examples,)
-    long = lengths[order] > row_tokens
-    num_long = int(long.sum())
-    if num_long and overlong == "error":
-        raise ValueError(
-            f"{where}: {num_long} of {lengths.size} examples are longer than a row of "
-            f"training.seq_len + 1 = {row_tokens} tokens (the longest has {lengths.max()}); "
-            "raise training.seq_len, or set data.overlong=truncate (keep each one's first "
-            f"{row_tokens} tokens) or data.overlong=drop (leave them out)"
-        )
-    if overlong == "drop":
-        order = order[~long]
+    order, num_long = shuffled_order(lengths, row_tokens, seed, overlong, where)
     kept_of = np.minimum(lengths, row_tokens)
     row_starts, members = [0], []
     for begin in range(0, order.size, PACK_BUFFER):
@@ -126,6 +115,25 @@ def pack(
         truncated,
         dropped,
     )
+
+
+def shuffled_order(
+    lengths: np.ndarray, row_tokens: int, seed: int, overlong: Overlong, where: str
+) -> tuple[np.ndarray, int]:
+    """The examples of ``lengths`` (examples,) in their seeded shuffled order, those longer than
+    a row left out under ``overlong=drop`` (refused under ``error``); and how many are longer."""
+    check_int("row_tokens", row_tokens, minimum=2)
+    order = np.random.default_rng([seed, PACKING_SALT]).permutation(lengths.size)  # (examples,)
+    long = lengths[order] > row_tokens
+    num_long = int(long.sum())
+    if num_long and overlong == "error":
+        raise ValueError(
+            f"{where}: {num_long} of {lengths.size} examples are longer than a row of "
+            f"training.seq_len + 1 = {row_tokens} tokens (the longest has {lengths.max()}); "
+            "raise training.seq_len, or set data.overlong=truncate (keep each one's first "
+            f"{row_tokens} tokens) or data.overlong=drop (leave them out)"
+        )
+    return (order[~long] if overlong == "drop" else order), num_long
 
 
 def first_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[np.ndarray]:
@@ -164,10 +172,40 @@ def build_rows(examples: MaskedExamples, packing: Packing, rows: np.ndarray) -> 
     return out
 
 
-class PackedSampler(IndexedExamples):
-    """Maps global example indices to packed rows of one split: index ``i`` is row
-    ``perm_e[i % num_rows]`` of epoch ``e = i // num_rows``, ``perm_e`` drawn as
-    :class:`~theseus.data.sampler.Sampler` draws its windows' order."""
+class RowSampler(IndexedExamples):
+    """Maps global example indices to the fixed rows of one split: index ``i`` is row
+    ``perm_e[i % num_windows]`` of epoch ``e = i // num_windows``, ``perm_e`` drawn as
+    :class:`~theseus.data.sampler.Sampler` draws its windows' order. A subclass builds rows."""
+
+    seed: int
+    num_windows: int
+    _epoch: int = -1
+    _permutation: np.ndarray = np.empty(0, np.int64)
+
+    @abc.abstractmethod
+    def rows(self, rows: np.ndarray) -> np.ndarray:
+        """Rows ``rows`` (n,) in the split's row order, int32 (n, fields, seq_len + 1)."""
+
+    def gather(self, indices: np.ndarray) -> np.ndarray:
+        """Rows of global ``indices``, int32 of shape indices.shape + (fields, seq_len + 1)."""
+        flat = np.asarray(indices, np.int64).reshape(-1)  # (n,)
+        epochs, offsets = np.divmod(flat, self.num_windows)
+        rows = np.empty_like(flat)
+        for epoch in np.unique(epochs):
+            chosen = epochs == epoch
+            rows[chosen] = self._order(int(epoch))[offsets[chosen]]
+        built = self.rows(rows)
+        return built.reshape(*np.shape(indices), *built.shape[1:])
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if epoch != self._epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            self._permutation, self._epoch = rng.permutation(self.num_windows), epoch
+        return self._permutation
+
+
+class PackedSampler(RowSampler):
+    """The packed rows of one split of a masked corpus (:func:`pack`)."""
 
     def __init__(
         self, examples: MaskedExamples, seq_len: int, seed: int, overlong: Overlong, where: str
@@ -177,25 +215,9 @@ class PackedSampler(IndexedExamples):
         self.packing = pack(examples.lengths, seq_len + 1, seed, overlong, where)
         self.seed = seed
         self.num_windows = self.packing.num_rows
-        self._epoch = -1
-        self._permutation = np.empty(0, np.int64)
 
-    def gather(self, indices: np.ndarray) -> np.ndarray:
-        """Rows of global ``indices``, int32 of shape indices.shape + (ROW_FIELDS, seq_len + 1)."""
-        flat = np.asarray(indices, np.int64).reshape(-1)  # (n,)
-        epochs, offsets = np.divmod(flat, self.num_windows)
-        rows = np.empty_like(flat)
-        for epoch in np.unique(epochs):
-            chosen = epochs == epoch
-            rows[chosen] = self._order(int(epoch))[offsets[chosen]]
-        built = build_rows(self.examples, self.packing, rows)
-        return built.reshape(*np.shape(indices), ROW_FIELDS, self.packing.row_tokens)
-
-    def _order(self, epoch: int) -> np.ndarray:
-        if epoch != self._epoch:
-            rng = np.random.default_rng([self.seed, epoch])
-            self._permutation, self._epoch = rng.permutation(self.num_windows), epoch
-        return self._permutation
+    def rows(self, rows: np.ndarray) -> np.ndarray:
+        return build_rows(self.examples, self.packing, rows)
 
 
 class DocumentRows(IndexedExamples):

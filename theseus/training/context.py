@@ -8,6 +8,7 @@ The step (:mod:`theseus.training.step`) and the gathering functions
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -48,7 +49,7 @@ class TrainerContext:
     """What the train and validation steps read; built once, with the trainer.
 
     ``loss`` is the trainer's mean loss on plain token rows (what the gather-dtype trace
-    follows), ``token_loss`` what the steps add up; ``gather_dtype`` the dtype castable
+    follows), ``token_loss`` what the steps add up, ``zero_loss`` its sum over nothing; ``gather_dtype`` the dtype castable
     parameters are gathered in (None: their own); ``seq_len`` tokens an example trains on."""
 
     topology: Topology
@@ -64,6 +65,7 @@ class TrainerContext:
     seq_len: int
     loss: Loss
     token_loss: RowsLoss
+    zero_loss: Callable[[], TokenLoss]
     gather_dtype: np.dtype | None
 
     @property

@@ -66,15 +66,23 @@ class FamilyTrainer(BaseTrainer):
         if rows.ndim == 2:
             return super().token_loss(model, rows, keys, train=train)
         tokens, mask, segments = row_fields(rows)  # each (examples, seq_len + 1)
+        logits = self.segmented_logits(model, rows, keys, train=train)
+        return masked_token_loss(logits, tokens[:, 1:], target_weights(mask, segments))
+
+    def segmented_logits(
+        self, model: nnx.Module, rows: jax.Array, keys: Keys, *, train: bool
+    ) -> jax.Array:
+        """Logits (examples, seq_len, vocab) of segmented rows (examples, fields, seq_len + 1):
+        each example attends within its segment, at positions restarted at 0."""
+        tokens, _, segments = row_fields(rows)
         inputs = segments[:, :-1]  # (examples, seq_len)
-        logits = model(
+        return model(
             tokens[:, :-1],
             keys.examples,
             deterministic=not train,
             segments=inputs,
             positions=segment_positions(inputs),
         )
-        return masked_token_loss(logits, tokens[:, 1:], target_weights(mask, segments))
 
     def default_seq_len(self) -> int:
         return self.family.context(self.config.model).length

@@ -32,15 +32,41 @@ def next_token_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 @struct.dataclass
 class TokenLoss:
-    """A loss as the step adds it up: the sum of per-token losses over the trained tokens
-    (float32) and their number (int32). Sums over microbatches and replicas, divided once, give
-    the mean over the trained tokens of the whole global batch, whatever the layout."""
+    """A loss as the step adds it up: the sum of per-item losses over the items that train
+    (float32) and their number (int32): tokens for next-token losses, pairs for preference
+    losses. Sums over microbatches and replicas, divided once, give the mean over the items of
+    the whole global batch, whatever the layout. ``sums`` are further per-item metrics summed
+    the same way (reported as means, :meth:`means`); ``tokens`` the trained tokens when the
+    items are not tokens (None: ``count``)."""
 
     total: jax.Array
     count: jax.Array
+    sums: dict[str, jax.Array] = struct.field(default_factory=dict)
+    tokens: jax.Array | None = None
 
     def mean(self) -> jax.Array:
         return self.total / self.count
+
+    def means(self) -> dict[str, jax.Array]:
+        """Each of ``sums`` over ``count``."""
+        return {name: value / self.count for name, value in self.sums.items()}
+
+    def trained_tokens(self) -> jax.Array:
+        return self.count if self.tokens is None else self.tokens
+
+    def plus(self, other: TokenLoss) -> TokenLoss:
+        """This and ``other`` added, ``other``'s leaves summed over any leading dimension (the
+        replicas of a microbatch)."""
+        return jax.tree.map(lambda a, b: a + b.reshape(-1, *a.shape).sum(0), self, other)
+
+    def zeros(self) -> TokenLoss:
+        """A sum of nothing with this one's structure (its leaves may be abstract)."""
+        return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self)
+
+
+def zero_token_loss() -> TokenLoss:
+    """The sum of no next-token losses."""
+    return TokenLoss(jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
 
 
 def masked_token_loss(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> TokenLoss:

@@ -34,8 +34,8 @@ from theseus.training.state import TrainState
 #: One training step: the state and a global batch in, the next state and the metrics out.
 TrainStep = Callable[[TrainState, jax.Array], tuple[TrainState, dict[str, jax.Array]]]
 #: One validation pass: storage-layout parameters and (num_batches, examples, ...) rows in, the
-#: mean loss out.
-ValidationStep = Callable[[Any, jax.Array], jax.Array]
+#: mean loss (``loss``) and the loss's other metrics (:meth:`TokenLoss.means`) out.
+ValidationStep = Callable[[Any, jax.Array], dict[str, jax.Array]]
 
 
 def batch_sharding(mesh: Mesh | AbstractMesh) -> NamedSharding:
@@ -119,14 +119,11 @@ def train_step(context: TrainerContext, entry: gathering.Entry) -> TrainStep:
             params = gathering.enter(state.params, context.layouts, entry)
             summed, grads = per_replica((params, rng.step), *inputs)  # (replicas, ...)
             grad_sum = constrain(jax.tree.map(jnp.add, grad_sum, grads), accumulator_layout)
-            loss_sum = TokenLoss(
-                loss_sum.total + summed.total.sum(), loss_sum.count + summed.count.sum()
-            )
-            return (grad_sum, loss_sum), None
+            return (grad_sum, loss_sum.plus(summed)), None
 
         trained, frozen = partition.split(state.params)
         zeros = jax.tree.map(lambda p: jnp.zeros((replicas, *p.shape), jnp.float32), trained)
-        nothing = TokenLoss(jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+        nothing = context.zero_loss()
         (grad_sum, summed), _ = jax.lax.scan(
             microbatch, (constrain(zeros, accumulator_layout), nothing), (batch, rng.examples)
         )
@@ -138,9 +135,10 @@ def train_step(context: TrainerContext, entry: gathering.Entry) -> TrainStep:
         grads = constrain(mean, update_layout)
         metrics = {
             "loss": summed.mean(),
-            "trained_tokens": summed.count,
+            "trained_tokens": summed.trained_tokens(),
             "grad_norm": optax.tree.norm(grads),
             "learning_rate": context.learning_rate(state.step),
+            **summed.means(),
         }
 
         def update(params, opt_state):  # the trained parameters; frozen ones pass through
@@ -181,27 +179,27 @@ def compile_train_step(
 
 
 def validation_loss(context: TrainerContext, entry: gathering.Entry) -> ValidationStep:
-    """The mean loss over the trained tokens of (num_batches, examples, ...) rows, parameters
-    in the compute layout (those gathered per layer in storage)."""
+    """The mean loss over the trained tokens (or pairs) of (num_batches, examples, ...) rows, and
+    the loss's other metrics, parameters in the compute layout (those gathered per layer in
+    storage)."""
 
-    def mean_loss(params: Any, batches: jax.Array) -> jax.Array:
+    def mean_loss(params: Any, batches: jax.Array) -> dict[str, jax.Array]:
         params = jax.lax.with_sharding_constraint(params, entry.layout)
         keys = validation_keys(batches.shape[:2])  # examples: (num_batches, examples)
 
         def one(summed: TokenLoss, inputs: tuple[jax.Array, jax.Array]) -> tuple[TokenLoss, None]:
             rows, examples = inputs  # (examples, ...), (examples,)
             more = loss_in_layouts(context, params, rows, Keys(examples, keys.step), train=False)
-            return TokenLoss(summed.total + more.total, summed.count + more.count), None
+            return summed.plus(more), None
 
-        nothing = TokenLoss(jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
-        summed, _ = jax.lax.scan(one, nothing, (batches, keys.examples))
-        return summed.mean()
+        summed, _ = jax.lax.scan(one, context.zero_loss(), (batches, keys.examples))
+        return {"loss": summed.mean(), **summed.means()}
 
     return mean_loss
 
 
 def jitted_validation_step(context: TrainerContext, entry: gathering.Entry) -> UnderMesh:
-    """:func:`validation_loss` jitted: parameters in storage, the loss replicated."""
+    """:func:`validation_loss` jitted: parameters in storage, the losses replicated."""
     step = jax.jit(
         validation_loss(context, entry),
         in_shardings=(context.layouts.storage, batch_sharding(context.mesh)),

@@ -10,6 +10,7 @@ import math
 from collections.abc import Callable
 from dataclasses import replace
 from functools import cached_property
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import jax
@@ -33,7 +34,7 @@ from theseus.config import (
     Section,
     TrainingConfig,
 )
-from theseus.data import Corpus
+from theseus.data import Corpus, Mixture
 from theseus.model.decode import Decoder
 from theseus.model.lora import LoraSpec
 from theseus.sharding.axis import PHASES, ShardingPlan, ShardingPolicy
@@ -50,7 +51,7 @@ from theseus.training import gathering, optimizer, step
 from theseus.training.context import TrainerContext
 from theseus.training.finetune import FinetuneConfig, lora_spec, partition
 from theseus.training.keys import Keys
-from theseus.training.losses import TokenLoss, next_token_loss
+from theseus.training.losses import TokenLoss, next_token_loss, zero_token_loss
 from theseus.training.state import TrainState
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -130,6 +131,7 @@ class BaseTrainer(abc.ABC):
             seq_len=self.seq_len,
             loss=self.loss,
             token_loss=self.token_loss,
+            zero_loss=self.zero_loss,
             gather_dtype=gathering.gather_dtype(self.compute_dtype, config.training.gather_dtype),
         )
 
@@ -188,6 +190,23 @@ class BaseTrainer(abc.ABC):
         count = rows.shape[0] * (rows.shape[1] - 1)
         mean = self.loss(model, rows, keys, train=train)
         return TokenLoss(mean * count, jnp.asarray(count, jnp.int32))
+
+    def rows_of(self, mixture: Mixture) -> Mixture:
+        """The run's data as this trainer reads it (a preference trainer: as pairs); as loaded
+        unless a subclass says otherwise."""
+        return mixture
+
+    def with_reference(self, mixture: Mixture, params: Any, run_dir: Path) -> Mixture:
+        """``mixture`` with what the loss needs computed from the starting ``params`` before
+        training (a preference run's reference log-probabilities, kept in ``run_dir``); nothing
+        unless a subclass says otherwise."""
+        del params, run_dir
+        return mixture
+
+    def zero_loss(self) -> TokenLoss:
+        """The sum of :meth:`token_loss` over no rows: what the steps start adding from (its
+        structure is ``token_loss``'s on the run's rows)."""
+        return zero_token_loss()
 
     def decoder(self) -> Decoder | None:
         """Cached decoding for ``theseus generate`` (:class:`theseus.model.decode.Decoder`);

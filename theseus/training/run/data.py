@@ -18,7 +18,7 @@ from theseus.training.trainer import BaseTrainer
 
 def load_data(trainer: BaseTrainer) -> Mixture:
     """The run's data: ``data.sources``, or ``data.path`` as a one-source mixture."""
-    mixture = load_mixture(trainer.config.data)
+    mixture = trainer.rows_of(load_mixture(trainer.config.data))
     for source in mixture.sources:
         trainer.check_corpus(source.corpus)
     if mixture.segmented and type(trainer).token_loss is BaseTrainer.token_loss:
@@ -41,12 +41,20 @@ class Validation:
     weights: dict[str, float]
     named: bool
 
-    def losses(self, trainer: BaseTrainer, params) -> tuple[jax.Array, dict[str, jax.Array] | None]:
-        """The weighted mean validation loss, and each source's (None for a single data.path);
-        on the device, not read."""
+    def losses(
+        self, trainer: BaseTrainer, params
+    ) -> tuple[jax.Array, dict[str, jax.Array] | None, dict[str, jax.Array]]:
+        """The weighted mean validation loss, each source's (None for a single data.path), and
+        the loss's other metrics weighted alike (a preference loss's rewards; none for a
+        next-token loss); on the device, not read."""
         by_source = {n: trainer.validation_step(params, b) for n, b in self.batches.items()}
-        mean = sum((self.weights[name] * loss for name, loss in by_source.items()), jnp.zeros(()))
-        return mean, by_source if self.named else None
+        means: dict[str, jax.Array] = {}
+        for name, values in by_source.items():
+            for key, value in values.items():
+                means[key] = means.get(key, jnp.zeros(())) + self.weights[name] * value
+        losses = {name: values["loss"] for name, values in by_source.items()}
+        mean = means.pop("loss")
+        return mean, losses if self.named else None, means
 
 
 def validation_array(trainer: BaseTrainer, mixture: Mixture) -> Validation:

@@ -6,7 +6,7 @@ model section that must stay the run's, refused field by field before anything i
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from theseus.checkpoint.checkpointer import Checkpointer
@@ -84,6 +84,7 @@ class EvalResult:
     step: int
     val_loss: float
     val_loss_by_source: dict[str, float] | None = None
+    metrics: dict[str, float] = field(default_factory=dict)  # the loss's others (rewards/...)
 
     def describe(self) -> str:
         return (
@@ -117,9 +118,12 @@ def evaluate(
     with Checkpointer(source / CHECKPOINTS, read_only=True) as checkpointer:
         storage = trainer.layouts.storage
         restored = restore_params(trainer, checkpointer, storage, base_dir=base_dir)
-    val_loss, on_device = validation.losses(trainer, restored.state)
+    val_loss, on_device, means = validation.losses(trainer, restored.state)
     by_source = None if on_device is None else {k: float(v) for k, v in on_device.items()}
-    result = EvalResult(str(out_dir), str(source), restored.step, float(val_loss), by_source)
+    metrics = {name: float(value) for name, value in means.items()}
+    result = EvalResult(
+        str(out_dir), str(source), restored.step, float(val_loss), by_source, metrics
+    )
     if is_main_process():
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "eval.json").write_text(

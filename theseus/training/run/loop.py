@@ -106,6 +106,9 @@ def train(
     )
     with checkpointer:
         start = starting_point(trainer, checkpointer, out_dir, mode)
+        with_reference = trainer.with_reference(corpus, start.state.params, out_dir)
+        if with_reference is not corpus:  # the held-out rows carry it too
+            corpus, validation = with_reference, validation_array(trainer, with_reference)
         logger.info(describe_processes())  # the run's first line
         for change in start.changes:
             logger.info(f"resuming with a changed setting: {change.describe()}")
@@ -133,7 +136,7 @@ def train(
             data=data_facts(trainer, corpus),
             speed={"compile_time_s": compile_time_s, **speed.facts()},
         )
-        initial_val_loss, _ = validation.losses(trainer, start.state.params)
+        initial_val_loss, _, _ = validation.losses(trainer, start.state.params)
         guard = NonFiniteGuard(
             config.training.nonfinite,
             config.training.max_skipped_steps,

@@ -116,11 +116,18 @@ class MetricsWriter:
         finally:
             self._clock.restart()
 
-    def add_validation(self, val_loss: jax.Array, by_source: dict[str, jax.Array] | None) -> None:
-        """Put the held step's validation losses in its row (waits for them: call it inside
+    def add_validation(
+        self,
+        val_loss: jax.Array,
+        by_source: dict[str, jax.Array] | None,
+        means: dict[str, jax.Array] | None = None,
+    ) -> None:
+        """Put the held step's validation losses in its row, and the loss's other validation
+        metrics prefixed ``val_`` as ``val_loss`` is (waits for them: call it inside
         :meth:`paused`)."""
         row = self._held_row()
         row["val_loss"] = float(val_loss)
+        row |= {f"val_{name}": float(value) for name, value in jax.device_get(means or {}).items()}
         if by_source is not None:
             by_source = jax.device_get(by_source)
             row["val_loss_by_source"] = {name: float(v) for name, v in by_source.items()}

@@ -1,0 +1,156 @@
+"""Preference tuning of a model family (``NAME/train/preference``): the family's trainer reading
+pair rows (:mod:`theseus.data.pairs`) and adding up a preference loss
+(:mod:`theseus.training.preference`) per pair.
+
+``training.batch_size`` counts rows: one pair each under ``preference.layout=padded``, as many
+whole pairs as fit under ``packed`` (the default). The loss is the mean over the pairs of the
+global batch (a sum and a count, as next-token losses are a sum over tokens and their count), so
+no layout, accumulation or packing changes it. The reference is the model the run starts from;
+for a LoRA run the same parameters with the adapters switched off, so no second copy is held.
+``precomputed`` (the default) computes it once before training
+(:mod:`theseus.training.reference`), ``live`` in every step (LoRA only: a full fine-tuning run
+would need a second copy of the model).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import pydantic
+from flax import nnx
+
+from theseus.data import Mixture
+from theseus.data.pairs import PairLayout, PairRows
+from theseus.model.lora import ADAPTERS
+from theseus.training import reference
+from theseus.training.family import FamilyTrainer
+from theseus.training.keys import Keys
+from theseus.training.losses import TokenLoss
+from theseus.training.pair_logps import (
+    completion_logps,
+    reference_pairs,
+    row_pairs,
+    stored_reference,
+)
+from theseus.training.preference import METRICS, PreferenceConfig, pair_losses
+from theseus.training.trainer import TrainerConfig
+
+
+class PreferenceSection(PreferenceConfig):
+    """The ``preference`` section: the loss's settings and how pairs are laid out in rows."""
+
+    layout: PairLayout = pydantic.Field(
+        "packed", description="packed: whole pairs packed into rows; padded: one pair a row"
+    )
+
+
+class PreferenceTrainer(FamilyTrainer):
+    """A family's trainer on preference pairs (subclassed per family:
+    :func:`preference_trainer_class`)."""
+
+    def __init__(self, config: TrainerConfig, policy, topology=None):
+        preference = config.preference  # type: ignore[attr-defined]
+        if preference.reference_mode == "live" and config.finetune.lora_rank == 0:
+            raise ValueError(
+                "preference.reference=live recomputes the reference every step from the base "
+                "model with the LoRA adapters switched off, but this run trains every "
+                "parameter (finetune.lora_rank=0): it would need a second copy of the model. "
+                "Use preference.reference=precomputed (the default), or LoRA "
+                "(finetune.lora_rank=8, say)."
+            )
+        super().__init__(config, policy, topology)
+
+    @property
+    def preference(self) -> PreferenceSection:
+        return self.config.preference  # type: ignore[attr-defined]
+
+    def rows_of(self, mixture: Mixture) -> Mixture:
+        """The mixture's masked sources as pair rows (no reference yet)."""
+        return mixture.with_pairs(PairRows(self.preference.layout, {}))
+
+    def with_reference(self, mixture: Mixture, params: Any, run_dir: Path) -> Mixture:
+        """With ``preference.reference=precomputed``: the pair rows carrying the reference
+        (:func:`theseus.training.reference.with_reference`)."""
+        if self.preference.reference_mode != "precomputed":
+            return mixture
+        return reference.with_reference(self, mixture, params, run_dir)
+
+    def reference_model(self, model: nnx.Module) -> nnx.Module:
+        """The reference: ``model`` itself, or with its LoRA adapters switched off (zeroed;
+        the other parameters are the same arrays, gathered as the policy's are)."""
+        if self.config.finetune.lora_rank == 0:
+            return model
+        graphdef, params = nnx.split(model, nnx.Param)
+        pure = _zero_adapters(nnx.to_pure_dict(params))
+        return nnx.merge(graphdef, pure)
+
+    def reference_logps(self, model: nnx.Module, rows: jax.Array, keys: Keys) -> jax.Array:
+        """Per row and segment, the reference's summed completion log-probabilities
+        (examples, seq_len + 2), without gradient."""
+        reference = self.reference_model(model)
+        logits = self.segmented_logits(reference, rows, keys, train=False)
+        return jax.lax.stop_gradient(completion_logps(logits, rows).sums)
+
+    def token_loss(
+        self, model: nnx.Module, rows: jax.Array, keys: Keys, *, train: bool
+    ) -> TokenLoss:
+        """The summed preference loss of the pairs of pair rows (examples, PAIR_FIELDS,
+        seq_len + 1), their number, the summed metrics and the trained tokens. Plain token
+        rows (the FLOP count's and the gather trace's) get the next-token loss."""
+        if rows.ndim == 2:
+            return super().token_loss(model, rows, keys, train=train)
+        logits = self.segmented_logits(model, rows, keys, train=train)
+        logps = completion_logps(logits, rows)
+        pairs = row_pairs(logps, rows)
+        preference = self.preference
+        reference = None
+        if preference.reference_mode == "live":
+            reference = reference_pairs(self.reference_logps(model, rows, keys), pairs)
+        elif preference.reference_mode == "precomputed":
+            reference = reference_pairs(stored_reference(rows), pairs)
+        scored = pair_losses(preference, pairs.policy, reference)
+        valid = pairs.valid
+        return TokenLoss(
+            jnp.sum(scored.loss * valid),
+            jnp.sum(valid).astype(jnp.int32),
+            scored.metric_sums(valid),
+            jnp.sum(logps.tokens[:, 1:]).astype(jnp.int32),
+        )
+
+    def zero_loss(self) -> TokenLoss:
+        zero, none = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
+        return TokenLoss(zero, none, {name: zero for name in METRICS}, none)
+
+
+def _zero_adapters(params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` (nested dicts) with every LoRA adapter matrix zeros."""
+    return {
+        key: _zero_adapters(value)
+        if isinstance(value, dict)
+        else (jnp.zeros_like(value) if key in ADAPTERS else value)
+        for key, value in params.items()
+    }
+
+
+def preference_trainer_class(family_trainer: type[FamilyTrainer]) -> type[PreferenceTrainer]:
+    """The preference trainer of ``family_trainer``'s family: its config adds ``preference``."""
+    config_class = pydantic.create_model(
+        f"{family_trainer.__name__}PreferenceConfig",
+        __base__=family_trainer.config_class,
+        __module__=__name__,
+        __doc__=f"{family_trainer.family.name} preference tuning: the family's sections and "
+        "``preference``.",
+        preference=(PreferenceSection, pydantic.Field(default_factory=PreferenceSection)),
+    )
+    attributes = {
+        "family": family_trainer.family,
+        "config_class": config_class,
+        "plan": family_trainer.plan,
+        "__module__": __name__,
+        "__doc__": f"Preference tuning of the {family_trainer.family.name} family's model.",
+    }
+    name = f"{family_trainer.__name__}Preference"
+    return type(name, (PreferenceTrainer, family_trainer), attributes)

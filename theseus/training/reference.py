@@ -1,0 +1,170 @@
+"""The precomputed reference of a preference run: each example's summed completion
+log-probability under the model the run starts from (LoRA adapters off), computed in one pass
+over every pair of the train and validation splits before training, on the training mesh and
+layouts, and stored in the run directory (``reference_logps.npz``: per source and split,
+(pairs, 2) float32, chosen then rejected, by pair index). A resumed run reads it back."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from theseus.accounting.preflight import BatchPlan
+from theseus.data import Mixture
+from theseus.data.pairs import PairRows, PairSampler, pair_examples
+from theseus.data.sampler import VALIDATION_SEED
+from theseus.distributed.join import is_main_process
+from theseus.sharding.topology import UnderMesh
+from theseus.training import gathering
+from theseus.training.context import TrainerContext
+from theseus.training.keys import Keys, validation_keys
+from theseus.training.step import batch_sharding
+
+
+class PreferenceTrainer(Protocol):
+    """What the pass reads of a preference trainer
+    (:class:`~theseus.training.preference_trainer.PreferenceTrainer`)."""
+
+    @property
+    def context(self) -> TrainerContext: ...
+
+    @property
+    def entry(self) -> gathering.Entry: ...
+
+    @property
+    def batch_plan(self) -> BatchPlan: ...
+
+    @property
+    def config(self) -> Any: ...
+
+    def put_batch(
+        self, rows_for: Callable[[slice], np.ndarray], shape: tuple[int, ...]
+    ) -> jax.Array: ...
+
+    def reference_logps(self, model: nnx.Module, rows: jax.Array, keys: Keys) -> jax.Array: ...
+
+
+REFERENCE_FILE = "reference_logps.npz"
+_CHUNK = 16  # microbatches a call of the pass reads
+
+
+def reference_step(trainer: PreferenceTrainer) -> UnderMesh:
+    """Storage-layout parameters and (num, examples, PAIR_FIELDS, seq_len + 1) rows in, the
+    reference's per-segment log-probabilities (num, examples, seq_len + 2) out, replicated."""
+    context, entry = trainer.context, trainer.entry
+
+    def run(params: Any, batches: jax.Array) -> jax.Array:
+        params = jax.lax.with_sharding_constraint(params, entry.layout)
+        keys = validation_keys(batches.shape[:2])
+
+        def one(carry: None, inputs: tuple[jax.Array, jax.Array]) -> tuple[None, jax.Array]:
+            rows, examples = inputs
+
+            def logps(params: Any) -> jax.Array:
+                model = nnx.merge(context.graphdef, params)
+                return trainer.reference_logps(model, rows, Keys(examples, keys.step))
+
+            return None, gathering.loss_with_layouts(
+                logps,
+                params,
+                context.layouts,
+                None,
+                cast_dtype=context.gather_dtype,
+                remat=context.policy.activation_checkpointing,
+            )
+
+        return jax.lax.scan(one, None, (batches, keys.examples))[1]
+
+    step = jax.jit(
+        run,
+        in_shardings=(context.layouts.storage, batch_sharding(context.mesh)),
+        out_shardings=NamedSharding(context.mesh, P()),
+    )
+    return UnderMesh(step, context.topology.device_mesh)
+
+
+def split_reference(trainer: PreferenceTrainer, sampler: PairSampler, params: Any) -> np.ndarray:
+    """Every example's reference log-probability of one split: (examples,) float32."""
+    step = reference_step(trainer)
+    examples = trainer.batch_plan.examples_per_microbatch
+    packing = sampler.packing
+    out = np.zeros(sampler.examples.lengths.size, np.float32)
+    per_call = examples * _CHUNK
+    for first in range(0, packing.num_rows, per_call):
+        rows = np.arange(first, min(first + per_call, packing.num_rows))
+        built = sampler.rows(rows)
+        batch = np.zeros((per_call, *built.shape[1:]), np.int32)
+        batch[: rows.size] = built  # empty rows after the last: no segments, nothing summed
+        batch = batch.reshape(_CHUNK, examples, *built.shape[1:])
+        sums = np.asarray(step(params, trainer.put_batch(_rows_of(batch), batch.shape)))
+        sums = sums.reshape(per_call, -1)  # (rows, seq_len + 2)
+        for place, row in enumerate(rows.tolist()):
+            members = pair_examples(row, packing)  # segment s is members[s - 1]
+            out[members] = sums[place, 1 : 1 + members.size]
+    return out
+
+
+def _rows_of(batch: np.ndarray):
+    """The rows (examples) of ``batch`` (num, examples, ...) a device reads."""
+    return lambda rows: batch[:, rows]
+
+
+def with_reference(
+    trainer: PreferenceTrainer, mixture: Mixture, params: Any, run_dir: Path
+) -> Mixture:
+    """``mixture``'s pair rows carrying the reference: read from ``run_dir`` when it holds it
+    (a resumed run), else computed from ``params`` and written there."""
+    assert mixture.pairs is not None
+    seq_len, seed = trainer.batch_plan.seq_len, trainer.config.training.seed
+    path = run_dir / REFERENCE_FILE
+    splits = [(s, split) for s in mixture.sources for split in (0, 1)]
+    if path.is_file():
+        with np.load(path) as stored:
+            reference = {
+                (s.name, split): _stored(stored, s.name, split, path) for s, split in splits
+            }
+        _check_sizes(mixture, reference, path)
+    else:
+        reference = {}
+        for source, split in splits:
+            sampler = mixture.split_sampler(source, split, seq_len, (seed, VALIDATION_SEED)[split])
+            reference[(source.name, split)] = split_reference(trainer, sampler, params)
+        if is_main_process():
+            arrays = {_key(name, split): v.reshape(-1, 2) for (name, split), v in reference.items()}
+            np.savez(path, **arrays)  # type: ignore[arg-type]  # numpy's stub types kwds oddly
+    return mixture.with_pairs(PairRows(mixture.pairs.layout, reference))
+
+
+def _key(source: str, split: int) -> str:
+    return f"{source}/{('train', 'validation')[split]}"
+
+
+def _stored(stored: Any, source: str, split: int, path: Path) -> np.ndarray:
+    key = _key(source, split)
+    if key not in stored:
+        raise ValueError(
+            f"{path} holds no reference log-probabilities of {key}: the run's data changed "
+            "since they were computed; resume with the data the run started with, or start "
+            "a new run (--overwrite)"
+        )
+    return np.ascontiguousarray(stored[key].reshape(-1), np.float32)
+
+
+def _check_sizes(mixture: Mixture, reference: dict[tuple[str, int], np.ndarray], path: Path):
+    for source in mixture.sources:
+        for split, examples in enumerate(source.corpus.examples or ()):
+            held = reference[(source.name, split)].size
+            if held != examples.lengths.size:
+                raise ValueError(
+                    f"{path} holds {held // 2} reference pairs of {_key(source.name, split)}, "
+                    f"but the data has {examples.lengths.size // 2}: the run's data changed "
+                    "since they were computed; resume with the data the run started with, or "
+                    "start a new run (--overwrite)"
+                )
