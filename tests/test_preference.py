@@ -4,19 +4,28 @@ packed pairs' log-probabilities against TRL's on a transformers model, and the t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import math
 from collections import defaultdict
 from types import SimpleNamespace
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from hf_reference import VOCAB, Reference, libraries
+from support import policy_id
 
+from theseus.config import apply_overrides
 from theseus.data.pairs import PairSampler, pairs_of
 from theseus.hf.importer import import_hf
 from theseus.inference.logits import load_run
+from theseus.jobs import get_job
+from theseus.model.families.llama import LlamaConfig
+from theseus.sharding.axis import ShardingPolicy
+from theseus.sharding.topology import Topology
 from theseus.training.preference import PairLogps, PreferenceConfig, pair_losses
 from theseus.training.reference import split_reference
 
@@ -252,3 +261,164 @@ def test_pair_logps_equal_trl(layout, llama_reference):
         assert sampler.num_windows < len(records)
     got = split_reference(loaded.trainer, sampler, loaded.params).reshape(-1, 2)
     np.testing.assert_allclose(got, _trl_logps(reference.model, records), rtol=1e-5)
+
+
+# --- the trainer ---------------------------------------------------------------------------------
+
+PREF_MODEL = LlamaConfig(
+    vocab_size=64,
+    hidden_size=24,
+    intermediate_size=40,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+)
+PREF_JOB = "llama/train/preference"
+SEQ_LEN = 31
+BATCH = 16  # rows: pairs under the padded layout
+
+
+@functools.cache
+def _examples():
+    rng = np.random.default_rng(5)
+
+    def pair():
+        prompt = rng.integers(0, 64, rng.integers(3, 8))
+        sides = [rng.integers(0, 64, rng.integers(2, 7)) for _ in range(2)]
+        masks = [np.r_[np.zeros(prompt.size), np.ones(s.size)] for s in sides]
+        ids = [np.concatenate([prompt, s]) for s in sides]
+        return ids[0], masks[0], ids[1], masks[1]
+
+    return pairs_of([pair() for _ in range(56)])
+
+
+def _trainer(policy: ShardingPolicy, accumulation: int, *overrides: str, devices: int = 8):
+    cls = get_job(PREF_JOB).trainer_class
+    replicas = devices // policy.tp
+    settings = [
+        f"training.batch_size={BATCH}",
+        f"training.per_device_batch_size={BATCH // (replicas * accumulation)}",
+        f"training.seq_len={SEQ_LEN}",
+        "optimization.learning_rate=1e-3",
+        "optimization.warmup_steps=1",
+        *overrides,
+    ]
+    config = apply_overrides(cls.config_class(model=PREF_MODEL), settings)
+    topology = Topology.new(policy, devices=jax.devices()[:devices])
+    return cls(config, policy, topology)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefRun:
+    metrics: dict[str, np.ndarray]  # name -> (steps,)
+    params: Any
+
+
+def _run(trainer, layout: str = "packed", steps: int = 3) -> PrefRun:
+    """``steps`` steps on the test's pairs, the reference precomputed on the trainer's mesh."""
+    state = trainer.init_state()
+    sampler = PairSampler(_examples(), SEQ_LEN, 0, "error", layout, "test")
+    if trainer.preference.reference_mode == "precomputed":
+        reference = split_reference(trainer, sampler, state.params)
+        sampler = PairSampler(_examples(), SEQ_LEN, 0, "error", layout, "test", reference)
+    plan, rows = trainer.batch_plan, []
+    for index in range(steps):
+        batch = sampler.global_batch(
+            index * BATCH, plan.accumulation_steps, plan.examples_per_microbatch
+        )
+        state, metrics = trainer.train_step(state, trainer.put_batch(_rows_of(batch), batch.shape))
+        rows.append(jax.device_get(metrics))
+    stacked = {name: np.array([float(r[name]) for r in rows]) for name in rows[0]}
+    return PrefRun(stacked, jax.device_get(state.params))
+
+
+def _rows_of(batch):
+    return lambda rows: batch[:, rows]
+
+
+@functools.cache
+def _one_device(layout: str = "packed", *overrides: str) -> PrefRun:
+    return _run(_trainer(ShardingPolicy(), 1, *overrides, devices=1), layout)
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_dpo_starts_at_ln2_with_zero_rewards(layout):
+    """Step 0, the reference equal to the policy: the DPO loss is ln 2 and every reward 0."""
+    first = {name: values[0] for name, values in _one_device(layout).metrics.items()}
+    assert abs(first["loss"] - math.log(2)) <= 1e-5
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+        assert abs(first[name]) <= 1e-5, (name, first[name])
+    assert first["rewards/accuracies"] <= 0.5  # no reward above another
+
+
+COMPARED = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
+            "logps/rejected", "trained_tokens")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [ShardingPolicy(tp=2), ShardingPolicy(fsdp=True), ShardingPolicy(tp=2, fsdp=True)],
+    ids=policy_id,
+)
+def test_layouts_and_accumulation_change_nothing(policy):
+    """tp=2, FSDP and tp=2 + FSDP with 4 microbatches equal one device: losses and rewards
+    within 1e-4 relative (1e-5 absolute, for rewards near 0), parameters within 1e-4."""
+    want = _one_device()
+    got = _run(_trainer(policy, 4 if policy.tp == 2 and policy.fsdp else 1))
+    for name in COMPARED:
+        np.testing.assert_allclose(
+            got.metrics[name], want.metrics[name], rtol=1e-4, atol=1e-5, err_msg=name
+        )
+    assert got.metrics["loss"][-1] < got.metrics["loss"][0]
+    for path, value in jax.tree_util.tree_flatten_with_path(got.params)[0]:
+        expected = functools.reduce(lambda tree, key: tree[key.key], path, want.params)
+        np.testing.assert_allclose(value, expected, atol=1e-4, rtol=0, err_msg=str(path))
+
+
+LORA = "finetune.lora_rank=4"
+
+
+@functools.cache
+def _lora_trainer(reference: str):
+    return _trainer(ShardingPolicy(fsdp=True), 1, LORA, f"preference.reference={reference}")
+
+
+def test_live_reference_equals_precomputed_under_lora():
+    """LoRA: the reference is the base with the adapters off, recomputed each step (live) or
+    once before training (precomputed): the same numbers within 1e-6 over steps that move the
+    adapters away from it."""
+    live = _run(_lora_trainer("live"))
+    precomputed = _run(_lora_trainer("precomputed"))
+    assert live.metrics["rewards/margins"][-1] != 0  # the policy left the reference
+    for name in COMPARED:
+        scale = 1e-6 * np.abs(precomputed.metrics["logps/chosen"]).max()  # sums' float noise
+        np.testing.assert_allclose(
+            live.metrics[name], precomputed.metrics[name], rtol=1e-6, atol=scale, err_msg=name
+        )
+
+
+def test_lora_preference_run_holds_no_reference():
+    """A LoRA preference run's state, planned and compiled, is a LoRA SFT run's: no copy of
+    the model for the reference (live, the costlier setting)."""
+    preference = _lora_trainer("live")
+    sft_class = get_job("llama/train/pretrain").trainer_class
+    sft_config = apply_overrides(
+        sft_class.config_class(model=PREF_MODEL),
+        [f"training.{k}={v}" for k, v in preference.config.training.model_dump().items()
+         if v is not None] + [LORA],
+    )  # fmt: skip
+    sft = sft_class(sft_config, preference.policy, preference.topology)
+    shapes = lambda s: jax.tree.map(lambda x: (x.shape, x.dtype), s)  # noqa: E731
+    assert shapes(preference.abstract_state) == shapes(sft.abstract_state)
+    assert preference.memory() == sft.memory()
+    plan = preference.batch_plan
+    compiled = {}
+    for trainer, fields in ((preference, 4), (sft, 3)):
+        shape = (plan.accumulation_steps, plan.global_batch_size // plan.accumulation_steps,
+                 fields, SEQ_LEN + 1)  # fmt: skip
+        step = trainer.compile(shape)
+        batch = plan.accumulation_steps * plan.per_device_batch_size * fields * (SEQ_LEN + 1) * 4
+        compiled[fields] = (step.arguments - batch, step.aliased)
+    assert compiled[4] == compiled[3]
