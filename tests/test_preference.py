@@ -6,8 +6,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import math
+import shutil
 from collections import defaultdict
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -15,19 +18,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hf_reference import VOCAB, Reference, libraries
-from support import policy_id
+from hf_reference import VOCAB, Reference, byte_tokenizer, libraries
+from support import invoke, policy_id
 
 from theseus.config import apply_overrides
+from theseus.data.packing import MaskedExamples
 from theseus.data.pairs import PairSampler, pairs_of
+from theseus.data.shards import FORMAT
 from theseus.hf.importer import import_hf
 from theseus.inference.logits import load_run
 from theseus.jobs import get_job
 from theseus.model.families.llama import LlamaConfig
+from theseus.plot import read_metrics
 from theseus.sharding.axis import ShardingPolicy
 from theseus.sharding.topology import Topology
-from theseus.training.preference import PairLogps, PreferenceConfig, pair_losses
-from theseus.training.reference import split_reference
+from theseus.training.preference import METRICS, PairLogps, PreferenceConfig, pair_losses
+from theseus.training.reference import REFERENCE_FILE, split_reference
 
 PAIRS = 5
 RNG = np.random.default_rng(7)
@@ -422,3 +428,105 @@ def test_lora_preference_run_holds_no_reference():
         batch = plan.accumulation_steps * plan.per_device_batch_size * fields * (SEQ_LEN + 1) * 4
         compiled[fields] = (step.arguments - batch, step.aliased)
     assert compiled[4] == compiled[3]
+
+
+# --- the job, end to end -------------------------------------------------------------------------
+
+
+def write_pair_corpus(folder: Path, splits: dict[str, Any]) -> Path:
+    """A chat corpus folder as ``theseus tokenize`` writes one (tokens, loss mask, example
+    lengths per split; byte tokenizer) whose examples are the pairs of ``splits`` (split name
+    -> MaskedExamples), chosen then rejected."""
+    folder.mkdir()
+    manifest = {"format": FORMAT, "vocab_size": PREF_MODEL.vocab_size, "token_dtype": "uint16",
+                "loss_mask": True, "splits": {}}  # fmt: skip
+    for split, examples in splits.items():
+        np.asarray(examples.tokens, np.uint16).tofile(folder / f"{split}.bin")
+        np.asarray(examples.mask, np.uint8).tofile(folder / f"{split}.mask")
+        np.asarray(examples.lengths, np.uint32).tofile(folder / f"{split}.docs")
+        shard = {"name": f"{split}.bin", "mask": f"{split}.mask", "docs": f"{split}.docs",
+                 "tokens": int(examples.lengths.sum())}  # fmt: skip
+        manifest["splits"][split] = {"shards": [shard]}
+    (folder / "tokens.json").write_text(json.dumps(manifest))
+    byte_tokenizer().save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def _job_args(corpus: Path, out: Path, *extra: str) -> list:
+    model = [f"model.{k}={v}" for k, v in PREF_MODEL.model_dump().items() if v is not None]
+    model = [m for m in model if m.split("=")[0] in {f"model.{k}" for k in MODEL_FIELDS}]
+    return [
+        "train", "--job", PREF_JOB, "--out", out, f"data.path={corpus}", *model,
+        f"training.seq_len={SEQ_LEN}", "training.batch_size=8",
+        "training.per_device_batch_size=1", "training.steps=4",
+        "training.validation_interval=2", "training.validation_batches=1",
+        "checkpointing.interval=2", "optimization.learning_rate=1e-3",
+        "optimization.warmup_steps=1", *extra,
+    ]  # fmt: skip
+
+
+MODEL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                "num_kv_heads", "head_dim", "max_position_embeddings")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pair_corpus(tmp_path_factory) -> Path:
+    examples = _examples()
+    cut = 2 * 40  # 40 train pairs, 16 validation pairs
+    split = {
+        "train": MaskedExamples(examples.tokens[: examples.starts[cut]],
+                                examples.mask[: examples.starts[cut]], examples.lengths[:cut]),
+        "validation": MaskedExamples(examples.tokens[examples.starts[cut]:],
+                                     examples.mask[examples.starts[cut]:], examples.lengths[cut:]),
+    }  # fmt: skip
+    return write_pair_corpus(tmp_path_factory.mktemp("pairs") / "corpus", split)
+
+
+def test_job_records_trl_metrics_and_resumes_bit_for_bit(pair_corpus, tmp_path):
+    """``llama/train/preference`` from the CLI: every row carries TRL's metrics, validation rows
+    ``val_``-prefixed ones and the preference loss as val_loss; the precomputed reference is
+    stored in the run; a run resumed from step 2 reuses it and equals the uninterrupted run bit
+    for bit."""
+    run = tmp_path / "run"
+    result = invoke(*_job_args(pair_corpus, run))
+    assert result.exit_code == 0, result.output
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert abs(rows[0]["loss"] - math.log(2)) <= 1e-5
+    for row in rows:
+        assert set(METRICS) <= set(row)
+    validated = [r for r in rows if "val_loss" in r]
+    assert [r["step"] for r in validated] == [2, 4]
+    assert all(f"val_{name}" in r for r in validated for name in METRICS)
+    stored = run / REFERENCE_FILE
+    assert stored.is_file()
+    stamp = stored.stat().st_mtime_ns
+    resumed = tmp_path / "resumed"
+    shutil.copytree(run, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "4")
+    result = invoke(*_job_args(pair_corpus, resumed, "--resume"))
+    assert result.exit_code == 0, result.output
+    assert "resumed from step 2" in result.output
+    assert (resumed / REFERENCE_FILE).stat().st_mtime_ns == stamp  # read back, not recomputed
+    again = read_metrics(resumed)
+    keys = ("loss", "val_loss", *METRICS, *(f"val_{m}" for m in METRICS))
+    for want, got in zip(rows, again, strict=True):
+        assert {k: want.get(k) for k in keys} == {k: got.get(k) for k in keys}
+
+
+@pytest.mark.parametrize(
+    "settings, fragments",
+    [
+        (["preference.beta=0"], ["preference.beta=0", "positive"]),
+        (["preference.loss=simpo", "preference.reference=live"], ["reference-free"]),
+        (["preference.reference=live"], ["second copy", "finetune.lora_rank"]),
+        (["data.overlong=truncate"], ["data.overlong=truncate", "pairs"]),
+    ],
+)
+def test_bad_settings_are_one_paragraph(settings, fragments, pair_corpus, tmp_path):
+    result = invoke(*_job_args(pair_corpus, tmp_path / "run", *settings))
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("error: ") and "Traceback" not in result.output
+    for fragment in fragments:
+        assert fragment in result.output, result.output
+    assert not (tmp_path / "run").exists()
