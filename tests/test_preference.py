@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from hf_reference import VOCAB, Reference, byte_tokenizer, libraries
 from support import invoke, policy_id
 
@@ -25,13 +26,16 @@ from theseus.config import apply_overrides
 from theseus.data.packing import MaskedExamples
 from theseus.data.pairs import PairSampler, pairs_of
 from theseus.data.shards import FORMAT
+from theseus.hf.exporter import tensor_values
 from theseus.hf.importer import import_hf
 from theseus.inference.logits import load_run
+from theseus.jobs import families as registered_families
 from theseus.jobs import get_job
 from theseus.model.families.llama import LlamaConfig
 from theseus.plot import read_metrics
 from theseus.sharding.axis import ShardingPolicy
 from theseus.sharding.topology import Topology
+from theseus.training.keys import validation_keys
 from theseus.training.preference import METRICS, PairLogps, PreferenceConfig, pair_losses
 from theseus.training.reference import REFERENCE_FILE, split_reference
 
@@ -201,8 +205,12 @@ def test_dpo_at_the_reference_is_ln2():
 
 @pytest.fixture(scope="module")
 def llama_reference(tmp_path_factory):
-    """A tiny random transformers Llama (float32), and the theseus run importing it."""
+    """A tiny random transformers Llama (float32) with TRL's fused head (as DPOTrainer adds it),
+    and the theseus run importing it."""
+    from trl.trainer.utils import add_fused_lm_head
+
     reference = Reference("llama", tmp_path_factory.mktemp("llama") / "hf")
+    add_fused_lm_head(reference.model, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
     run = tmp_path_factory.mktemp("llama") / "run"
     import_hf(reference.directory, run)
     return reference, run
@@ -237,9 +245,7 @@ def _trl_logps(model, records) -> np.ndarray:
     batch of its DataCollatorForPreference): (pairs, 2), chosen then rejected."""
     torch = libraries().torch
     from trl.trainer.dpo_trainer import DataCollatorForPreference, DPOTrainer
-    from trl.trainer.utils import add_fused_lm_head
 
-    add_fused_lm_head(model)
     batch = DataCollatorForPreference(pad_token_id=0)(records)
     stub = SimpleNamespace(
         accelerator=SimpleNamespace(device=torch.device("cpu"), autocast=contextlib.nullcontext),
@@ -267,6 +273,60 @@ def test_pair_logps_equal_trl(layout, llama_reference):
         assert sampler.num_windows < len(records)
     got = split_reference(loaded.trainer, sampler, loaded.params).reshape(-1, 2)
     np.testing.assert_allclose(got, _trl_logps(reference.model, records), rtol=1e-5)
+
+
+def test_dpo_gradients_equal_torch(llama_reference):
+    """The DPO loss's gradient of every tensor, packed pairs against a reference apart from the
+    policy, equals torch's through TRL's DPOTrainer on its collator's batch (1e-4 relative, in
+    norm, per tensor; theseus's gradients laid out as the exporter lays out weights)."""
+    torch = libraries().torch
+    from trl.trainer.dpo_trainer import DataCollatorForPreference, DPOTrainer
+
+    reference, run = llama_reference
+    records = _records(6, seed=4)
+    loaded = load_run(run, job=PREF_JOB, layout="storage", devices=jax.devices()[:1])
+    trainer, params = loaded.trainer, loaded.params
+    examples = pairs_of(_pairs(records))
+    sampler = PairSampler(examples, 63, 0, "error", "packed", "test")
+    offsets = np.random.default_rng(2).normal(0, 3, examples.lengths.size).astype(np.float32)
+    stored = split_reference(trainer, sampler, params) + offsets  # a reference apart
+    sampler = PairSampler(examples, 63, 0, "error", "packed", "test", stored)
+    rows = jnp.asarray(sampler.rows(np.arange(sampler.num_windows)))
+
+    def mean_loss(params):
+        model = nnx.merge(trainer.graphdef, params)
+        return trainer.token_loss(model, rows, validation_keys(rows.shape[:1]), train=True).mean()
+
+    grads = jax.jit(jax.grad(mean_loss))(params)
+    batch = DataCollatorForPreference(pad_token_id=0)(records)
+    batch["ref_chosen_logps"] = torch.tensor(stored[0::2])
+    batch["ref_rejected_logps"] = torch.tensor(stored[1::2])
+    stub = SimpleNamespace(
+        model=SimpleNamespace(training=True),
+        accelerator=_accelerator(torch),
+        aux_loss_enabled=False,
+        precompute_ref_logps=True,
+        ld_alpha=None,
+        f_divergence_type="reverse_kl",
+        use_weighting=False,
+        _metrics=defaultdict(lambda: defaultdict(list)),
+        _total_train_tokens=0,
+        _tp_size=1,
+        beta=0.1,
+        loss_types=["sigmoid"],
+        loss_weights=[1.0],
+        label_smoothing=0.0,
+    )
+    model = reference.model
+    model.zero_grad()
+    DPOTrainer._compute_loss(stub, model, batch, False).backward()
+    theirs = dict(model.named_parameters())
+    family = registered_families()["llama"].family
+    tensors = family.hf.tensors(trainer.config.model.model_dump(mode="json"))
+    for name, blocks in tensor_values(grads, tensors, np.float32):
+        ours, want = np.concatenate(list(blocks)), theirs[name].grad.double().numpy()
+        error = np.linalg.norm(ours - want) / np.linalg.norm(want)
+        assert error <= 1e-4, (name, error)
 
 
 # --- the trainer ---------------------------------------------------------------------------------
@@ -486,7 +546,7 @@ def test_job_records_trl_metrics_and_resumes_bit_for_bit(pair_corpus, tmp_path):
     """``llama/train/preference`` from the CLI: every row carries TRL's metrics, validation rows
     ``val_``-prefixed ones and the preference loss as val_loss; the precomputed reference is
     stored in the run; a run resumed from step 2 reuses it and equals the uninterrupted run bit
-    for bit."""
+    for bit; ``theseus evaluate RUN`` writes the same validation figures to eval.json."""
     run = tmp_path / "run"
     result = invoke(*_job_args(pair_corpus, run))
     assert result.exit_code == 0, result.output
@@ -512,6 +572,13 @@ def test_job_records_trl_metrics_and_resumes_bit_for_bit(pair_corpus, tmp_path):
     keys = ("loss", "val_loss", *METRICS, *(f"val_{m}" for m in METRICS))
     for want, got in zip(rows, again, strict=True):
         assert {k: want.get(k) for k in keys} == {k: got.get(k) for k in keys}
+    result = invoke("evaluate", run)  # the run's own pairs: its stored reference
+    assert result.exit_code == 0, result.output
+    evaluation = json.loads((run / "eval.json").read_text())
+    assert evaluation["val_loss"] == pytest.approx(rows[-1]["val_loss"], rel=1e-5)
+    for name in METRICS:
+        want = rows[-1][f"val_{name}"]
+        assert evaluation["metrics"][name] == pytest.approx(want, rel=1e-5, abs=1e-6), name
 
 
 @pytest.mark.parametrize(

@@ -78,6 +78,25 @@ class PreferenceTrainer(FamilyTrainer):
             return mixture
         return reference.with_reference(self, mixture, params, run_dir)
 
+    def for_evaluation(self, mixture: Mixture, params: Any, run_dir: Path) -> Mixture:
+        """The pair rows of ``theseus evaluate``: the reference the run stored when the data is
+        the run's own, else (other pairs) computed from ``params`` with the adapters off, which
+        is the reference of a LoRA run; a full fine-tuning run's reference is no longer held."""
+        if self.preference.reference_mode is None:
+            return mixture
+        references = reference.stored(mixture, run_dir)
+        if references is None and self.config.finetune.lora_rank == 0:
+            raise ValueError(
+                f"evaluating {run_dir} on other pairs than its own needs their reference "
+                "log-probabilities under the model it started from, which a full fine-tuning "
+                "run no longer holds; evaluate on the run's data, or on a LoRA run (its "
+                "reference is the base with the adapters off)"
+            )
+        if references is None:
+            references = reference.computed(self, mixture, params)
+        assert mixture.pairs is not None
+        return mixture.with_pairs(PairRows(mixture.pairs.layout, references))
+
     def reference_model(self, model: nnx.Module) -> nnx.Module:
         """The reference: ``model`` itself, or with its LoRA adapters switched off (zeroed;
         the other parameters are the same arrays, gathered as the policy's are)."""

@@ -6,6 +6,7 @@ layouts, and stored in the run directory (``reference_logps.npz``: per source an
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -116,29 +117,58 @@ def _rows_of(batch: np.ndarray):
     return lambda rows: batch[:, rows]
 
 
+References = dict[tuple[str, int], np.ndarray]  # (source name, split) -> (examples,) float32
+_FINGERPRINT = "data_fingerprint"
+
+
+def computed(trainer: PreferenceTrainer, mixture: Mixture, params: Any) -> References:
+    """Every example's reference log-probability, each source's train and validation split,
+    under ``params`` (the reference model: :meth:`PreferenceTrainer.reference_logps`)."""
+    seq_len, seed = trainer.batch_plan.seq_len, trainer.config.training.seed
+    reference = {}
+    for source in mixture.sources:
+        for split in (0, 1):
+            sampler = mixture.split_sampler(source, split, seq_len, (seed, VALIDATION_SEED)[split])
+            reference[(source.name, split)] = split_reference(trainer, sampler, params)
+    return reference
+
+
+def stored(mixture: Mixture, run_dir: Path) -> References | None:
+    """The references ``run_dir`` holds for ``mixture``'s data, or None when it holds none or
+    holds another data's (its fingerprint differs)."""
+    path = run_dir / REFERENCE_FILE
+    if not path.is_file():
+        return None
+    with np.load(path) as held:
+        if str(held[_FINGERPRINT]) != _fingerprint(mixture):
+            return None
+        return {
+            (s.name, split): np.ascontiguousarray(held[_key(s.name, split)].reshape(-1), np.float32)
+            for s in mixture.sources
+            for split in (0, 1)
+        }
+
+
 def with_reference(
     trainer: PreferenceTrainer, mixture: Mixture, params: Any, run_dir: Path
 ) -> Mixture:
     """``mixture``'s pair rows carrying the reference: read from ``run_dir`` when it holds it
-    (a resumed run), else computed from ``params`` and written there."""
+    (a resumed run), else computed from ``params`` (the run's start) and written there."""
     assert mixture.pairs is not None
-    seq_len, seed = trainer.batch_plan.seq_len, trainer.config.training.seed
-    path = run_dir / REFERENCE_FILE
-    splits = [(s, split) for s in mixture.sources for split in (0, 1)]
-    if path.is_file():
-        with np.load(path) as stored:
-            reference = {
-                (s.name, split): _stored(stored, s.name, split, path) for s, split in splits
-            }
-        _check_sizes(mixture, reference, path)
-    else:
-        reference = {}
-        for source, split in splits:
-            sampler = mixture.split_sampler(source, split, seq_len, (seed, VALIDATION_SEED)[split])
-            reference[(source.name, split)] = split_reference(trainer, sampler, params)
+    reference = stored(mixture, run_dir)
+    if reference is None:
+        if (run_dir / REFERENCE_FILE).is_file():
+            raise ValueError(
+                f"{run_dir / REFERENCE_FILE} holds the reference log-probabilities of other "
+                "data than this run's (data.path or data.sources changed since they were "
+                "computed); resume with the data the run started with, or start a new run "
+                "(--overwrite)"
+            )
+        reference = computed(trainer, mixture, params)
         if is_main_process():
             arrays = {_key(name, split): v.reshape(-1, 2) for (name, split), v in reference.items()}
-            np.savez(path, **arrays)  # type: ignore[arg-type]  # numpy's stub types kwds oddly
+            arrays[_FINGERPRINT] = np.asarray(_fingerprint(mixture))
+            np.savez(run_dir / REFERENCE_FILE, **arrays)  # type: ignore[arg-type]
     return mixture.with_pairs(PairRows(mixture.pairs.layout, reference))
 
 
@@ -146,25 +176,5 @@ def _key(source: str, split: int) -> str:
     return f"{source}/{('train', 'validation')[split]}"
 
 
-def _stored(stored: Any, source: str, split: int, path: Path) -> np.ndarray:
-    key = _key(source, split)
-    if key not in stored:
-        raise ValueError(
-            f"{path} holds no reference log-probabilities of {key}: the run's data changed "
-            "since they were computed; resume with the data the run started with, or start "
-            "a new run (--overwrite)"
-        )
-    return np.ascontiguousarray(stored[key].reshape(-1), np.float32)
-
-
-def _check_sizes(mixture: Mixture, reference: dict[tuple[str, int], np.ndarray], path: Path):
-    for source in mixture.sources:
-        for split, examples in enumerate(source.corpus.examples or ()):
-            held = reference[(source.name, split)].size
-            if held != examples.lengths.size:
-                raise ValueError(
-                    f"{path} holds {held // 2} reference pairs of {_key(source.name, split)}, "
-                    f"but the data has {examples.lengths.size // 2}: the run's data changed "
-                    "since they were computed; resume with the data the run started with, or "
-                    "start a new run (--overwrite)"
-                )
+def _fingerprint(mixture: Mixture) -> str:
+    return json.dumps(mixture.fingerprint(), sort_keys=True)

@@ -203,6 +203,12 @@ class BaseTrainer(abc.ABC):
         del params, run_dir
         return mixture
 
+    def for_evaluation(self, mixture: Mixture, params: Any, run_dir: Path) -> Mixture:
+        """``mixture`` as ``theseus evaluate`` of ``run_dir``'s ``params`` reads it (a preference
+        run: with the reference); as loaded unless a subclass says otherwise."""
+        del params, run_dir
+        return mixture
+
     def zero_loss(self) -> TokenLoss:
         """The sum of :meth:`token_loss` over no rows: what the steps start adding from (its
         structure is ``token_loss``'s on the run's rows)."""

@@ -118,6 +118,9 @@ def evaluate(
     with Checkpointer(source / CHECKPOINTS, read_only=True) as checkpointer:
         storage = trainer.layouts.storage
         restored = restore_params(trainer, checkpointer, storage, base_dir=base_dir)
+    evaluated = trainer.for_evaluation(corpus, restored.state, source)
+    if evaluated is not corpus:  # a preference run's held-out rows carry the reference
+        validation = validation_array(trainer, evaluated)
     val_loss, on_device, means = validation.losses(trainer, restored.state)
     by_source = None if on_device is None else {k: float(v) for k, v in on_device.items()}
     metrics = {name: float(value) for name, value in means.items()}
