@@ -588,6 +588,7 @@ def test_job_records_trl_metrics_and_resumes_bit_for_bit(pair_corpus, tmp_path):
         (["preference.loss=simpo", "preference.reference=live"], ["reference-free"]),
         (["preference.reference=live"], ["second copy", "finetune.lora_rank"]),
         (["data.overlong=truncate"], ["data.overlong=truncate", "pairs"]),
+        (["training.seq_len=15"], ["longer than a row", "data.overlong=drop"]),
     ],
 )
 def test_bad_settings_are_one_paragraph(settings, fragments, pair_corpus, tmp_path):

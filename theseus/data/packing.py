@@ -117,11 +117,23 @@ def pack(
     )
 
 
+TRUNCATE_OR_DROP = (
+    "set data.overlong=truncate (keep each one's first {row} tokens) or data.overlong=drop "
+    "(leave them out)"
+)
+
+
 def shuffled_order(
-    lengths: np.ndarray, row_tokens: int, seed: int, overlong: Overlong, where: str
+    lengths: np.ndarray,
+    row_tokens: int,
+    seed: int,
+    overlong: Overlong,
+    where: str,
+    remedy: str = TRUNCATE_OR_DROP,
 ) -> tuple[np.ndarray, int]:
     """The examples of ``lengths`` (examples,) in their seeded shuffled order, those longer than
-    a row left out under ``overlong=drop`` (refused under ``error``); and how many are longer."""
+    a row left out under ``overlong=drop`` (refused under ``error``, the message ending with
+    ``remedy``); and how many are longer."""
     check_int("row_tokens", row_tokens, minimum=2)
     order = np.random.default_rng([seed, PACKING_SALT]).permutation(lengths.size)  # (examples,)
     long = lengths[order] > row_tokens
@@ -130,8 +142,7 @@ def shuffled_order(
         raise ValueError(
             f"{where}: {num_long} of {lengths.size} examples are longer than a row of "
             f"training.seq_len + 1 = {row_tokens} tokens (the longest has {lengths.max()}); "
-            "raise training.seq_len, or set data.overlong=truncate (keep each one's first "
-            f"{row_tokens} tokens) or data.overlong=drop (leave them out)"
+            f"raise training.seq_len, or {remedy.format(row=row_tokens)}"
         )
     return (order[~long] if overlong == "drop" else order), num_long
 

@@ -65,9 +65,10 @@ def pair_packing(
             "(leave out the pairs longer than a row)"
         )
     totals = examples.lengths.reshape(-1, 2).sum(1)  # (pairs,): both sides' tokens
+    drop = "set data.overlong=drop (leave out the pairs longer than a row)"
+    order, num_long = shuffled_order(totals, row_tokens, seed, overlong, where, drop)
     if layout == "packed":
         return pack(totals, row_tokens, seed, overlong, where)
-    order, num_long = shuffled_order(totals, row_tokens, seed, overlong, where)
     return Packing(
         np.arange(order.size + 1, dtype=np.int64),
         order,
