@@ -19,9 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from hf_reference import VOCAB, Reference, byte_tokenizer, libraries
+from hf_reference import VOCAB, Reference, byte_tokenizer, libraries, reference_logits
 from support import invoke, policy_id
 
+import theseus
 from theseus.config import apply_overrides
 from theseus.data.packing import MaskedExamples
 from theseus.data.pairs import PairSampler, pairs_of
@@ -598,3 +599,32 @@ def test_bad_settings_are_one_paragraph(settings, fragments, pair_corpus, tmp_pa
     for fragment in fragments:
         assert fragment in result.output, result.output
     assert not (tmp_path / "run").exists()
+
+
+def test_lora_dpo_from_an_imported_model_exports_its_logits(llama_reference, pair_corpus, tmp_path):
+    """A LoRA DPO run ``--init-from`` an imported transformers model (its reference: the base
+    with the adapters off) moves away from it; its merged export loads in transformers with the
+    run's logits (1e-4)."""
+    torch, transformers = libraries().torch, libraries().transformers
+    reference, imported = llama_reference
+    run = tmp_path / "run"
+    args = [
+        "train", "--job", PREF_JOB, "--init-from", imported, "--out", run,
+        f"data.path={pair_corpus}", f"training.seq_len={SEQ_LEN}", "training.batch_size=8",
+        "training.per_device_batch_size=1", "training.steps=3", "training.validation_batches=1",
+        "finetune.lora_rank=4", "optimization.learning_rate=1e-2", "optimization.warmup_steps=1",
+    ]  # fmt: skip
+    result = invoke(*args)
+    assert result.exit_code == 0, result.output
+    rows = read_metrics(run)
+    assert abs(rows[0]["loss"] - math.log(2)) <= 1e-5  # the adapters start at zero
+    assert rows[-1]["rewards/margins"] != 0
+    ids = np.random.default_rng(0).integers(0, PREF_MODEL.vocab_size, (2, 13))
+    logits = theseus.logits(run, ids)
+    assert np.abs(logits - reference_logits(reference.model, ids)).max() > 1e-4
+    merged = invoke("export-hf", run, tmp_path / "merged")
+    assert merged.exit_code == 0, merged.output
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "merged", dtype=torch.float32
+    ).eval()
+    np.testing.assert_allclose(reference_logits(model, ids), logits, atol=1e-4, rtol=0)
