@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
+from theseus.data.packing import SEGMENTS
 from theseus.data.pairs import REFERENCE
 from theseus.training.losses import row_fields, target_weights
 from theseus.training.preference import PairLogps
@@ -55,7 +56,7 @@ def stored_reference(rows: jax.Array) -> jax.Array:
     """The reference log-probabilities the rows carry (``REFERENCE``: float32 bits at each
     example's first token), per row and segment: (examples, seq_len + 2)."""
     values = jax.lax.bitcast_convert_type(rows[:, REFERENCE], jnp.float32)  # (examples, seq + 1)
-    return segment_sums(values, rows[:, 2], rows.shape[-1] + 1)
+    return segment_sums(values, rows[:, SEGMENTS], rows.shape[-1] + 1)
 
 
 @struct.dataclass
@@ -79,7 +80,7 @@ def pair_slots(values: jax.Array) -> tuple[jax.Array, jax.Array]:
 def row_pairs(logps: SegmentLogps, rows: jax.Array) -> RowPairs:
     """The pairs of ``rows`` and their policy log-probabilities ``logps``; a slot without a
     pair gets log-probabilities -1 over one token, harmless to every loss (masked out)."""
-    segments = rows[:, 2]
+    segments = rows[:, SEGMENTS]
     present = segment_sums(jnp.ones_like(segments, jnp.float32), segments, logps.sums.shape[1])
     _, valid = pair_slots(jnp.minimum(present, 1.0))  # a pair is there when its rejected is
     chosen, rejected = pair_slots(logps.sums)
