@@ -361,6 +361,7 @@ def _examples():
     return pairs_of([pair() for _ in range(56)])
 
 
+@functools.cache  # one compiled step per settings
 def _trainer(policy: ShardingPolicy, accumulation: int, *overrides: str, devices: int = 8):
     cls = get_job(PREF_JOB).trainer_class
     replicas = devices // policy.tp
@@ -447,7 +448,6 @@ def test_layouts_and_accumulation_change_nothing(policy):
 LORA = "finetune.lora_rank=4"
 
 
-@functools.cache
 def _lora_trainer(reference: str):
     return _trainer(ShardingPolicy(fsdp=True), 1, LORA, f"preference.reference={reference}")
 

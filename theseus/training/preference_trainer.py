@@ -14,6 +14,7 @@ would need a second copy of the model).
 
 from __future__ import annotations
 
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from flax import nnx
 from theseus.data import Mixture
 from theseus.data.pairs import PairLayout, PairRows
 from theseus.model.lora import ADAPTERS
+from theseus.sharding.topology import UnderMesh
 from theseus.training import reference
 from theseus.training.family import FamilyTrainer
 from theseus.training.keys import Keys
@@ -96,6 +98,11 @@ class PreferenceTrainer(FamilyTrainer):
             references = reference.computed(self, mixture, params)
         assert mixture.pairs is not None
         return mixture.with_pairs(PairRows(mixture.pairs.layout, references))
+
+    @cached_property
+    def reference_step(self) -> UnderMesh:
+        """The jitted reference pass (:func:`theseus.training.reference.reference_step`)."""
+        return reference.reference_step(self)
 
     def reference_model(self, model: nnx.Module) -> nnx.Module:
         """The reference: ``model`` itself, or with its LoRA adapters switched off (zeroed;

@@ -51,6 +51,9 @@ class PreferenceTrainer(Protocol):
 
     def reference_logps(self, model: nnx.Module, rows: jax.Array, keys: Keys) -> jax.Array: ...
 
+    @property
+    def reference_step(self) -> UnderMesh: ...
+
 
 REFERENCE_FILE = "reference_logps.npz"
 _CHUNK = 16  # microbatches a call of the pass reads
@@ -93,7 +96,7 @@ def reference_step(trainer: PreferenceTrainer) -> UnderMesh:
 
 def split_reference(trainer: PreferenceTrainer, sampler: PairSampler, params: Any) -> np.ndarray:
     """Every example's reference log-probability of one split: (examples,) float32."""
-    step = reference_step(trainer)
+    step = trainer.reference_step
     examples = trainer.batch_plan.examples_per_microbatch
     packing = sampler.packing
     out = np.zeros(sampler.examples.lengths.size, np.float32)
