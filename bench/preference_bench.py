@@ -21,7 +21,7 @@ import numpy as np
 
 from theseus.config import apply_overrides
 from theseus.data.packing import SEGMENTS
-from theseus.data.pairs import PairSampler, pairs_of
+from theseus.data.pairs import PairSampler, examples_of_pairs
 from theseus.jobs import get_job
 from theseus.model.families.llama import LlamaConfig
 from theseus.sharding.axis import ShardingPolicy
@@ -48,7 +48,7 @@ def pairs(count: int, seed: int = 0):
         masks = [np.r_[np.zeros(prompt.size), np.ones(s.size)] for s in sides]
         ids = [np.concatenate([prompt, s]) for s in sides]
         made.append((ids[0], masks[0], ids[1], masks[1]))
-    return pairs_of(made)
+    return examples_of_pairs(made)
 
 
 def tokens_per_second(layout: str, args: argparse.Namespace) -> tuple[float, float]:

@@ -15,7 +15,7 @@ import numpy as np
 
 from theseus.config import apply_overrides
 from theseus.data import load_corpus
-from theseus.data.pairs import PairSampler, pairs_of
+from theseus.data.pairs import PairSampler, examples_of_pairs
 from theseus.jobs import get_job
 from theseus.model.families.llama import LlamaConfig
 from theseus.sharding.axis import ShardingPolicy
@@ -46,7 +46,7 @@ def passage_pairs(tokens: np.ndarray, count: int, seed: int):
         )
         mask = np.r_[np.zeros(16), np.ones(24)]
         made.append((np.r_[prompt, real], mask, np.r_[prompt, rng.permutation(real)], mask))
-    return pairs_of(made)
+    return examples_of_pairs(made)
 
 
 def main() -> None:

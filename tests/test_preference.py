@@ -25,7 +25,7 @@ from support import invoke, policy_id
 import theseus
 from theseus.config import apply_overrides
 from theseus.data.packing import MaskedExamples
-from theseus.data.pairs import PairSampler, pairs_of
+from theseus.data.pairs import PairSampler, examples_of_pairs
 from theseus.data.shards import FORMAT
 from theseus.hf.exporter import tensor_values
 from theseus.hf.importer import import_hf
@@ -269,7 +269,7 @@ def test_pair_logps_equal_trl(layout, llama_reference):
     loaded = load_run(
         run, job="llama/train/preference", layout="storage", devices=jax.devices()[:1]
     )
-    sampler = PairSampler(pairs_of(_pairs(records)), 63, 0, "error", layout, "test")
+    sampler = PairSampler(examples_of_pairs(_pairs(records)), 63, 0, "error", layout, "test")
     if layout == "packed":
         assert sampler.num_windows < len(records)
     got = split_reference(loaded.trainer, sampler, loaded.params).reshape(-1, 2)
@@ -287,7 +287,7 @@ def test_dpo_gradients_equal_torch(llama_reference):
     records = _records(6, seed=4)
     loaded = load_run(run, job=PREF_JOB, layout="storage", devices=jax.devices()[:1])
     trainer, params = loaded.trainer, loaded.params
-    examples = pairs_of(_pairs(records))
+    examples = examples_of_pairs(_pairs(records))
     sampler = PairSampler(examples, 63, 0, "error", "packed", "test")
     offsets = np.random.default_rng(2).normal(0, 3, examples.lengths.size).astype(np.float32)
     stored = split_reference(trainer, sampler, params) + offsets  # a reference apart
@@ -358,7 +358,7 @@ def _examples():
         ids = [np.concatenate([prompt, s]) for s in sides]
         return ids[0], masks[0], ids[1], masks[1]
 
-    return pairs_of([pair() for _ in range(56)])
+    return examples_of_pairs([pair() for _ in range(56)])
 
 
 @functools.cache  # one compiled step per settings

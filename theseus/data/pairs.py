@@ -149,7 +149,9 @@ class PairRows:
     reference: dict[tuple[str, int], np.ndarray]
 
 
-def pairs_of(pairs: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]) -> MaskedExamples:
+def examples_of_pairs(
+    pairs: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
+) -> MaskedExamples:
     """A split of ``(chosen_ids, chosen_mask, rejected_ids, rejected_mask)`` pairs, in memory."""
     sides = [side for pair in pairs for side in ((pair[0], pair[1]), (pair[2], pair[3]))]
     lengths = np.asarray([len(ids) for ids, _ in sides], np.int64)
