@@ -93,9 +93,9 @@ class Mixture:
     def split_sampler(self, source: Source, split: int, seq_len: int, seed: int):
         """``source``'s sampler of split ``split`` (0: train, 1: validation) in the mixture's
         row format: packed rows, windows split at end-of-text tokens, or plain windows."""
-        corpus = source.corpus
         if self.pairs is not None:
             return self._pair_sampler(source, split, seq_len, seed, self.pairs)
+        corpus = source.corpus
         if corpus.examples is not None:
             key = (source.name, split, seq_len, seed)
             if key not in self._packed:  # packed once: the run, run.json and validation share it
