@@ -495,12 +495,12 @@ def test_lora_preference_run_holds_no_reference():
 
 
 def write_pair_corpus(folder: Path, splits: dict[str, Any]) -> Path:
-    """A chat corpus folder as ``theseus tokenize`` writes one (tokens, loss mask, example
-    lengths per split; byte tokenizer) whose examples are the pairs of ``splits`` (split name
-    -> MaskedExamples), chosen then rejected."""
+    """A preference corpus folder as ``theseus tokenize`` writes one (tokens, loss mask, example
+    lengths per split; byte tokenizer; ``"kind": "preference"``) whose examples are the pairs of
+    ``splits`` (split name -> MaskedExamples), chosen then rejected."""
     folder.mkdir()
-    manifest = {"format": FORMAT, "vocab_size": PREF_MODEL.vocab_size, "token_dtype": "uint16",
-                "loss_mask": True, "splits": {}}  # fmt: skip
+    manifest = {"format": FORMAT, "kind": "preference", "vocab_size": PREF_MODEL.vocab_size,
+                "token_dtype": "uint16", "loss_mask": True, "splits": {}}  # fmt: skip
     for split, examples in splits.items():
         np.asarray(examples.tokens, np.uint16).tofile(folder / f"{split}.bin")
         np.asarray(examples.mask, np.uint8).tofile(folder / f"{split}.mask")
