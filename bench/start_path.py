@@ -22,10 +22,12 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import theseus
+
 #: The modules whose code decides how a run starts; the modules they call are listed as leaves.
 PATH = ("theseus.cli.", "theseus.execution", "theseus.jobs", "theseus.training.run.")
 PATH += ("theseus.checkpoint.",)
-ROOT = str(Path(__file__).resolve().parents[1] / "theseus")
+ROOT = str(Path(theseus.__file__).parent)  # the theseus that runs (PYTHONPATH decides)
 TINY = (
     "model.n_layer=2",
     "model.n_embd=32",
@@ -73,13 +75,16 @@ class Trace:
             return
         if callee == "theseus.distributed.join" and name == "describe_processes":
             self.done = True  # the run's first line: the loop has its starting state
+            sys.setprofile(None)
             return
-        stack, names = [], [name]
+        stack, names = [], [name]  # theseus frames from the caller up to the command
         caller_frame = frame.f_back
         while caller_frame is not None:
             if (module := module_of(caller_frame)) is not None:
                 stack.append(module)
                 names.append(caller_frame.f_code.co_name)
+                if (module, caller_frame.f_code.co_name) == ("theseus.cli.training", "train"):
+                    break  # the decorators around the command are not the path
             caller_frame = caller_frame.f_back
         if "<module>" in names:  # importing a module is not a step of the path
             return
@@ -134,11 +139,11 @@ def main() -> None:
         runs = {
             "fresh": ["train", "--out", base, *TINY, "training.steps=2"],
             "--resume": ["train", "--out", base, "--resume", *TINY, "training.steps=3"],
-            "--init-from": ["train", "--out", init, "--init-from", base, "training.steps=1"],
+            "--init-from": ["train", "--out", init, "--init-from", base, *TINY, "training.steps=1"],
             "LoRA --init-from": [
-                "train", "--out", tuned, "--init-from", base, *lora, "training.steps=1",
+                "train", "--out", tuned, "--init-from", base, *TINY, *lora, "training.steps=1",
             ],
-            "LoRA --resume": ["train", "--out", tuned, "--resume", *lora, "training.steps=2"],
+            "LoRA --resume": ["train", "--out", tuned, "--resume", *TINY, *lora, "training.steps=2"],
         }  # fmt: skip
         for name, command in runs.items():
             report(name, traced(command), args.verbose)

@@ -97,10 +97,10 @@ def started(
     with Checkpointer(
         out_dir / CHECKPOINTS, keep=saving.keep, async_save=saving.async_save
     ) as checkpointer:
-        yield checkpointer, starting_point(trainer, checkpointer, out_dir, mode)
+        yield checkpointer, _starting_point(trainer, checkpointer, out_dir, mode)
 
 
-def starting_point(
+def _starting_point(
     trainer: BaseTrainer, checkpointer: Checkpointer, out_dir: Path, mode: RunMode
 ) -> StartingPoint:
     """A fresh state, another run's parameters (``mode.init_from``), or the newest good
