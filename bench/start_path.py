@@ -5,7 +5,8 @@ run on an --init-from base, fresh and resumed (its base's frozen parameters read
 For each it prints the modules of the start path (the command, execution, jobs, training/run
 and checkpoint modules, and the modules they call), how many times control enters each from
 another module, and the calls back "up": into a module that is still on the call stack (a
-callback), which is what makes a path read bottom-up.
+callback), which is what makes a path read bottom-up. Figures: docs/design.md, "How a run
+starts". Run it with PYTHONPATH naming another checkout to trace that one.
 
     python bench/start_path.py [--verbose]
 """
@@ -25,8 +26,13 @@ from typing import Any
 import theseus
 
 #: The modules whose code decides how a run starts; the modules they call are listed as leaves.
-PATH = ("theseus.cli.", "theseus.execution", "theseus.jobs", "theseus.training.run.")
-PATH += ("theseus.checkpoint.",)
+PATH = (
+    "theseus.cli.",
+    "theseus.execution",
+    "theseus.jobs",
+    "theseus.training.run.",
+    "theseus.checkpoint.",
+)
 ROOT = str(Path(theseus.__file__).parent)  # the theseus that runs (PYTHONPATH decides)
 TINY = (
     "model.n_layer=2",

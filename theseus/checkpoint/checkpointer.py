@@ -125,7 +125,7 @@ class Checkpointer:
         self.keep = keep
         self.read_only = read_only
         self._bad_steps: set[int] = set()
-        self._metadata: dict[int, MetadataFile] = {}  # by committed step: read once
+        self._metadata: dict[int, MetadataFile] = {}  # by step, since the last read_meta
         self._saving: int | None = None  # the step whose save may still be running
         self.skipped: tuple[SkippedCheckpoint, ...] = ()
         if read_only and not self.directory.is_dir():
@@ -247,6 +247,7 @@ class Checkpointer:
         (with ``None``: when there is no step, or no step's metadata reads).
         """
         self.wait()
+        self._metadata = {}  # read afresh for each decision; the restore after it reuses them
         if step is not None:
             return self._agreed(int(step), self._read_metadata).meta
         reasons = []
@@ -346,7 +347,8 @@ class Checkpointer:
         return f"checkpoint {self.step_directory(step)} (step {step})"
 
     def _read_metadata(self, step: int) -> MetadataFile:
-        """The metadata file of committed ``step``, parsed once per step and checked to name it."""
+        """The metadata file of committed ``step``, checked to name it (parsed once between two
+        :meth:`read_meta` calls: the restore that follows one reads the metadata it read)."""
         if step in self._metadata:
             return self._metadata[step]
         where = self._where(step)
