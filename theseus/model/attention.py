@@ -181,11 +181,29 @@ def chosen_kernel(
     if kernel == "auto":
         _log_once(f"attention: the blockwise kernel serves this call, not {name}: {refusal}")
         return "blockwise"
-    raise AttentionKernelError(
-        f"model.attention={kernel!r} cannot serve this model's attention on the {backend} "
-        f"backend: {refusal}. Set model.attention=auto (which falls back to the blockwise "
-        "kernel where the fused one cannot serve) or model.attention=blockwise."
+    raise _refused(kernel, refusal)
+
+
+def _refused(kernel: str, refusal: str) -> AttentionKernelError:
+    """The error of an explicit kernel that cannot serve (``refusal`` says what to do)."""
+    return AttentionKernelError(
+        f"model.attention={kernel!r} cannot serve this model's attention on the "
+        f"{jax.default_backend()} backend: {refusal} (model.attention=auto falls back to the "
+        "blockwise kernel where the fused one cannot serve)."
     )
+
+
+def check_backend(kernel: str) -> None:
+    """Refuse, before a run writes anything, a fused kernel (cudnn, splash) that this backend
+    has none of; the refusals that depend on the call (dtype, head size, mask) come when the
+    step is traced (:func:`chosen_kernel`)."""
+    if kernel not in ("cudnn", "splash"):
+        return
+    from theseus.model.kernels import backend_refusal  # GPU/TPU only, as kernel_refusal
+
+    refusal = backend_refusal(kernel)
+    if refusal is not None:
+        raise _refused(kernel, refusal)
 
 
 def _blockwise_per_device(
