@@ -283,8 +283,6 @@ def attention(
         from theseus.model.kernels import splash_attention
 
         return splash_attention(q, k, v, mask, scale=scale, softcap=softcap, windows=windows)
-    if softcap is None:
-        return jax.nn.dot_product_attention(q, k, v, mask=mask.visible(), scale=scale)
     return _written_out(q, k, v, mask, scale, softcap, 0.0, None)
 
 
@@ -301,7 +299,9 @@ def _written_out(q, k, v, mask, scale, softcap, dropout_rate, keep) -> jax.Array
     else:
         scores = scores * jnp.float32(scale)
     scores = soft_cap(scores, softcap)  # (batch, n_kv, group, q_len, k_len)
-    scores = jnp.where(mask.visible()[:, :, None], scores, -jnp.inf)
+    # Masked by adding 0 or -inf: an add's gradient reads nothing, so the layer scan keeps no
+    # (q_len × k_len) predicate per layer for the backward (a select would).
+    scores = scores + jnp.where(mask.visible()[:, :, None], 0.0, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)  # (batch, n_kv, group, q, k)
     if keep is not None:
         keep = keep.reshape(batch, n_kv, group, q_len, k_len)
