@@ -1,8 +1,10 @@
-"""The plan's activation estimate against the compiled step's temporaries: small GPT and Llama
-decoders (48 wide, 4 heads; Llama 2 kv heads), one example per device, bfloat16 compute, on one
+"""The plan's activation estimate against the compiled step's temporaries (issue #36: within 15%
+for GPT and Llama at 2,048 and 32,768 tokens, one device and tp=2 + FSDP): 2-layer decoders with
+realistic heads (GPT 256 wide, 4 heads of 64; Llama 512 wide, 4 heads of 128, 2 kv heads), one
+example per device, bfloat16 compute, the model's default attention (blockwise on CPU), on one
 device and under tp=2 + FSDP (4 simulated devices), per recompute policy and sequence length.
 
-    PYTHONPATH=. python bench/activation_bench.py [--lengths 2048,8192] [--layers 3]
+    PYTHONPATH=. python bench/activation_bench.py [--lengths 2048,32768] [--layers 2]
         [--remat none,full,dots] [--families gpt,llama]
 
 Compile only (``memory_analysis()`` allocates nothing); prints one row per step: the compiled

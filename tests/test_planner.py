@@ -249,8 +249,8 @@ def test_budget_picks_the_least_communication_that_fits():
     )
     assert chosen.name == "ZeRO" and chosen.verdict.ok and chosen.device_memory == budget
     reasons = dict(chosen.budget.reasons)
-    assert reasons["DP"].startswith("model state needs 111 GiB + activations 31.7 GiB > budget")
-    assert reasons["FSDP"].startswith("fits (6.78 GiB) but communicates more than ZeRO")
+    assert reasons["DP"].startswith("model state needs 111 GiB + activations 31.5 GiB > budget")
+    assert reasons["FSDP"].startswith("fits (7.41 GiB) but communicates more than ZeRO")
     assert next(iter(reasons)) == "DP" and len(reasons) == 12
     zero = chosen.option("ZeRO")
     assert zero.total == zero.totals.total + zero.activations.total == chosen.total
@@ -258,7 +258,7 @@ def test_budget_picks_the_least_communication_that_fits():
 
     with pytest.raises(ValueError, match="no valid policy fits 64 devices in 1 GiB") as failure:
         planner.plan_for_budget(GPTTrainer, config, 64, 2**30, activation_checkpointing="full")
-    assert "FSDP: model state needs 1.75 GiB + activations 5.03 GiB > budget" in str(failure.value)
+    assert "FSDP: model state needs 1.75 GiB + activations 5.66 GiB > budget" in str(failure.value)
 
     odd = planner.plan_for_budget(
         GPTTrainer,
@@ -487,7 +487,7 @@ def test_cli_budget_and_failures():
     full = ["--activation-checkpointing", "full"]
     ok = invoke("plan", "--devices", "64", "--budget", "10GiB", *full, *BIG)
     assert ok.exit_code == 0 and "chose FSDP, the least communication that fits" in ok.output
-    assert "ZeRO: model state needs 56.5 GiB + activations 32.8 GiB > budget" in ok.output
+    assert "ZeRO: model state needs 56.5 GiB + activations 31.5 GiB > budget" in ok.output
     none = invoke("plan", "--devices", "64", "--budget", "1GiB", *full, *BIG)
     assert none.exit_code == 1 and "no valid policy fits" in none.output
     failing = invoke("plan", "--devices", "8", "--fsdp", *SMALL, "model.vocab_size=257")
@@ -622,7 +622,8 @@ def test_recompute_and_tensor_parallelism_divide_the_estimate():
     assert acts["full"].saved < acts["dots"].saved < acts["none"].saved
     assert acts["full"].total < acts["none"].total  # the dense scores of one layer remain
     tp2 = planner.plan(trainer_class, config, ShardingPolicy(tp=2), 2).activations
-    assert tp2.layer_peak < acts["none"].layer_peak / 1.9  # heads split, the stream is not
+    # Heads and the MLP split, the stream's float32 gradients do not.
+    assert acts["none"].layer_peak / 2 < tp2.layer_peak < acts["none"].layer_peak / 1.8
     assert tp2.logits == acts["none"].logits  # the vocabulary is whole on every TP device
 
 
@@ -661,14 +662,14 @@ def test_llama_3_1_8b_at_32k_tokens_on_8_devices_activations_decide_the_verdict(
     assert data["total_bytes"] == data["totals"]["total_bytes"] + acts["activation_bytes"]
     assert data["total_bytes"] > 80 * 2**30 and not data["verdict"]["ok"]
     text = invoke("plan", *blockwise, "--device-memory", "96GiB").output
-    assert "(blockwise attention, recompute full): 69.4 GiB" in text and "verdict: ok" in text
+    assert "(blockwise attention, recompute full): 70.2 GiB" in text and "verdict: ok" in text
 
 
 # --- train --budget ---------------------------------------------------------------------------
 
 # A tiny GPT on the 8 devices: 16 examples, 2 per device. Its estimates (bytes per device):
-# DP without recompute 3,364,360 at 2 examples and 2,072,072 at 1; with dots 2,276,872 and
-# 1,495,560; FSDP with full recompute and 1 example 796,520.
+# DP without recompute 2,905,608 at 2 examples and 1,842,696 at 1; with dots 1,850,888 and
+# 1,282,568; FSDP with full recompute and 1 example 632,680.
 BUDGET_RUN = (
     "model.attention=xla",
     "model.n_layer=2",
@@ -688,7 +689,7 @@ def test_train_budget_chooses_policy_recompute_and_batch_says_so_and_trains(tmp_
     first = result.output.splitlines()[0]
     assert first.startswith("budget 1.53 MiB per device on 8 devices: chose DP, recompute dots, ")
     assert "1 examples per device (batch: 1 per replica × 8 replicas × 2 accumulation" in first
-    assert first.endswith("= 1.43 MiB fits")
+    assert first.endswith("= 1.22 MiB fits")
     record = json.loads((out / "run.json").read_text())
     assert record["policy"] == {
         "tp": 1,
