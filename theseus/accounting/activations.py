@@ -24,8 +24,9 @@ Every term is divided as the layout divides it: examples are per device (``per_d
 of a :class:`~theseus.accounting.preflight.BatchPlan`); tensor parallelism splits heads and the
 MLP width, not the residual stream or the vocabulary (theseus's TP rules leave both whole).
 
-Attention kernels: ``xla`` is ``jax.nn.dot_product_attention``'s XLA path, which materialises
-float32 scores, the softmax and the boolean mask per head (memory in the square of the length);
+Attention kernels: ``xla`` is the product written out with XLA's own ops, which materialises
+float32 scores and the softmax per head (memory in the square of the length; the mask is added as
+0 or -inf, so no predicate is kept per layer);
 ``blockwise`` is the FlashAttention-2 algorithm (per query block of ``block_q`` rows, float32
 scores ``block_q × block_k`` per head; the backward keeps the output and the log-sum-exp only).
 Every term is checked against the compiled steps of GPT and Llama (head dims 64 and 128) at 2,048
