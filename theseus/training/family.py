@@ -13,7 +13,7 @@ from flax import nnx
 from theseus.accounting.activations import AttentionKernel, DecoderShape
 from theseus.accounting.preflight import check_context_length
 from theseus.data import Corpus
-from theseus.model.attention import DEFAULT_BLOCK
+from theseus.model.attention import DEFAULT_BLOCK, check_backend
 from theseus.model.decode import Decoder
 from theseus.model.family import Family
 from theseus.training.flops import flops_per_token
@@ -95,6 +95,12 @@ class FamilyTrainer(BaseTrainer):
             return AttentionKernel("xla")
         block_q = model.attention_block_q or DEFAULT_BLOCK
         return AttentionKernel("blockwise", block_q, model.attention_block_k or DEFAULT_BLOCK)
+
+    def check_backend(self) -> None:
+        """An explicit fused attention kernel this backend has none of (cuDNN's off NVIDIA
+        GPUs, splash off TPUs) is refused before the run writes anything (a plan may name one
+        for another machine)."""
+        check_backend(self.config.model.attention)
 
     def check_corpus(self, corpus: Corpus) -> None:
         vocab = self.config.model.vocab_size

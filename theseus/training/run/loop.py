@@ -92,6 +92,7 @@ def train(
     config = trainer.config
     batch_plan = trainer.batch_plan
     require_wandb(config.logging.wandb)  # before anything is written
+    trainer.check_backend()
     corpus = load_data(trainer)
     validation = validation_array(trainer, corpus)
     with started(trainer, out_dir, mode) as (checkpointer, start):
