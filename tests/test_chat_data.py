@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 from chat_tokenizers import CONVERSATIONS, tokenizer_folders
 from hf_reference import libraries
-from support import invoke, lm_eval_module
+from support import interrupted_records, invoke, lm_eval_module
 from tokenizers import AddedToken, Tokenizer, pre_tokenizers, processors
 
 import theseus.tokenization.chat.corpus as chat_tokenize
@@ -291,18 +291,8 @@ def test_shards_and_masks_stream_resume_and_load_for_training(folders, tmp_path,
     # Interrupted after some shards: the rerun (encoding in this process) resumes to the same
     # files as the workers wrote.
     out = tmp_path / "out"
-    original = chat_tokenize.raw_records
-
-    def interrupted(files):
-        for number, record in enumerate(original(files)):
-            if number == 60:
-                raise KeyboardInterrupt
-            yield record
-
-    monkeypatch.setattr(chat_tokenize, "raw_records", interrupted)
-    with pytest.raises(KeyboardInterrupt):
+    with interrupted_records(chat_tokenize, 60), pytest.raises(KeyboardInterrupt):
         chat_tokenize.tokenize_chat(corpus, out, tokenizer=tokenizer, shard_tokens=900, workers=2)
-    monkeypatch.setattr(chat_tokenize, "raw_records", original)
     assert (out / PROGRESS_FILE).is_file() and list(out.glob("train-*.mask"))
     again = chat_tokenize.tokenize_chat(
         corpus, out, tokenizer=tokenizer, shard_tokens=900, workers=1
@@ -385,7 +375,10 @@ def test_bad_chat_input_exits_2_and_writes_nothing(folders, tmp_path):
     assert result.exit_code == 2 and "tokenizer folder" in result.output
     (tmp_path / "text.txt").write_text("plain text, no records\n")
     result = invoke("tokenize", tmp_path / "text.txt", tmp_path / "out", "--seq-len", 8)
-    assert result.exit_code == 2 and "--seq-len applies to chat records" in result.output
+    assert (
+        result.exit_code == 2
+        and "--seq-len applies to chat and preference records" in result.output
+    )
     assert not (tmp_path / "out").exists()
     # A bad record met by a worker process: the same paragraph, nothing written.
     corpus.write_text("\n".join([good] * 40 + ['{"messages": [}'] + [good] * 5) + "\n")

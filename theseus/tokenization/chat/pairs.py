@@ -78,7 +78,10 @@ def is_preference_record(record: object) -> TypeGuard[dict[str, Any]]:
 
 
 def parse_pair(raw: object, document: int, where: str) -> Pair:
-    """A decoded record as a pair, checked (an implicit prompt extracted)."""
+    """A decoded record as a pair, checked (an implicit prompt extracted); a field holding
+    null is absent (Parquet rows and datasets hold null for a field another record has)."""
+    if isinstance(raw, dict):
+        raw = {key: value for key, value in raw.items() if value is not None}
     lacking = [side for side in SIDES if not isinstance(raw, dict) or side not in raw]
     if lacking:
         keys = ", ".join(map(repr, raw)) if isinstance(raw, dict) else type(raw).__name__
