@@ -100,8 +100,9 @@ def _trl_pairs(trl, transformers, folder, records, tmp_path) -> list[tuple[list,
 
 def test_ids_and_completion_masks_equal_trl(folders, tmp_path):
     transformers, trl = libraries().transformers, trl_module()
-    datasets_logging = pytest.importorskip("datasets").logging
-    datasets_logging.disable_progress_bar()
+    import datasets  # TRL's dependency
+
+    datasets.logging.disable_progress_bar()
     for name in ("llama3", "qwen25"):
         encoder = ChatEncoder.from_folder(folders[name])
         for form, records in FORMS.items():
@@ -202,7 +203,7 @@ def test_preference_corpus_streams_resumes_and_reads_pairs(folders, tmp_path, mo
     loaded = load_corpus(out)
     assert loaded.pairs is not None and len(loaded.pairs[0]) == manifest.data["pairs"]["train"]
     mixture = load_mixture(DataConfig(path=str(out)))
-    with pytest.raises(ValueError, match="holds preference pairs"):
+    with pytest.raises(ValueError, match="is a preference corpus"):
         mixture.sampler(64, 0)
     longest = int(loaded.pairs[0].prompt_lengths.max())
     check_prompts(loaded.pairs[0], longest, "train")

@@ -87,10 +87,10 @@ class Mixture:
         corpus = source.corpus
         if corpus.pairs is not None:
             raise ValueError(
-                f"{corpus.source} holds preference pairs (a chosen and a rejected reply to each "
-                "prompt), which train with a preference job, not as chat examples (that would "
-                "train on the rejected replies too); run the model family's preference job, or "
-                "tokenize conversations for supervised fine-tuning"
+                f"{corpus.source} is a preference corpus (a chosen and a rejected reply to "
+                "each prompt), which trains with a preference job, not as chat examples (that "
+                "would train on the rejected replies too); run the model family's preference "
+                "job, or tokenize conversations for supervised fine-tuning"
             )
         if corpus.examples is not None:
             key = (source.name, split, seq_len, seed)

@@ -208,14 +208,14 @@ def _tokenized_corpus(root: Path, vocab_size: int | None) -> Corpus:
     eos_id = manifest.data.get("eos_id")
     examples = pairs = None
     if manifest.data.get("loss_mask"):
+        kind = "preference" if is_preference(manifest) else "chat"
+        source = source.replace("tokenized folder", f"tokenized {kind} folder", 1)
         examples = (
             MaskedExamples(train, *_masks_and_lengths(root, manifest, "train")),
             MaskedExamples(validation, *_masks_and_lengths(root, manifest, "validation")),
         )
-        kind = "preference" if is_preference(manifest) else "chat"
-        source = source.replace("tokenized folder", f"tokenized {kind} folder", 1)
-    if examples is not None and is_preference(manifest):
-        pairs = (pairs_of(examples[0], source), pairs_of(examples[1], source))
+        if is_preference(manifest):
+            pairs = (pairs_of(examples[0], source), pairs_of(examples[1], source))
     return Corpus(train, validation, record_vocab, source, tokenizer, eos_id, examples, pairs)
 
 

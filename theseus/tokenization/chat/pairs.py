@@ -24,7 +24,7 @@ from theseus.tokenization.chat.batches import EncodedBatch, RawRecord
 from theseus.tokenization.chat.encoder import ChatEncoder, utf8_size
 from theseus.tokenization.chat.records import checked_messages, decoded, tools_of
 
-Overlong = Literal["error", "drop"]
+LongPrompts = Literal["error", "drop"]  # a prompt over --seq-len: stop, or leave the pair out
 SIDES = ("chosen", "rejected")
 
 
@@ -60,7 +60,7 @@ class PromptLimit:
     ``seq_len + 1`` tokens) stops tokenizing, or is left out (``drop``); None: no limit."""
 
     seq_len: int | None
-    overlong: Overlong
+    overlong: LongPrompts
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,9 @@ def shared_prompt(chosen: Sequence, rejected: Sequence) -> int:
     return shared - 1 if shared and chosen[shared - 1] == " " else shared
 
 
-def encode_pair_batch(limit: PromptLimit, encoder: ChatEncoder, records: list[RawRecord]):
+def encode_pair_batch(
+    limit: PromptLimit, encoder: ChatEncoder, records: list[RawRecord]
+) -> EncodedBatch:
     """Decode, render and encode a batch of preference records (``functools.partial(
     encode_pair_batch, limit)`` is a batch encoder of :mod:`.batches`); pairs over ``limit``
     are left out or refused."""

@@ -25,7 +25,7 @@ from theseus.tokenization.chat.corpus import (
     first_corpus_record,
 )
 from theseus.tokenization.chat.pairs import (
-    Overlong,
+    LongPrompts,
     PromptLimit,
     encode_pair_batch,
     is_preference_record,
@@ -83,7 +83,7 @@ def tokenize_preference(
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     overwrite: bool = False,
     seq_len: int | None = None,
-    overlong: Overlong = "error",
+    overlong: LongPrompts = "error",
     workers: int | None = 1,
 ) -> PreferenceTokenized:
     """Tokenize the preference records of ``corpus`` with the tokenizer folder ``tokenizer``
