@@ -58,7 +58,10 @@ class PreferenceTokenized:
             f"the longest prompt {self.longest_prompt:,}"
         )
         if self.prompt_limit is None:
-            return head + " (training refuses pairs whose prompt is longer than training.seq_len)"
+            return head + (
+                " (a pair whose prompt is longer than training.seq_len trains nothing: --seq-len "
+                "checks the prompts here)"
+            )
         return head + (
             f"; {self.dropped_pairs:,} pair(s) whose prompt is longer than --seq-len "
             f"{self.prompt_limit} left out"
