@@ -5,6 +5,7 @@ harness (policies, batches, "run N steps", "assert the same numbers")."""
 import contextlib
 import dataclasses
 import functools
+import importlib
 import json
 import logging
 import os
@@ -463,12 +464,40 @@ def assert_flops_match_xla(model) -> None:
     assert abs(analytic / xla - 1) < 0.1, (analytic, xla)
 
 
-def lm_eval_module():
-    """lm_eval, or a skip (a failure under CI) without the ``eval`` extra."""
+def optional_module(name: str, extra: str, what: str):
+    """The module ``name``, or a skip (a failure under CI) without the extra ``extra``."""
     try:
-        import lm_eval
+        return importlib.import_module(name)
     except ImportError:
         if os.environ.get("CI"):
             raise
-        pytest.skip("needs lm-evaluation-harness: pip install -c constraints.txt -e '.[eval]'")
-    return lm_eval
+        pytest.skip(f"needs {what}: pip install -c constraints.txt -e '.[{extra}]'")
+
+
+def lm_eval_module():
+    """lm_eval, or a skip (a failure under CI) without the ``eval`` extra."""
+    return optional_module("lm_eval", "eval", "lm-evaluation-harness")
+
+
+def trl_module():
+    """trl, or a skip (a failure under CI) without the ``hf-reference`` extra."""
+    return optional_module("trl", "hf-reference", "TRL")
+
+
+@contextlib.contextmanager
+def interrupted_records(module, after: int) -> Iterator[None]:
+    """``module.raw_records`` (a chat tokenizing module's reader) raising KeyboardInterrupt at
+    record ``after``, as an interrupted run meets it; the reader restored when the block ends."""
+    original = module.raw_records
+
+    def interrupted(files):
+        for number, record in enumerate(original(files)):
+            if number == after:
+                raise KeyboardInterrupt
+            yield record
+
+    module.raw_records = interrupted
+    try:
+        yield
+    finally:
+        module.raw_records = original

@@ -85,6 +85,13 @@ class Mixture:
         """``source``'s sampler of split ``split`` (0: train, 1: validation) in the mixture's
         row format: packed rows, windows split at end-of-text tokens, or plain windows."""
         corpus = source.corpus
+        if corpus.pairs is not None:
+            raise ValueError(
+                f"{corpus.source} is a preference corpus (a chosen and a rejected reply to "
+                "each prompt), which trains with a preference job, not as chat examples (that "
+                "would train on the rejected replies too); run the model family's preference "
+                "job, or tokenize conversations for supervised fine-tuning"
+            )
         if corpus.examples is not None:
             key = (source.name, split, seq_len, seed)
             if key not in self._packed:  # packed once: the run, run.json and validation share it
