@@ -143,6 +143,7 @@ BUILTIN_FAMILIES = (
     "theseus.model.families.llama",
     "theseus.model.families.olmo2",
     "theseus.model.families.gemma",
+    "theseus.model.families.qwen3_moe",
 )
 _FAMILY_JOBS: tuple[tuple[str, Action], ...] = (
     ("train/pretrain", "train"),

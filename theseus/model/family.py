@@ -20,12 +20,20 @@ from theseus.sharding.axis import ShardingPlan
 @dataclass(frozen=True)
 class Part:
     """Columns ``[start, stop)`` of a Hugging Face tensor's last dimension are theseus parameter
-    ``path`` (its layer ``layer`` when the parameter is stacked along ``n_layer``)."""
+    ``path`` (its layer ``layer`` when the parameter is stacked along ``n_layer``, and within
+    it expert ``expert`` when stacked along ``n_expert`` too)."""
 
     path: str
     layer: int | None
     start: int
     stop: int
+    expert: int | None = None
+
+    @property
+    def lead(self) -> tuple[int, ...]:
+        """The indices of the stacked dimensions the tensor is one slice of: (), (layer,) or
+        (layer, expert)."""
+        return tuple(i for i in (self.layer, self.expert) if i is not None)
 
 
 @dataclass(frozen=True)
@@ -37,9 +45,16 @@ class HFTensor:
     parts: tuple[Part, ...]
 
 
-def whole(name: str, shape: tuple[int, ...], path: str, layer: int | None = None) -> HFTensor:
-    """A tensor that is one theseus parameter (one layer of it when ``layer`` is given)."""
-    return HFTensor(name, shape, (Part(path, layer, 0, shape[-1]),))
+def whole(
+    name: str,
+    shape: tuple[int, ...],
+    path: str,
+    layer: int | None = None,
+    expert: int | None = None,
+) -> HFTensor:
+    """A tensor that is one theseus parameter (one layer of it when ``layer`` is given, one
+    expert of that layer when ``expert`` is)."""
+    return HFTensor(name, shape, (Part(path, layer, 0, shape[-1], expert),))
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,0 +1,199 @@
+"""What the mixture-of-experts families (Qwen3-MoE, OLMoE, Mixtral) share: the expert block as a
+typed weight (:class:`Experts`: a router and each expert's gated MLP), the router as
+transformers computes it, dropless experts on grouped matmuls, and the routing statistics of the
+auxiliary load-balancing loss.
+
+**Router.** Logits ``h · routerᵀ`` (tokens, experts), a float32 softmax over the experts, the
+``top_k`` largest probabilities (renormalised to sum to 1 when ``normalise``: Qwen3-MoE's
+``norm_topk_prob``, Mixtral; OLMoE keeps them as they are). Mixtral's softmax over the top-k
+logits equals the renormalised top-k probabilities, so one router serves all three.
+
+**Dropless experts.** Each (token, choice) pair is sorted by expert and each expert multiplies
+its own contiguous group of rows (:func:`jax.lax.ragged_dot_general`, the weights in Hugging
+Face's ``(d_out, d_in)`` layout); the outputs return to their tokens, weighted by the router.
+No token is dropped. On CPU XLA expands the grouped product to a dense one over every group
+(right, not fast).
+
+**Load balancing.** Switch Transformer's loss as transformers' ``load_balancing_loss_func``:
+``E · Σₑ fₑ · Pₑ`` over the tokens of every expert layer together, ``fₑ`` the share of top-k
+choices that picked expert ``e`` and ``Pₑ`` its mean router probability. Both are sums over
+tokens divided by the token count, so the layers add up :class:`RouterSums` as they run and the
+loss is formed once (:func:`aux_loss`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from theseus.model.parts import Projection, param, stacked_projection, static, weights
+
+#: Logical names of the expert dimensions: the expert index and each expert's MLP width.
+N_EXPERT = "n_expert"
+N_EXPERT_MLP = "n_expert_mlp"
+
+# ragged_dot_general's dimensions for rows (tokens, d_in) by weights (experts, d_out, d_in):
+# the rows are ragged along their first dimension, one group per expert.
+_GROUPED = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [2]), ([], [])),
+    lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[0],
+)
+
+
+@weights
+class Experts:
+    """An expert block's weights, stacked along ``n_layer``: the router ``gate`` (experts,
+    n_embd), and each expert's ``gate_proj`` and ``up_proj`` (experts, n_expert_mlp, n_embd) and
+    ``down_proj`` (experts, n_embd, n_expert_mlp), Hugging Face's layout; ``top_k`` experts per
+    token, their weights renormalised when ``normalise``."""
+
+    gate: Projection
+    gate_proj: Any
+    up_proj: Any
+    down_proj: Any
+    top_k: int = static()
+    normalise: bool = static()
+
+    @staticmethod
+    def create(
+        num_layers: int,
+        num_experts: int,
+        width: int,
+        mlp_width: int,
+        top_k: int,
+        normalise: bool,
+        rngs: nnx.Rngs,
+    ) -> Experts:
+        """An expert block normal(0.02) initialised (router first, then gate, up, down)."""
+        router = stacked_projection(
+            num_layers, width, num_experts, ("n_embd", N_EXPERT), "oi", bias=False, std=0.02,
+            rngs=rngs,
+        )  # fmt: skip
+        normal = nnx.initializers.normal(0.02)
+        up_names = ("n_layer", N_EXPERT, N_EXPERT_MLP, "n_embd")
+        shape = (num_layers, num_experts, mlp_width, width)
+        gate_proj, up_proj = (param(rngs, shape, up_names, normal) for _ in range(2))
+        down_shape = (num_layers, num_experts, width, mlp_width)
+        down_names = ("n_layer", N_EXPERT, "n_embd", N_EXPERT_MLP)
+        down_proj = param(rngs, down_shape, down_names, normal)
+        return Experts(
+            gate=router,
+            gate_proj=gate_proj,
+            up_proj=up_proj,
+            down_proj=down_proj,
+            top_k=top_k,
+            normalise=normalise,
+        )
+
+
+@weights
+class Routing:
+    """Where a layer's router sends each token: the router ``probs`` float32 (tokens, experts),
+    the chosen ``experts`` int32 (tokens, top_k) and their ``weights`` (tokens, top_k)."""
+
+    probs: jax.Array
+    experts: jax.Array
+    weights: jax.Array
+
+
+def route(block: Experts, h: jax.Array) -> Routing:
+    """The router's choice for the tokens ``h`` (tokens, n_embd), as transformers computes it."""
+    logits = block.gate(h)  # (tokens, experts) in h's dtype
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)  # (tokens, experts)
+    top, chosen = jax.lax.top_k(probs, block.top_k)  # (tokens, top_k)
+    if block.normalise:
+        top = top / top.sum(axis=-1, keepdims=True)
+    return Routing(probs=probs, experts=chosen.astype(jnp.int32), weights=top.astype(h.dtype))
+
+
+def _grouped(rows: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
+    """Each group of ``rows`` (n, d_in) times its expert's ``w`` (experts, d_out, d_in):
+    (n, d_out) in the rows' dtype, float32 accumulation; group ``e`` is ``sizes[e]`` rows."""
+    out = jax.lax.ragged_dot_general(
+        rows, w.astype(rows.dtype), sizes, _GROUPED, preferred_element_type=jnp.float32
+    )
+    return out.astype(rows.dtype)
+
+
+def dropless(
+    block: Experts,
+    h: jax.Array,
+    routing: Routing,
+    activation: Callable[[jax.Array], jax.Array],
+) -> jax.Array:
+    """Every expert's gated MLP on the tokens routed to it, summed per token with the router's
+    weights: (tokens, n_embd) in ``h``'s dtype, from ``h`` (tokens, n_embd)."""
+    tokens, top_k = routing.experts.shape
+    num_experts = block.gate_proj.shape[0]
+    choices = routing.experts.reshape(-1)  # (tokens · top_k,) in token order
+    order = jnp.argsort(choices, stable=True)  # choices grouped by expert
+    sizes = jnp.bincount(choices, length=num_experts).astype(jnp.int32)  # (experts,)
+    rows = h[order // top_k]  # (tokens · top_k, n_embd), sorted by expert
+    hidden = activation(_grouped(rows, block.gate_proj, sizes)) * _grouped(
+        rows, block.up_proj, sizes
+    )  # (tokens · top_k, n_expert_mlp)
+    out = _grouped(hidden, block.down_proj, sizes)  # (tokens · top_k, n_embd), sorted
+    unsorted = out[jnp.argsort(order)].reshape(tokens, top_k, -1)  # back in token order
+    return jnp.einsum("tkd,tk->td", unsorted, routing.weights)  # (tokens, n_embd)
+
+
+def mixture(
+    block: Experts, h: jax.Array, activation: Callable[[jax.Array], jax.Array]
+) -> tuple[jax.Array, Routing]:
+    """The expert block on the stream ``h`` (batch, seq, n_embd): its output (same shape and
+    dtype) and the router's choice for the batch's tokens in order (batch · seq rows)."""
+    tokens = h.reshape(-1, h.shape[-1])  # (batch · seq, n_embd)
+    routing = route(block, tokens)
+    return dropless(block, tokens, routing, activation).reshape(h.shape), routing
+
+
+@weights
+class RouterSums:
+    """Routing statistics summed over the tokens of every expert layer (and, in a trainer, over
+    the replicas of a microbatch): the top-k ``counts`` of each expert float32 (experts,), the
+    router ``probs`` summed per expert (experts,), the number of token ``rows`` (a layer's tokens
+    counted once per layer), and the family's loss coefficient ``coef``."""
+
+    counts: jax.Array
+    probs: jax.Array
+    rows: jax.Array
+    coef: float = static()
+
+    @staticmethod
+    def zeros(num_experts: int, coef: float) -> RouterSums:
+        empty = jnp.zeros((num_experts,), jnp.float32)
+        return RouterSums(counts=empty, probs=empty, rows=jnp.zeros((), jnp.float32), coef=coef)
+
+    def add(self, routing: Routing, counted: jax.Array | None) -> RouterSums:
+        """These sums plus one layer's ``routing``, each token weighted by ``counted`` (tokens,)
+        (None: every token; 0 leaves padding out, as transformers' attention mask does)."""
+        probs = routing.probs  # (tokens, experts)
+        weight = jnp.ones(probs.shape[:1], jnp.float32) if counted is None else counted
+        num_experts = probs.shape[-1]
+        picked = jax.nn.one_hot(routing.experts, num_experts, dtype=jnp.float32)  # (t, k, e)
+        counts = jnp.einsum("tke,t->e", picked, weight)
+        return RouterSums(
+            counts=self.counts + jax.lax.stop_gradient(counts),
+            probs=self.probs + jnp.einsum("te,t->e", probs, weight),
+            rows=self.rows + weight.sum(),
+            coef=self.coef,
+        )
+
+
+def aux_loss(sums: RouterSums, counts: jax.Array, rows: jax.Array) -> jax.Array:
+    """The load-balancing loss ``E · Σₑ (countsₑ / rows) · (probsₑ / rows)`` of ``sums``, with
+    the ``counts`` and ``rows`` of all the tokens it is taken over (a microbatch's, every replica
+    together; equal to ``sums``' own on one device). Linear in ``sums.probs``: the losses of the
+    replicas of a microbatch, each with its own probabilities, add up to the microbatch's."""
+    num_experts = sums.probs.shape[-1]
+    return num_experts * jnp.sum(counts * sums.probs) / (rows * rows)
+
+
+def num_params(num_layers: int, num_experts: int, width: int, mlp_width: int) -> int:
+    """The parameters of a stack of expert blocks: router and three matrices per expert."""
+    return num_layers * num_experts * width * (1 + 3 * mlp_width)

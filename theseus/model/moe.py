@@ -1,0 +1,142 @@
+"""What the mixture-of-experts families built on the rotary grouped-query decoder share (Qwen3-MoE,
+and the OLMoE and Mixtral to come): the expert hyperparameters, the settings that carry the
+routing loss's constants, the sharding plan with the expert dimensions, the active-parameter
+matmuls (for FLOPs), and the Hugging Face keys and tensors of the expert block. The block itself
+is :mod:`theseus.model.experts`."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, replace
+from typing import Any
+
+import pydantic
+from flax import nnx
+
+from theseus.accounting.activations import DecoderShape
+from theseus.model import experts, gqa
+from theseus.model.decoder import Skeleton
+from theseus.model.experts import N_EXPERT, N_EXPERT_MLP, Experts, RouterSums
+from theseus.model.family import Family, HFTensor, Matmuls, whole
+from theseus.model.gqa import GQA_PLAN, Settings, WindowedConfig, field
+from theseus.sharding.axis import Axis, ShardingPlan
+
+# The experts' MLP width is split over `shard` as a dense MLP's is (each device holds a slice of
+# every expert) and over `batch` by ZeRO; the expert index stays whole.
+MOE_PLAN = ShardingPlan(
+    tp=[*GQA_PLAN.tp, (N_EXPERT, None), (N_EXPERT_MLP, Axis.SHARD)],
+    zero=[*GQA_PLAN.zero, (N_EXPERT_MLP, Axis.BATCH)],
+)
+
+
+class MoEConfig(WindowedConfig):
+    """A rotary grouped-query decoder whose MLPs are expert blocks (the names of Hugging Face's
+    configs): ``num_experts`` experts per layer, ``num_experts_per_tok`` chosen per token, each
+    ``moe_intermediate_size`` wide; training adds ``router_aux_loss_coef`` times the
+    load-balancing loss."""
+
+    num_experts: pydantic.StrictInt = field(8, "experts per layer", gt=0)
+    num_experts_per_tok: pydantic.StrictInt = field(2, "experts each token is sent to", gt=0)
+    moe_intermediate_size: pydantic.StrictInt = field(64, "each expert's MLP width", gt=0)
+    router_aux_loss_coef: float = field(0.001, "load-balancing loss coefficient", ge=0)
+
+    @pydantic.model_validator(mode="after")
+    def _top_k_fits(self) -> MoEConfig:
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(
+                f"{type(self).__name__}.num_experts_per_tok={self.num_experts_per_tok} exceeds "
+                f"num_experts={self.num_experts}; a token is sent to at most every expert."
+            )
+        return self
+
+
+@dataclass(frozen=True)
+class MoESettings(Settings):
+    """A rotary layer's settings and the routing loss's: the number of experts and the loss
+    coefficient."""
+
+    num_experts: int
+    aux_coef: float
+
+
+def router_sums(s: MoESettings) -> RouterSums:
+    """The empty routing statistics the expert layers add to."""
+    return RouterSums.zeros(s.num_experts, s.aux_coef)
+
+
+def routed(sk: Skeleton, c: MoEConfig) -> Skeleton:
+    """``sk`` (a rotary skeleton) whose layers add up routing statistics."""
+    plain = {f.name: getattr(sk.settings, f.name) for f in dataclasses.fields(sk.settings)}
+    settings = MoESettings(**plain, num_experts=c.num_experts, aux_coef=c.router_aux_loss_coef)
+    return replace(sk, settings=settings, routing=router_sums)
+
+
+def expert_block(c: MoEConfig, normalise: bool, rngs: nnx.Rngs) -> Experts:
+    """Each layer's expert block (router weights renormalised when ``normalise``)."""
+    dims = (c.num_layers, c.num_experts, c.hidden_size, c.moe_intermediate_size)
+    return Experts.create(*dims, c.num_experts_per_tok, normalise, rngs)
+
+
+def expert_params(c: MoEConfig) -> int:
+    """The parameters of every layer's expert block."""
+    return experts.num_params(c.num_layers, c.num_experts, c.hidden_size, c.moe_intermediate_size)
+
+
+def matmuls(c: MoEConfig) -> Matmuls:
+    """The matmuls a token runs through (active parameters): q, k, v, o, the router and its
+    ``num_experts_per_tok`` experts' three matrices, the head."""
+    e, active = c.hidden_size, c.num_experts_per_tok * c.moe_intermediate_size
+    attention = ((e, c.n_q), (e, c.n_kv), (e, c.n_kv), (c.n_q, e))
+    weights = (*attention, (e, c.num_experts), (e, active), (e, active), (active, e))
+    return Matmuls(c.num_layers, weights, (e, c.vocab_size), c.n_q)
+
+
+def decoder_shape(c: MoEConfig) -> DecoderShape:
+    """The activations' dimensions: a gated MLP as wide as a token's chosen experts together."""
+    active = c.num_experts_per_tok * c.moe_intermediate_size
+    return replace(gqa.decoder_shape(c), mlp_width=active)
+
+
+def family(**kwargs: Any) -> Family:
+    """A mixture-of-experts family (:func:`theseus.model.gqa.family`'s arguments): the plan
+    with the expert dimensions, the active matmuls."""
+    return replace(gqa.family(**kwargs), plan=MOE_PLAN, matmuls=matmuls, shape=decoder_shape)
+
+
+def from_hf(hf: dict[str, Any], width_key: str = "moe_intermediate_size") -> dict[str, Any]:
+    """The expert keys of a ``config.json`` (``num_experts``, or transformers 5's
+    ``num_local_experts``; each expert's width under ``width_key``)."""
+    return {
+        "num_experts": hf.get("num_experts") or hf["num_local_experts"],
+        "num_experts_per_tok": hf["num_experts_per_tok"],
+        "moe_intermediate_size": hf[width_key],
+        "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.001)),
+    }
+
+
+def to_hf(model: dict[str, Any], width_key: str = "moe_intermediate_size") -> dict[str, Any]:
+    """The ``config.json`` keys of :func:`from_hf`."""
+    return {
+        "num_experts": model["num_experts"],
+        "num_experts_per_tok": model["num_experts_per_tok"],
+        width_key: model["moe_intermediate_size"],
+        "router_aux_loss_coef": model["router_aux_loss_coef"],
+    }
+
+
+def expert_tensors(model: dict[str, Any], block: str = "mlp") -> list[HFTensor]:
+    """Each layer's router ``{block}.gate.weight`` (experts, n_embd) and, one tensor per expert
+    (as transformers writes them), ``{block}.experts.N.gate_proj``, ``up_proj`` and
+    ``down_proj``."""
+    e, width = model["hidden_size"], model["moe_intermediate_size"]
+    shapes = {"gate_proj": (width, e), "up_proj": (width, e), "down_proj": (e, width)}
+    found = []
+    for layer in range(model["num_layers"]):
+        prefix = f"model.layers.{layer}.{block}"
+        router = (model["num_experts"], e)
+        found.append(whole(f"{prefix}.gate.weight", router, "layers/mlp/gate/weight", layer))
+        for expert in range(model["num_experts"]):
+            for name, shape in shapes.items():
+                tensor = f"{prefix}.experts.{expert}.{name}.weight"
+                found.append(whole(tensor, shape, f"layers/mlp/{name}", layer, expert))
+    return found
