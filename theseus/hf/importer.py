@@ -87,9 +87,11 @@ def match_tensors(
     found: dict[str, TensorInfo],
     hf_dir: Path,
     aliases: Callable[[str], tuple[str, ...]],
+    unread: tuple[str, ...] = (),
 ) -> dict[str, TensorInfo]:
     """Each expected tensor's file entry (under one of its ``aliases``); a missing or misshapen
-    one is an error naming it."""
+    one is an error naming it, and so is a tensor of the folder that nothing reads (unless its
+    name starts with one of the ``unread`` prefixes)."""
     matched, problems = {}, []
     for tensor in expected:
         info = next((found[a] for a in aliases(tensor.name) if a in found), None)
@@ -103,8 +105,8 @@ def match_tensors(
         else:
             matched[tensor.name] = info
     read = {a for tensor in expected for a in aliases(tensor.name)}
-    unread = sorted(name for name in found if name not in read)
-    problems += [f"{name} is not a tensor of the model config.json describes" for name in unread]
+    left = sorted(name for name in found if name not in read and not name.startswith(unread))
+    problems += [f"{name} is not a tensor of the model config.json describes" for name in left]
     if problems:
         raise ValueError(
             f"{hf_dir}: {len(problems)} tensor(s) do not fit its config.json: "
@@ -220,7 +222,8 @@ def import_hf(
     spec = read_spec(hf_dir)
     hf_spec = spec.family.family.hf
     expected = hf_spec.tensors(spec.model)
-    infos = match_tensors(expected, checkpoint_tensors(hf_dir), hf_dir, hf_spec.aliases)
+    found = checkpoint_tensors(hf_dir)
+    infos = match_tensors(expected, found, hf_dir, hf_spec.aliases, hf_spec.unread)
     trainer = import_trainer(spec, policy or ShardingPolicy(), devices)
     params = read_params(trainer, expected, infos)
     dtype = _dtype_name(infos[expected[0].name])

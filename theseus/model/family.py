@@ -69,6 +69,8 @@ class HFSpec:
     keys of a model section. ``tensors(model)``: the checkpoint's tensors.
     ``peft_targets``: the Hugging Face modules peft can adapt (empty: adapters are not exported).
     ``aliases(name)``: the names a tensor may have in published checkpoints.
+    ``unread``: prefixes of the tensors of a folder the family leaves unread on purpose (a
+    multimodal folder's vision tower); any other tensor it does not read is an error.
     """
 
     architectures: dict[str, str]
@@ -78,6 +80,7 @@ class HFSpec:
     tensors: Callable[[dict[str, Any]], list[HFTensor]]
     peft_targets: tuple[str, ...] = ()
     aliases: Callable[[str], tuple[str, ...]] = lambda name: (name,)
+    unread: tuple[str, ...] = ()
 
     @property
     def model_types(self) -> tuple[str, ...]:
