@@ -31,9 +31,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from theseus.model.parts import Projection, param, stacked_projection, static, weights
+from theseus.sharding.axis import N_EXPERT
 
-#: Logical names of the expert dimensions: the expert index and each expert's MLP width.
-N_EXPERT = "n_expert"
+#: The logical name of each expert's MLP width (the expert index is :data:`N_EXPERT`, which the
+#: sharding policy places).
 N_EXPERT_MLP = "n_expert_mlp"
 
 # ragged_dot_general's dimensions for rows (tokens, d_in) by weights (experts, d_out, d_in):

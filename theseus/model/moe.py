@@ -16,13 +16,14 @@ from flax import nnx
 from theseus.accounting.activations import DecoderShape
 from theseus.model import experts, gqa
 from theseus.model.decoder import Skeleton
-from theseus.model.experts import N_EXPERT, N_EXPERT_MLP, Experts, RouterSums
+from theseus.model.experts import N_EXPERT_MLP, Experts, RouterSums
 from theseus.model.family import Family, HFTensor, Matmuls, whole
 from theseus.model.gqa import GQA_PLAN, Settings, WindowedConfig, field
-from theseus.sharding.axis import Axis, ShardingPlan
+from theseus.sharding.axis import N_EXPERT, Axis, ShardingPlan
 
 # The experts' MLP width is split over `shard` as a dense MLP's is (each device holds a slice of
-# every expert) and over `batch` by ZeRO; the expert index stays whole.
+# every expert) and over `batch` by ZeRO; the expert index stays whole unless the policy places
+# it (ShardingPolicy.experts: over shard, batch or both, ahead of these rules).
 MOE_PLAN = ShardingPlan(
     tp=[*GQA_PLAN.tp, (N_EXPERT, None), (N_EXPERT_MLP, Axis.SHARD)],
     zero=[*GQA_PLAN.zero, (N_EXPERT_MLP, Axis.BATCH)],
