@@ -132,6 +132,29 @@ MOE_KINDS = {
         "5.x",
         "float32",
     ),
+    # OLMoE: q/k norms over all heads, the chosen probabilities as they are (no renormalising).
+    "olmoe": (
+        lambda t: t.OlmoeConfig(
+            **{**COMMON, "intermediate_size": 24},
+            num_experts=4,
+            num_experts_per_tok=2,
+            eos_token_id=None,
+            pad_token_id=None,
+        ),
+        "5.x",
+        "float32",
+    ),
+    # Mixtral: windows of 4 on every layer (sequences of 13), w1/w3/w2 experts.
+    "mixtral": (
+        lambda t: t.MixtralConfig(
+            **{**COMMON, "intermediate_size": 24},
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=4,
+        ),
+        "5.x",
+        "float32",
+    ),
 }
 IDS = np.random.RandomState(0).randint(0, VOCAB, (3, 13))
 

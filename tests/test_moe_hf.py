@@ -1,7 +1,8 @@
-"""Mixture-of-experts checkpoints in and out, against transformers: a tiny random Qwen3-MoE made
-here (float32, 4 experts, 2 per token), imported and compared on logits, the experts each token
-selects, the load-balancing loss and greedy generation; exported bit for bit; a tensor the model
-does not read refused. Skips without the reference extra (tests/hf_reference.py)."""
+"""Mixture-of-experts checkpoints in and out, against transformers: tiny random Qwen3-MoE, OLMoE
+and Mixtral models made here (float32, 4 experts, 2 per token), imported and compared on logits,
+the experts each token selects, the load-balancing loss and greedy generation; exported bit for
+bit; a tensor the model does not read refused. Skips without the reference extra
+(tests/hf_reference.py)."""
 
 import shutil
 
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from hf_reference import IDS, Reference, greedy_reference, libraries, reference_logits
+from hf_reference import IDS, MOE_KINDS, Reference, greedy_reference, libraries, reference_logits
 
 import theseus
 from theseus.hf.exporter import export_hf
@@ -22,11 +23,12 @@ from theseus.model.experts import aux_loss
 from theseus.model.parts import arrays
 
 
-@pytest.fixture(scope="module")
-def qwen3_moe(tmp_path_factory):
-    """The transformers reference and its import."""
-    reference = Reference("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe") / "hf")
-    run = tmp_path_factory.mktemp("qwen3_moe_run") / "run"
+@pytest.fixture(scope="module", params=list(MOE_KINDS))
+def moe(request, tmp_path_factory):
+    """Each family's transformers reference and its import."""
+    kind = request.param
+    reference = Reference(kind, tmp_path_factory.mktemp(kind) / "hf")
+    run = tmp_path_factory.mktemp(f"{kind}_run") / "run"
     import_hf(reference.directory, run)
     return reference, run
 
@@ -58,10 +60,10 @@ def _choices(model, ids: np.ndarray) -> list[np.ndarray]:
     return chosen
 
 
-def test_qwen3_moe_matches_transformers(qwen3_moe):
+def test_moe_matches_transformers(moe):
     """Logits within 2e-5 of the largest logit on one device and under tp=2 + FSDP; the experts
     of every untied token equal transformers'; the load-balancing loss within 1e-6 relative."""
-    reference, run = qwen3_moe
+    reference, run = moe
     torch = libraries().torch
     want = reference.logits
     scale = 2e-5 * np.abs(want).max()
@@ -89,20 +91,20 @@ def test_qwen3_moe_matches_transformers(qwen3_moe):
     np.testing.assert_allclose(ours, float(out.aux_loss), rtol=1e-6)
 
 
-def test_qwen3_moe_generates_as_transformers(qwen3_moe):
+def test_moe_generates_as_transformers(moe):
     """Greedy generation of 16 tokens through the KV cache equals transformers'."""
-    reference, run = qwen3_moe
+    reference, run = moe
     prompts = [[5, 17, 200, 3], [99, 1, 250, 42, 7, 64]]
     result = theseus.generate(run, prompts, max_new_tokens=16, temperature=0.0)
     for prompt, completion in zip(prompts, result.completions, strict=True):
         assert completion.token_ids == greedy_reference(reference.model, prompt, 16)
 
 
-def test_qwen3_moe_export_is_bit_identical(qwen3_moe, tmp_path):
+def test_moe_export_is_bit_identical(moe, tmp_path):
     """import → export writes every tensor (one per expert) bit for bit; transformers loads it
     with no missing or unexpected keys."""
     lib = libraries()
-    reference, run = qwen3_moe
+    reference, run = moe
     export_hf(run, tmp_path / "hf")
     original = lib.load_file(reference.directory / "model.safetensors")
     written = lib.load_file(tmp_path / "hf" / "model.safetensors")
@@ -117,16 +119,17 @@ def test_qwen3_moe_export_is_bit_identical(qwen3_moe, tmp_path):
     np.testing.assert_allclose(got, reference.logits, atol=1e-5, rtol=0)
 
 
-def test_a_tensor_the_model_does_not_read_is_refused(qwen3_moe, tmp_path):
+def test_a_tensor_the_model_does_not_read_is_refused(moe, tmp_path):
     """A fifth expert's tensor in a folder whose config says four: import names it, writes
     nothing."""
     lib = libraries()
-    reference, _ = qwen3_moe
+    reference, _ = moe
     folder = tmp_path / "hf"
     shutil.copytree(reference.directory, folder)
     tensors = lib.load_file(folder / "model.safetensors")
-    extra = "model.layers.1.mlp.experts.4.up_proj.weight"
-    tensors[extra] = tensors["model.layers.1.mlp.experts.3.up_proj.weight"].clone()
+    last = next(name for name in sorted(tensors) if ".experts.3." in name)
+    extra = last.replace(".experts.3.", ".experts.4.")
+    tensors[extra] = tensors[last].clone()
     lib.save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=extra.replace(".", r"\.")):
         import_hf(folder, tmp_path / "run")

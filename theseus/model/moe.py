@@ -10,13 +10,15 @@ import dataclasses
 from dataclasses import dataclass, replace
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import pydantic
 from flax import nnx
 
 from theseus.accounting.activations import DecoderShape
 from theseus.model import experts, gqa
 from theseus.model.decoder import Skeleton
-from theseus.model.experts import N_EXPERT_MLP, Experts, RouterSums
+from theseus.model.experts import N_EXPERT_MLP, Experts, RouterSums, Routing
 from theseus.model.family import Family, HFTensor, Matmuls, whole
 from theseus.model.gqa import GQA_PLAN, Settings, WindowedConfig, field
 from theseus.sharding.axis import N_EXPERT, Axis, ShardingPlan
@@ -125,10 +127,14 @@ def to_hf(model: dict[str, Any], width_key: str = "moe_intermediate_size") -> di
     }
 
 
-def expert_tensors(model: dict[str, Any], block: str = "mlp") -> list[HFTensor]:
+def expert_tensors(
+    model: dict[str, Any],
+    block: str = "mlp",
+    names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+) -> list[HFTensor]:
     """Each layer's router ``{block}.gate.weight`` (experts, n_embd) and, one tensor per expert
-    (as transformers writes them), ``{block}.experts.N.gate_proj``, ``up_proj`` and
-    ``down_proj``."""
+    (as transformers writes them), ``{block}.experts.N.<name>.weight`` of the gate, up and down
+    matrices under their ``names`` (Mixtral's: w1, w3, w2)."""
     e, width = model["hidden_size"], model["moe_intermediate_size"]
     shapes = {"gate_proj": (width, e), "up_proj": (width, e), "down_proj": (e, width)}
     found = []
@@ -137,7 +143,20 @@ def expert_tensors(model: dict[str, Any], block: str = "mlp") -> list[HFTensor]:
         router = (model["num_experts"], e)
         found.append(whole(f"{prefix}.gate.weight", router, "layers/mlp/gate/weight", layer))
         for expert in range(model["num_experts"]):
-            for name, shape in shapes.items():
+            for name, (ours, shape) in zip(names, shapes.items(), strict=True):
                 tensor = f"{prefix}.experts.{expert}.{name}.weight"
-                found.append(whole(tensor, shape, f"layers/mlp/{name}", layer, expert))
+                found.append(whole(tensor, shape, f"layers/mlp/{ours}", layer, expert))
     return found
+
+
+def expert_sublayer(layer: Any, x: jax.Array, s: MoESettings) -> tuple[jax.Array, Routing]:
+    """The stream ``x`` (batch, seq, n_embd) float32 plus the expert block ``layer.mlp`` of its
+    ``post_attention_layernorm``, and the block's routing (the pre-norm families' second half)."""
+    h = layer.post_attention_layernorm(x, s.compute_dtype)  # (batch, seq, n_embd)
+    out, routing = experts.mixture(layer.mlp, h, jax.nn.silu)
+    return x + out.astype(jnp.float32), routing
+
+
+def attention_params(c: MoEConfig, norms: int) -> int:
+    """One layer's q, k, v, o weights, its two norms and ``norms`` parameters of q/k norms."""
+    return c.hidden_size * (2 * c.n_q + 2 * c.n_kv) + 2 * c.hidden_size + norms

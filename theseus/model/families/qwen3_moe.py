@@ -22,7 +22,7 @@ import pydantic
 from flax import nnx
 from jax.typing import DTypeLike
 
-from theseus.model import experts, gqa, gqa_hf, moe
+from theseus.model import gqa, gqa_hf, moe
 from theseus.model.decoder import LayerInputs, LayerOutput, PerLayer
 from theseus.model.experts import Experts
 from theseus.model.family import HFSpec, HFTensor
@@ -60,10 +60,8 @@ def block(layer: Layer, x: jax.Array, inputs: LayerInputs, s: MoESettings) -> La
     per-head q/k norms and rotary q/k, then the expert block; its routing goes out with it."""
     h = layer.input_layernorm(x, s.compute_dtype)  # (batch, seq, n_embd)
     attended = gqa.self_attention(layer, h, inputs, inputs.features, s.head_dim)
-    x = x + attended.output.astype(jnp.float32)
-    h = layer.post_attention_layernorm(x, s.compute_dtype)
-    out, routing = experts.mixture(layer.mlp, h, jax.nn.silu)  # (batch, seq, n_embd)
-    return LayerOutput(x + out.astype(jnp.float32), attended.cache, routing)
+    x, routing = moe.expert_sublayer(layer, x + attended.output.astype(jnp.float32), s)
+    return LayerOutput(x, attended.cache, routing)
 
 
 def skeleton(c: Qwen3MoeConfig, compute_dtype: DTypeLike, remat: bool | str = False):
@@ -94,9 +92,8 @@ class Qwen3Moe(gqa.Model):
 
 def num_params(c: Qwen3MoeConfig) -> int:
     """The exact number of parameters of ``Qwen3Moe(c)``."""
-    attention = c.hidden_size * (2 * c.n_q + 2 * c.n_kv) + 2 * c.dim_per_head
-    per_layer = attention + 2 * c.hidden_size
-    return c.num_layers * per_layer + moe.expert_params(c) + c.table_params
+    attention = moe.attention_params(c, 2 * c.dim_per_head)  # per-head q/k norms
+    return c.num_layers * attention + moe.expert_params(c) + c.table_params
 
 
 # --- Hugging Face: Qwen3MoeForCausalLM ---------------------------------------------------------
