@@ -134,3 +134,22 @@ def test_a_tensor_the_model_does_not_read_is_refused(moe, tmp_path):
     with pytest.raises(ValueError, match=extra.replace(".", r"\.")):
         import_hf(folder, tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_the_fused_layout_imports_to_the_same_run(moe, tmp_path):
+    """transformers 5's fused experts (``mlp.experts.gate_up_proj``, ``down_proj``: its
+    modules' state as it holds it in memory) import to the parameters of the per-expert
+    folder, bit for bit."""
+    lib = libraries()
+    reference, run = moe
+    folder = tmp_path / "hf"
+    shutil.copytree(reference.directory, folder)
+    state = {k: v.contiguous() for k, v in reference.model.state_dict().items()}
+    assert any(name.endswith("experts.gate_up_proj") for name in state)
+    lib.save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    import_hf(folder, tmp_path / "run")
+    fused, per_expert = (
+        load_run(r, devices=jax.devices()[:1]).params for r in (tmp_path / "run", run)
+    )
+    for got, want in zip(jax.tree.leaves(fused), jax.tree.leaves(per_expert), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -133,7 +133,7 @@ def tensor_blocks(
             region = (*lead, slice(start, stop), *rest)
             block = host_region(leaf, region)  # ([1, [1,]] block, ...) float32
             pieces.append(block[(0,) * len(lead)])
-        yield np.concatenate(pieces, axis=-1).astype(dtype)
+        yield np.concatenate(pieces, axis=tensor.parts[0].axis).astype(dtype)
 
 
 def tensor_values(

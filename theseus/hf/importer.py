@@ -130,10 +130,10 @@ def read_shard(
     depth = len(next(iter(parts)))  # the stacked dimensions: 0, 1 (layers) or 2 (and experts)
 
     def piece(part: Part, info: TensorInfo, dims: list[range]) -> np.ndarray:
-        last = dims[-1]
-        columns = slice(part.start + last.start, part.start + last.stop)
-        where = (*(slice(d.start, d.stop) for d in dims[:-1]), columns)
-        return np.asarray(info.array()[where], dtype=np.float32)
+        where = [slice(d.start, d.stop) for d in dims]
+        along = dims[part.axis]  # the part's own indices of the tensor's dimension `axis`
+        where[part.axis] = slice(part.start + along.start, part.start + along.stop)
+        return np.asarray(info.array()[tuple(where)], dtype=np.float32)
 
     def stack(lead: tuple[int, ...], dims: list[range]) -> np.ndarray:
         if len(lead) == depth:
@@ -221,8 +221,8 @@ def import_hf(
         multihost_utils.sync_global_devices("import-hf: output directory checked")
     spec = read_spec(hf_dir)
     hf_spec = spec.family.family.hf
-    expected = hf_spec.tensors(spec.model)
     found = checkpoint_tensors(hf_dir)
+    expected = hf_spec.layout_of(spec.model, found)
     infos = match_tensors(expected, found, hf_dir, hf_spec.aliases, hf_spec.unread)
     trainer = import_trainer(spec, policy or ShardingPolicy(), devices)
     params = read_params(trainer, expected, infos)

@@ -7,6 +7,7 @@ is :mod:`theseus.model.experts`."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -19,7 +20,7 @@ from theseus.accounting.activations import DecoderShape
 from theseus.model import experts, gqa
 from theseus.model.decoder import Skeleton
 from theseus.model.experts import N_EXPERT_MLP, Experts, RouterSums, Routing
-from theseus.model.family import Family, HFTensor, Matmuls, whole
+from theseus.model.family import Family, HFTensor, Matmuls, Part, whole
 from theseus.model.gqa import GQA_PLAN, Settings, WindowedConfig, field
 from theseus.sharding.axis import N_EXPERT, Axis, ShardingPlan
 
@@ -147,6 +148,44 @@ def expert_tensors(
                 tensor = f"{prefix}.experts.{expert}.{name}.weight"
                 found.append(whole(tensor, shape, f"layers/mlp/{ours}", layer, expert))
     return found
+
+
+def fused_expert_tensors(model: dict[str, Any]) -> list[HFTensor]:
+    """transformers 5's fused layout (its modules' own names, every family's): each layer's
+    router ``mlp.gate.weight``, ``mlp.experts.gate_up_proj`` (experts, 2 · width, n_embd: the
+    gate's rows, then the up matrix's) and ``mlp.experts.down_proj`` (experts, n_embd, width)."""
+    e, width, num_experts = (
+        model["hidden_size"],
+        model["moe_intermediate_size"],
+        model["num_experts"],
+    )
+    found = []
+    for layer in range(model["num_layers"]):
+        prefix = f"model.layers.{layer}.mlp"
+        router = (num_experts, e)
+        found.append(whole(f"{prefix}.gate.weight", router, "layers/mlp/gate/weight", layer))
+        gate, up = (Part(f"layers/mlp/{n}", layer, i * width, (i + 1) * width, axis=1)
+                    for i, n in enumerate(("gate_proj", "up_proj")))  # fmt: skip
+        fused = (num_experts, 2 * width, e)
+        found.append(HFTensor(f"{prefix}.experts.gate_up_proj", fused, (gate, up)))
+        down = (num_experts, e, width)
+        found.append(whole(f"{prefix}.experts.down_proj", down, "layers/mlp/down_proj", layer))
+    return found
+
+
+def tensor_layouts(
+    with_experts: Callable[[dict[str, Any], list[HFTensor]], list[HFTensor]],
+    block: str = "mlp",
+    names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+) -> dict[str, Any]:
+    """An expert family's ``HFSpec`` tensor layouts from ``with_experts(model, expert
+    tensors)`` (its whole checkpoint around the given expert tensors): one tensor per expert
+    (``tensors``, what transformers writes and export writes) and transformers 5's fused
+    layout (read too)."""
+    return {
+        "tensors": lambda model: with_experts(model, expert_tensors(model, block, names)),
+        "other_layouts": (lambda model: with_experts(model, fused_expert_tensors(model)),),
+    }
 
 
 def expert_sublayer(layer: Any, x: jax.Array, s: MoESettings) -> tuple[jax.Array, Routing]:

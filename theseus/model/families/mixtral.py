@@ -113,11 +113,11 @@ def to_hf(model: dict[str, Any], model_type: str) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def tensors(model: dict[str, Any]) -> list[HFTensor]:
+def tensors(model: dict[str, Any], experts: list[HFTensor]) -> list[HFTensor]:
+    """The checkpoint's tensors around the ``experts``' (one layout of :mod:`~theseus.model.moe`)."""
     e = model["hidden_size"]
     shapes: dict[str, tuple[int, ...]] = {"input_layernorm": (e,), "post_attention_layernorm": (e,)}
     shapes |= {k: v for k, v in gqa_hf.projection_shapes(model).items() if k.startswith("self")}
-    experts = moe.expert_tensors(model, "block_sparse_moe", EXPERT_NAMES)
     return gqa_hf.checkpoint_tensors(model, shapes, experts)
 
 
@@ -131,7 +131,7 @@ FAMILY = moe.family(
         from_hf=from_hf,
         export_type=lambda model, imported: "mixtral",
         to_hf=to_hf,
-        tensors=tensors,
+        **moe.tensor_layouts(tensors, "block_sparse_moe", EXPERT_NAMES),
     ),
     descriptions={
         "train/pretrain": "train a Mixtral decoder (mixture of experts) on byte or token data",

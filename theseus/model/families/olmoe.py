@@ -125,13 +125,14 @@ def to_hf(model: dict[str, Any], model_type: str) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def tensors(model: dict[str, Any]) -> list[HFTensor]:
+def tensors(model: dict[str, Any], experts: list[HFTensor]) -> list[HFTensor]:
+    """The checkpoint's tensors around the ``experts``' (one layout of :mod:`~theseus.model.moe`)."""
     e = model["hidden_size"]
     _, n_q, n_kv = gqa_hf.widths(model)
     shapes: dict[str, tuple[int, ...]] = {"input_layernorm": (e,), "post_attention_layernorm": (e,)}
     shapes |= {k: v for k, v in gqa_hf.projection_shapes(model).items() if k.startswith("self")}
     shapes |= {"self_attn.q_norm": (n_q,), "self_attn.k_norm": (n_kv,)}
-    return gqa_hf.checkpoint_tensors(model, shapes, moe.expert_tensors(model))
+    return gqa_hf.checkpoint_tensors(model, shapes, experts)
 
 
 FAMILY = moe.family(
@@ -144,7 +145,7 @@ FAMILY = moe.family(
         from_hf=from_hf,
         export_type=lambda model, imported: "olmoe",
         to_hf=to_hf,
-        tensors=tensors,
+        **moe.tensor_layouts(tensors),
     ),
     descriptions={
         "train/pretrain": "train an OLMoE decoder (mixture of experts) on byte or token data",
