@@ -20,12 +20,12 @@ from support import (
 )
 
 from theseus.model.experts import aux_loss
-from theseus.model.families.qwen3_moe import Qwen3MoeConfig
 from theseus.sharding.axis import ShardingPolicy
 from theseus.sharding.layout import LayoutError
 from theseus.training.losses import next_token_loss
 
 FAMILY = FAMILIES["qwen3_moe"].family
+Qwen3MoeConfig = FAMILY.config_class
 # 8 experts (over shard × batch on 8 devices), 2 per token, each 16 wide (split 8 ways by tp=2 +
 # FSDP); q/k norms, GQA (8 heads, 2 kv).
 MODEL = Qwen3MoeConfig(
