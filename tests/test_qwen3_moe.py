@@ -42,21 +42,26 @@ MODEL = Qwen3MoeConfig(
     moe_intermediate_size=16,
     norm_topk_prob=True,
     router_aux_loss_coef=0.05,
+    router_z_loss_coef=0.01,  # opt-in; on here so every layout test covers it
 )
 
 
 def test_step_records_the_load_balancing_loss():
-    """One device: the step's ``aux_loss`` is the loss of the batch's routing, ``loss`` the
-    token loss alone, ``expert_load`` each expert's share of the choices."""
+    """One device: the step's ``aux_loss`` (and ``router_z_loss``) are the losses of the
+    batch's routing, ``loss`` the token loss alone, ``expert_load`` each expert's share of the
+    choices."""
     trainer = shared_trainer(equivalence_config(32, MODEL), ShardingPolicy(), num_devices=1)
     state = trainer.init_state()
     model = nnx.merge(trainer.graphdef, jax.device_get(state.params))
     batch = step_batch(trainer, 0)  # (1, 32, seq + 1)
     rows = jnp.asarray(jax.device_get(batch))[0]
     out = model.outputs(rows[:, :-1])
-    want_aux = aux_loss(out.routing, out.routing.counts, out.routing.rows)
+    sums = out.routing
+    want_aux = aux_loss(sums, sums.counts, sums.rows)
     _, metrics = trainer.train_step(state, batch)
     np.testing.assert_allclose(metrics["aux_loss"], want_aux, rtol=1e-6)
+    np.testing.assert_allclose(metrics["router_z_loss"], sums.z / sums.rows, rtol=1e-6)
+    assert float(metrics["router_z_loss"]) > 0
     np.testing.assert_allclose(metrics["loss"], next_token_loss(out.logits, rows[:, 1:]), rtol=1e-6)
     load = np.asarray(metrics["expert_load"])
     np.testing.assert_allclose(load, out.routing.counts / out.routing.counts.sum(), rtol=1e-6)

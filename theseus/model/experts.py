@@ -95,21 +95,25 @@ class Experts:
 @weights
 class Routing:
     """Where a layer's router sends each token: the router ``probs`` float32 (tokens, experts),
-    the chosen ``experts`` int32 (tokens, top_k) and their ``weights`` (tokens, top_k)."""
+    the chosen ``experts`` int32 (tokens, top_k), their ``weights`` (tokens, top_k) and the
+    log-partition ``log_z`` float32 (tokens,) of the router logits (for the z-loss)."""
 
     probs: jax.Array
     experts: jax.Array
     weights: jax.Array
+    log_z: jax.Array
 
 
 def route(block: Experts, h: jax.Array) -> Routing:
     """The router's choice for the tokens ``h`` (tokens, n_embd), as transformers computes it."""
-    logits = block.gate(h)  # (tokens, experts) in h's dtype
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)  # (tokens, experts)
+    logits = block.gate(h).astype(jnp.float32)  # (tokens, experts)
+    probs = jax.nn.softmax(logits, axis=-1)  # (tokens, experts)
     top, chosen = jax.lax.top_k(probs, block.top_k)  # (tokens, top_k)
     if block.normalise:
         top = top / top.sum(axis=-1, keepdims=True)
-    return Routing(probs=probs, experts=chosen.astype(jnp.int32), weights=top.astype(h.dtype))
+    log_z = jax.nn.logsumexp(logits, axis=-1)  # (tokens,)
+    chosen = chosen.astype(jnp.int32)
+    return Routing(probs=probs, experts=chosen, weights=top.astype(h.dtype), log_z=log_z)
 
 
 def _grouped(rows: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
@@ -158,17 +162,22 @@ class RouterSums:
     """Routing statistics summed over the tokens of every expert layer (and, in a trainer, over
     the replicas of a microbatch): the top-k ``counts`` of each expert float32 (experts,), the
     router ``probs`` summed per expert (experts,), the number of token ``rows`` (a layer's tokens
-    counted once per layer), and the family's loss coefficient ``coef``."""
+    counted once per layer), the squared log-partitions ``z`` of the router logits; the
+    load-balancing loss's coefficient ``coef`` and the z-loss's ``z_coef`` (0: off)."""
 
     counts: jax.Array
     probs: jax.Array
     rows: jax.Array
+    z: jax.Array
     coef: float = static()
+    z_coef: float = static(0.0)
 
     @staticmethod
-    def zeros(num_experts: int, coef: float) -> RouterSums:
-        empty = jnp.zeros((num_experts,), jnp.float32)
-        return RouterSums(counts=empty, probs=empty, rows=jnp.zeros((), jnp.float32), coef=coef)
+    def zeros(num_experts: int, coef: float, z_coef: float = 0.0) -> RouterSums:
+        empty, nothing = jnp.zeros((num_experts,), jnp.float32), jnp.zeros((), jnp.float32)
+        return RouterSums(
+            counts=empty, probs=empty, rows=nothing, z=nothing, coef=coef, z_coef=z_coef
+        )
 
     def add(self, routing: Routing, counted: jax.Array | None) -> RouterSums:
         """These sums plus one layer's ``routing``, each token weighted by ``counted`` (tokens,)
@@ -182,7 +191,9 @@ class RouterSums:
             counts=self.counts + jax.lax.stop_gradient(counts),
             probs=self.probs + jnp.einsum("te,t->e", probs, weight),
             rows=self.rows + weight.sum(),
+            z=self.z + jnp.sum(weight * routing.log_z**2),
             coef=self.coef,
+            z_coef=self.z_coef,
         )
 
 
@@ -193,6 +204,13 @@ def aux_loss(sums: RouterSums, counts: jax.Array, rows: jax.Array) -> jax.Array:
     replicas of a microbatch, each with its own probabilities, add up to the microbatch's."""
     num_experts = sums.probs.shape[-1]
     return num_experts * jnp.sum(counts * sums.probs) / (rows * rows)
+
+
+def z_loss(sums: RouterSums, rows: jax.Array) -> jax.Array:
+    """ST-MoE's router z-loss: the mean over ``rows`` token rows (every expert layer's) of the
+    squared log-partition of the router logits; linear in ``sums.z`` as :func:`aux_loss` is in
+    the probabilities."""
+    return sums.z / rows
 
 
 def num_params(num_layers: int, num_experts: int, width: int, mlp_width: int) -> int:

@@ -43,6 +43,7 @@ class MoEConfig(WindowedConfig):
     num_experts_per_tok: pydantic.StrictInt = field(2, "experts each token is sent to", gt=0)
     moe_intermediate_size: pydantic.StrictInt = field(64, "each expert's MLP width", gt=0)
     router_aux_loss_coef: float = field(0.001, "load-balancing loss coefficient", ge=0)
+    router_z_loss_coef: float = field(0.0, "router z-loss coefficient (0: off)", ge=0)
 
     @pydantic.model_validator(mode="after")
     def _top_k_fits(self) -> MoEConfig:
@@ -56,22 +57,28 @@ class MoEConfig(WindowedConfig):
 
 @dataclass(frozen=True)
 class MoESettings(Settings):
-    """A rotary layer's settings and the routing loss's: the number of experts and the loss
-    coefficient."""
+    """A rotary layer's settings and the routing losses': the number of experts and the
+    load-balancing and z-loss coefficients."""
 
     num_experts: int
     aux_coef: float
+    z_coef: float = 0.0
 
 
 def router_sums(s: MoESettings) -> RouterSums:
     """The empty routing statistics the expert layers add to."""
-    return RouterSums.zeros(s.num_experts, s.aux_coef)
+    return RouterSums.zeros(s.num_experts, s.aux_coef, s.z_coef)
 
 
 def routed(sk: Skeleton, c: MoEConfig) -> Skeleton:
     """``sk`` (a rotary skeleton) whose layers add up routing statistics."""
     plain = {f.name: getattr(sk.settings, f.name) for f in dataclasses.fields(sk.settings)}
-    settings = MoESettings(**plain, num_experts=c.num_experts, aux_coef=c.router_aux_loss_coef)
+    settings = MoESettings(
+        **plain,
+        num_experts=c.num_experts,
+        aux_coef=c.router_aux_loss_coef,
+        z_coef=c.router_z_loss_coef,
+    )
     return replace(sk, settings=settings, routing=router_sums)
 
 

@@ -22,7 +22,7 @@ import optax
 from flax import struct
 
 from theseus.data.packing import MASK, SEGMENTS, TOKENS
-from theseus.model.experts import RouterSums, aux_loss
+from theseus.model.experts import RouterSums, aux_loss, z_loss
 from theseus.sharding.axis import Axis
 
 
@@ -34,12 +34,14 @@ def next_token_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 @struct.dataclass
 class RoutingLoss:
-    """A microbatch's load-balancing loss as the step adds it up (each a replica's share, which
-    sum over the replicas of the microbatch): ``aux`` (the loss), ``weighted`` (coefficient ×
-    loss × the microbatch's trained tokens: what the objective adds to the token loss's total)
-    and ``load`` (experts,), the top-k choices of each expert."""
+    """A microbatch's routing losses as the step adds them up (each a replica's share, which
+    sum over the replicas of the microbatch): ``aux`` (the load-balancing loss), ``z`` (the
+    router z-loss), ``weighted`` (each times its coefficient and the microbatch's trained
+    tokens: what the objective adds to the token loss's total) and ``load`` (experts,), the
+    top-k choices of each expert."""
 
     aux: jax.Array
+    z: jax.Array
     weighted: jax.Array
     load: jax.Array
 
@@ -75,13 +77,13 @@ def across_replicas(x: jax.Array) -> jax.Array:
 
 
 def with_routing(loss: TokenLoss, sums: RouterSums) -> TokenLoss:
-    """``loss`` with the load-balancing loss of the routing statistics ``sums``: the choices
-    and token rows of the whole microbatch (every replica's), so replicas, tensor parallelism
-    and FSDP leave it as one device computes it."""
+    """``loss`` with the load-balancing loss and the router z-loss of the routing statistics
+    ``sums``: the choices and token rows of the whole microbatch (every replica's), so replicas,
+    tensor parallelism and FSDP leave them as one device computes them."""
     counts, rows, tokens = (across_replicas(x) for x in (sums.counts, sums.rows, loss.count))
-    aux = aux_loss(sums, counts, rows)
-    weighted = sums.coef * aux * tokens.astype(jnp.float32)
-    routing = RoutingLoss(aux=aux, weighted=weighted, load=sums.counts)
+    aux, z = aux_loss(sums, counts, rows), z_loss(sums, rows)
+    weighted = (sums.coef * aux + sums.z_coef * z) * tokens.astype(jnp.float32)
+    routing = RoutingLoss(aux=aux, z=z, weighted=weighted, load=sums.counts)
     return TokenLoss(loss.total, loss.count, routing)
 
 

@@ -140,6 +140,7 @@ def train_step(context: TrainerContext, entry: gathering.Entry) -> TrainStep:
         }
         if summed.routing is not None:  # a model with experts: its load-balancing loss
             metrics["aux_loss"] = summed.routing.aux / num_micro
+            metrics["router_z_loss"] = summed.routing.z / num_micro
             metrics["expert_load"] = summed.routing.load / summed.routing.load.sum()
 
         def update(params, opt_state):  # the trained parameters; frozen ones pass through
