@@ -20,6 +20,7 @@ from support import (
 )
 
 from theseus.model.experts import aux_loss
+from theseus.plot import read_metrics
 from theseus.sharding.axis import ShardingPolicy
 from theseus.sharding.layout import LayoutError
 from theseus.training.losses import next_token_loss
@@ -62,6 +63,7 @@ def test_step_records_the_load_balancing_loss():
     np.testing.assert_allclose(metrics["aux_loss"], want_aux, rtol=1e-6)
     np.testing.assert_allclose(metrics["router_z_loss"], sums.z / sums.rows, rtol=1e-6)
     assert float(metrics["router_z_loss"]) > 0
+    assert float(metrics["dropped_fraction"]) == 0.0  # dropless
     np.testing.assert_allclose(metrics["loss"], next_token_loss(out.logits, rows[:, 1:]), rtol=1e-6)
     load = np.asarray(metrics["expert_load"])
     np.testing.assert_allclose(load, out.routing.counts / out.routing.counts.sum(), rtol=1e-6)
@@ -140,3 +142,21 @@ def test_plan_qwen3_30b_a3b_with_experts_placed_each_way(tmp_path):
         assert plan["policy"]["experts"] == placement
         totals[placement] = plan["totals"]["total_bytes"]  # ZeRO tp=8, per device
     assert totals["both"] < totals["batch"] < totals["shard"] < totals["none"], totals
+
+
+def test_cli_run_records_routing_in_its_metrics_rows(tmp_path):
+    """`theseus train --job qwen3_moe/train/pretrain --experts shard`: every row has the
+    load-balancing loss, each expert's load (a dict by index) and the dropped fraction."""
+    defaults = FAMILY.config_class().model_dump()
+    changed = {k: v for k, v in MODEL.model_dump().items() if v != defaults[k]}
+    model = [f"model.{k}={v}" for k, v in changed.items()]
+    training = ["training.steps=2", "training.batch_size=8", "training.per_device_batch_size=1"]
+    flags = ("--job", "qwen3_moe/train/pretrain", "--tp", "2", "--experts", "shard")
+    result = invoke("train", *flags, "--out", tmp_path / "run", *model, *training)
+    assert result.exit_code == 0, result.output
+    rows = read_metrics(tmp_path / "run")
+    assert [row["step"] for row in rows] == [1, 2]
+    for row in rows:
+        assert row["aux_loss"] > 0 and row["router_z_loss"] > 0 and row["dropped_fraction"] == 0
+        assert sorted(row["expert_load"], key=int) == [str(i) for i in range(8)]
+        assert abs(sum(row["expert_load"].values()) - 1) < 1e-5

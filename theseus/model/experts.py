@@ -23,6 +23,7 @@ loss is formed once (:func:`aux_loss`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -51,7 +52,8 @@ class Experts:
     """An expert block's weights, stacked along ``n_layer``: the router ``gate`` (experts,
     n_embd), and each expert's ``gate_proj`` and ``up_proj`` (experts, n_expert_mlp, n_embd) and
     ``down_proj`` (experts, n_embd, n_expert_mlp), Hugging Face's layout; ``top_k`` experts per
-    token, their weights renormalised when ``normalise``."""
+    token, their weights renormalised when ``normalise``; each expert takes at most ``capacity``
+    × its even share of a batch's choices (None: every choice, dropless)."""
 
     gate: Projection
     gate_proj: Any
@@ -59,6 +61,7 @@ class Experts:
     down_proj: Any
     top_k: int = static()
     normalise: bool = static()
+    capacity: float | None = static(None)
 
     @staticmethod
     def create(
@@ -69,6 +72,7 @@ class Experts:
         top_k: int,
         normalise: bool,
         rngs: nnx.Rngs,
+        capacity: float | None = None,
     ) -> Experts:
         """An expert block normal(0.02) initialised (router first, then gate, up, down)."""
         router = stacked_projection(
@@ -89,6 +93,7 @@ class Experts:
             down_proj=down_proj,
             top_k=top_k,
             normalise=normalise,
+            capacity=capacity,
         )
 
 
@@ -102,6 +107,7 @@ class Routing:
     experts: jax.Array
     weights: jax.Array
     log_z: jax.Array
+    kept: jax.Array | None = None  # bool (tokens, top_k): the choices within capacity
 
 
 def route(block: Experts, h: jax.Array) -> Routing:
@@ -147,13 +153,35 @@ def dropless(
     return jnp.einsum("tkd,tk->td", unsorted, routing.weights)  # (tokens, n_embd)
 
 
+def within_capacity(routing: Routing, num_experts: int, capacity: float) -> Routing:
+    """``routing`` with the choices beyond each expert's capacity dropped (weight 0, not
+    ``kept``): an expert takes at most ``ceil(capacity · tokens · top_k / experts)`` choices,
+    those of the earliest tokens first. A capacity of experts / top_k drops nothing."""
+    tokens, top_k = routing.experts.shape
+    limit = math.ceil(capacity * tokens * top_k / num_experts)
+    choices = routing.experts.reshape(-1)  # (tokens · top_k,) in token order
+    order = jnp.argsort(choices, stable=True)  # grouped by expert, token order within
+    sizes = jnp.bincount(choices, length=num_experts)  # (experts,)
+    starts = jnp.cumsum(sizes) - sizes  # each expert's first row in sorted order
+    rank = jnp.arange(choices.size) - starts[choices[order]]  # place within its expert
+    kept = jnp.zeros(choices.shape, bool).at[order].set(rank < limit).reshape(tokens, top_k)
+    weights = jnp.where(kept, routing.weights, 0)
+    return Routing(
+        probs=routing.probs, experts=routing.experts, weights=weights, log_z=routing.log_z,
+        kept=kept,
+    )  # fmt: skip
+
+
 def mixture(
     block: Experts, h: jax.Array, activation: Callable[[jax.Array], jax.Array]
 ) -> tuple[jax.Array, Routing]:
     """The expert block on the stream ``h`` (batch, seq, n_embd): its output (same shape and
-    dtype) and the router's choice for the batch's tokens in order (batch · seq rows)."""
+    dtype) and the router's choice for the batch's tokens in order (batch · seq rows), within
+    the block's capacity when it has one."""
     tokens = h.reshape(-1, h.shape[-1])  # (batch · seq, n_embd)
     routing = route(block, tokens)
+    if block.capacity is not None:
+        routing = within_capacity(routing, block.gate_proj.shape[0], block.capacity)
     return dropless(block, tokens, routing, activation).reshape(h.shape), routing
 
 
@@ -162,13 +190,15 @@ class RouterSums:
     """Routing statistics summed over the tokens of every expert layer (and, in a trainer, over
     the replicas of a microbatch): the top-k ``counts`` of each expert float32 (experts,), the
     router ``probs`` summed per expert (experts,), the number of token ``rows`` (a layer's tokens
-    counted once per layer), the squared log-partitions ``z`` of the router logits; the
-    load-balancing loss's coefficient ``coef`` and the z-loss's ``z_coef`` (0: off)."""
+    counted once per layer), the squared log-partitions ``z`` of the router logits, the
+    choices ``dropped`` beyond capacity; the load-balancing loss's coefficient ``coef`` and the
+    z-loss's ``z_coef`` (0: off)."""
 
     counts: jax.Array
     probs: jax.Array
     rows: jax.Array
     z: jax.Array
+    dropped: jax.Array
     coef: float = static()
     z_coef: float = static(0.0)
 
@@ -176,8 +206,9 @@ class RouterSums:
     def zeros(num_experts: int, coef: float, z_coef: float = 0.0) -> RouterSums:
         empty, nothing = jnp.zeros((num_experts,), jnp.float32), jnp.zeros((), jnp.float32)
         return RouterSums(
-            counts=empty, probs=empty, rows=nothing, z=nothing, coef=coef, z_coef=z_coef
-        )
+            counts=empty, probs=empty, rows=nothing, z=nothing, dropped=nothing, coef=coef,
+            z_coef=z_coef,
+        )  # fmt: skip
 
     def add(self, routing: Routing, counted: jax.Array | None) -> RouterSums:
         """These sums plus one layer's ``routing``, each token weighted by ``counted`` (tokens,)
@@ -192,9 +223,18 @@ class RouterSums:
             probs=self.probs + jnp.einsum("te,t->e", probs, weight),
             rows=self.rows + weight.sum(),
             z=self.z + jnp.sum(weight * routing.log_z**2),
+            dropped=self.dropped + _dropped(routing, weight),
             coef=self.coef,
             z_coef=self.z_coef,
         )
+
+
+def _dropped(routing: Routing, weight: jax.Array) -> jax.Array:
+    """The choices of the tokens ``weight`` (tokens,) counts that capacity dropped."""
+    if routing.kept is None:
+        return jnp.zeros((), jnp.float32)
+    lost = jnp.sum(~routing.kept, axis=-1).astype(jnp.float32)  # (tokens,)
+    return jnp.sum(weight * lost)
 
 
 def aux_loss(sums: RouterSums, counts: jax.Array, rows: jax.Array) -> jax.Array:

@@ -44,6 +44,10 @@ class MoEConfig(WindowedConfig):
     moe_intermediate_size: pydantic.StrictInt = field(64, "each expert's MLP width", gt=0)
     router_aux_loss_coef: float = field(0.001, "load-balancing loss coefficient", ge=0)
     router_z_loss_coef: float = field(0.0, "router z-loss coefficient (0: off)", ge=0)
+    expert_capacity: float | None = field(
+        None, "each expert takes at most this × its even share of a batch's choices (None: "
+        "dropless); experts / num_experts_per_tok drops nothing", gt=0,
+    )  # fmt: skip
 
     @pydantic.model_validator(mode="after")
     def _top_k_fits(self) -> MoEConfig:
@@ -85,7 +89,7 @@ def routed(sk: Skeleton, c: MoEConfig) -> Skeleton:
 def expert_block(c: MoEConfig, normalise: bool, rngs: nnx.Rngs) -> Experts:
     """Each layer's expert block (router weights renormalised when ``normalise``)."""
     dims = (c.num_layers, c.num_experts, c.hidden_size, c.moe_intermediate_size)
-    return Experts.create(*dims, c.num_experts_per_tok, normalise, rngs)
+    return Experts.create(*dims, c.num_experts_per_tok, normalise, rngs, c.expert_capacity)
 
 
 def expert_params(c: MoEConfig) -> int:

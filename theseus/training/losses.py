@@ -37,13 +37,14 @@ class RoutingLoss:
     """A microbatch's routing losses as the step adds them up (each a replica's share, which
     sum over the replicas of the microbatch): ``aux`` (the load-balancing loss), ``z`` (the
     router z-loss), ``weighted`` (each times its coefficient and the microbatch's trained
-    tokens: what the objective adds to the token loss's total) and ``load`` (experts,), the
-    top-k choices of each expert."""
+    tokens: what the objective adds to the token loss's total), ``load`` (experts,), the
+    top-k choices of each expert, and the choices ``dropped`` beyond capacity."""
 
     aux: jax.Array
     z: jax.Array
     weighted: jax.Array
     load: jax.Array
+    dropped: jax.Array
 
 
 @struct.dataclass
@@ -83,7 +84,7 @@ def with_routing(loss: TokenLoss, sums: RouterSums) -> TokenLoss:
     counts, rows, tokens = (across_replicas(x) for x in (sums.counts, sums.rows, loss.count))
     aux, z = aux_loss(sums, counts, rows), z_loss(sums, rows)
     weighted = (sums.coef * aux + sums.z_coef * z) * tokens.astype(jnp.float32)
-    routing = RoutingLoss(aux=aux, z=z, weighted=weighted, load=sums.counts)
+    routing = RoutingLoss(aux=aux, z=z, weighted=weighted, load=sums.counts, dropped=sums.dropped)
     return TokenLoss(loss.total, loss.count, routing)
 
 

@@ -141,7 +141,9 @@ def train_step(context: TrainerContext, entry: gathering.Entry) -> TrainStep:
         if summed.routing is not None:  # a model with experts: its load-balancing loss
             metrics["aux_loss"] = summed.routing.aux / num_micro
             metrics["router_z_loss"] = summed.routing.z / num_micro
-            metrics["expert_load"] = summed.routing.load / summed.routing.load.sum()
+            choices = summed.routing.load.sum()
+            metrics["expert_load"] = summed.routing.load / choices
+            metrics["dropped_fraction"] = summed.routing.dropped / choices  # 0: dropless
 
         def update(params, opt_state):  # the trained parameters; frozen ones pass through
             params = constrain(params, update_layout)
