@@ -4,10 +4,20 @@ and the output is dropless's; at 1.0 the choices beyond each expert's share are 
 earliest tokens first, and counted."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from theseus.model.experts import Experts, RouterSums, dropless, mixture, route, within_capacity
+from theseus.model.experts import (
+    Experts,
+    RouterSums,
+    _blocked,
+    _ragged,
+    dropless,
+    mixture,
+    route,
+    within_capacity,
+)
 from theseus.model.parts import arrays
 
 EXPERTS, TOP_K, WIDTH, MLP = 5, 2, 11, 7
@@ -75,3 +85,18 @@ def test_capacity_one_drops_beyond_each_experts_share_and_counts_it():
     kept_weights = np.where(want_kept, np.asarray(route(block, tokens).weights), 0.0)
     want = _dense(block, np.asarray(tokens, np.float64), kept_weights, np.asarray(routing.experts))
     np.testing.assert_allclose(np.asarray(out), want, atol=1e-5)
+
+
+def test_padded_blocks_equal_the_grouped_matmul():
+    """CPU's blocked formulation and the grouped matmul other backends run (ragged_dot, exact
+    on CPU too, densely) give the same rows, with an empty expert and groups of every size."""
+    block, h = _block(), _tokens().reshape(-1, WIDTH)
+    sizes = jnp.array([0, 1, 33, 2, 42], jnp.int32)  # 78 rows, one group above BLOCK_ROWS
+    ragged = _ragged(h[:78], block, sizes, jax.nn.silu)
+    np.testing.assert_allclose(_blocked(h[:78], block, sizes, jax.nn.silu), ragged, atol=1e-5)
+    grads = [
+        jax.grad(lambda b, f=f: jnp.sum(f(h[:78], b, sizes, jax.nn.silu) ** 2))(block)
+        for f in (_blocked, _ragged)
+    ]
+    for got, want in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1]), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-3, rtol=1e-5)

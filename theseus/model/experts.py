@@ -131,6 +131,49 @@ def _grouped(rows: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
     return out.astype(rows.dtype)
 
 
+#: Rows per block of the blocked formulation (XLA:CPU, which has no grouped matmul kernel).
+BLOCK_ROWS = 32
+
+
+def _blocked(
+    rows: jax.Array, block: Experts, sizes: jax.Array, activation: Callable[[jax.Array], jax.Array]
+) -> jax.Array:
+    """The experts' gated MLPs on ``rows`` (n, n_embd) sorted by expert (group ``e`` is
+    ``sizes[e]`` rows), each group padded to whole blocks of :data:`BLOCK_ROWS` rows of one
+    expert, each block multiplied by its expert's weights: (n, n_embd). The work is the rows'
+    own plus at most ``BLOCK_ROWS - 1`` padding rows per expert."""
+    n, num_experts, size = rows.shape[0], sizes.shape[0], BLOCK_ROWS
+    num_blocks = -(-(n + num_experts * (size - 1)) // size)  # enough for any sizes
+    padded = -(-sizes // size) * size  # (experts,)
+    ends = jnp.cumsum(padded)
+    expert = jnp.repeat(jnp.arange(num_experts), sizes, total_repeat_length=n)  # of each row
+    slot = (ends - padded)[expert] + jnp.arange(n) - (jnp.cumsum(sizes) - sizes)[expert]
+    source = jnp.full((num_blocks * size,), n).at[slot].set(jnp.arange(n))  # n: a zero row
+    x = jnp.concatenate([rows, jnp.zeros_like(rows[:1])])[source]  # (blocks · size, n_embd)
+    x = x.reshape(num_blocks, size, -1)
+    owner = jnp.minimum(jnp.searchsorted(ends, jnp.arange(num_blocks) * size, side="right"),
+                        num_experts - 1)  # fmt: skip
+
+    def matmul(x: jax.Array, w: jax.Array) -> jax.Array:  # per block: (size, d_in) · w[owner]ᵀ
+        w = w[owner].astype(x.dtype)  # (blocks, d_out, d_in)
+        out = jnp.einsum("bsi,boi->bso", x, w, preferred_element_type=jnp.float32)
+        return out.astype(x.dtype)
+
+    hidden = activation(matmul(x, block.gate_proj)) * matmul(x, block.up_proj)
+    out = matmul(hidden, block.down_proj).reshape(num_blocks * size, -1)
+    return out[slot]  # (n, n_embd), in the rows' order
+
+
+def _ragged(
+    rows: jax.Array, block: Experts, sizes: jax.Array, activation: Callable[[jax.Array], jax.Array]
+) -> jax.Array:
+    """The experts' gated MLPs on ``rows`` sorted by expert, on grouped matmuls."""
+    hidden = activation(_grouped(rows, block.gate_proj, sizes)) * _grouped(
+        rows, block.up_proj, sizes
+    )  # (n, n_expert_mlp)
+    return _grouped(hidden, block.down_proj, sizes)  # (n, n_embd)
+
+
 def dropless(
     block: Experts,
     h: jax.Array,
@@ -138,17 +181,17 @@ def dropless(
     activation: Callable[[jax.Array], jax.Array],
 ) -> jax.Array:
     """Every expert's gated MLP on the tokens routed to it, summed per token with the router's
-    weights: (tokens, n_embd) in ``h``'s dtype, from ``h`` (tokens, n_embd)."""
+    weights: (tokens, n_embd) in ``h``'s dtype, from ``h`` (tokens, n_embd). On grouped matmuls
+    where the backend has a kernel for them; on CPU, where XLA expands one to a dense product
+    over every group, in padded blocks of one expert (:func:`_blocked`)."""
     tokens, top_k = routing.experts.shape
     num_experts = block.gate_proj.shape[0]
     choices = routing.experts.reshape(-1)  # (tokens · top_k,) in token order
     order = jnp.argsort(choices, stable=True)  # choices grouped by expert
     sizes = jnp.bincount(choices, length=num_experts).astype(jnp.int32)  # (experts,)
     rows = h[order // top_k]  # (tokens · top_k, n_embd), sorted by expert
-    hidden = activation(_grouped(rows, block.gate_proj, sizes)) * _grouped(
-        rows, block.up_proj, sizes
-    )  # (tokens · top_k, n_expert_mlp)
-    out = _grouped(hidden, block.down_proj, sizes)  # (tokens · top_k, n_embd), sorted
+    experts = _blocked if jax.default_backend() == "cpu" else _ragged
+    out = experts(rows, block, sizes, activation)  # (tokens · top_k, n_embd), sorted
     unsorted = out[jnp.argsort(order)].reshape(tokens, top_k, -1)  # back in token order
     return jnp.einsum("tkd,tk->td", unsorted, routing.weights)  # (tokens, n_embd)
 
