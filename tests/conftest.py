@@ -81,6 +81,8 @@ SHARED_GROUPS = {
     "test_lora_hf": "huggingface",
     "test_chat_data": "huggingface",
     "test_harness": "huggingface",
+    "test_moe_hf": "huggingface",
+    "test_moe_lora": "huggingface",
 }
 FIRST = ("test_multiprocess", "test_readme", "huggingface", "test_llama", "test_trainer")
 

@@ -98,6 +98,7 @@ def test_chain_yaml_round_trip(tmp_path):
         "zero": True,
         "fsdp": True,
         "activation_checkpointing": "none",
+        "experts": "none",
     }
     assert [s["job"] for s in data["steps"]] == ["gpt/train/pretrain", "gpt/evaluate"]
     # The evaluate step starts from the training step's config.

@@ -696,6 +696,7 @@ def test_train_budget_chooses_policy_recompute_and_batch_says_so_and_trains(tmp_
         "zero": False,
         "fsdp": False,
         "activation_checkpointing": "dots",
+        "experts": "none",
     }
     assert record["per_device_batch_size"] == 1 and record["accumulation_steps"] == 2
     assert record["global_batch_size"] == 16  # the global batch stays

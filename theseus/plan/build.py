@@ -72,7 +72,10 @@ def plan(
     candidates = [policy]
     if alternatives:
         candidates = candidate_policies(
-            num_devices, per_host, activation_checkpointing=policy.activation_checkpointing
+            num_devices,
+            per_host,
+            activation_checkpointing=policy.activation_checkpointing,
+            experts=policy.experts,
         )
         candidates = sorted({*candidates, policy}, key=communication_key)
     options, batch_plan = [], None

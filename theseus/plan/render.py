@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from theseus.accounting.memory import CompiledStep, format_bytes
 from theseus.accounting.text import mesh_text, number_text, percent, shape_text, text_table
-from theseus.plan.policies import COMMUNICATION
+from theseus.plan.policies import COMMUNICATION, expert_exchange
 from theseus.plan.results import BudgetChoice, Plan, RematOption, memory_sum
 from theseus.sharding.axis import Axis
 from theseus.training.summary import REPLICATED_WARNING_SHARE, ReplicatedShare, layout_table
@@ -54,6 +54,8 @@ def _memory(p: Plan) -> list[str]:
         "  communication, least first: DP < ZeRO < FSDP at tp=1, then each tp > 1 in the same "
         "order (" + "; ".join(f"{k}: {v}" for k, v in COMMUNICATION.items()) + ")"
     )
+    if p.policy.experts != "none":
+        lines.append(f"  {p.policy.name}{expert_exchange(p.policy)}")
     return [*lines, *_activations(p)]
 
 

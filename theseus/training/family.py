@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 import jax
+import jax.numpy as jnp
 import pydantic
 from flax import nnx
 
@@ -15,6 +16,7 @@ from theseus.accounting.preflight import check_context_length
 from theseus.data import Corpus
 from theseus.model.attention import DEFAULT_BLOCK, check_backend
 from theseus.model.decode import Decoder
+from theseus.model.decoder import DecoderModel
 from theseus.model.family import Family
 from theseus.training.flops import flops_per_token
 from theseus.training.keys import Keys
@@ -25,6 +27,7 @@ from theseus.training.losses import (
     row_fields,
     segment_positions,
     target_weights,
+    with_routing,
 )
 from theseus.training.trainer import BaseTrainer, TrainerConfig
 
@@ -60,21 +63,30 @@ class FamilyTrainer(BaseTrainer):
     def token_loss(
         self, model: nnx.Module, rows: jax.Array, keys: Keys, *, train: bool
     ) -> TokenLoss:
-        """Plain token rows: :meth:`loss` times its targets. Segmented rows (examples,
-        ROW_FIELDS, seq_len + 1): each example attends within its segment at restarted
-        positions, and only its trained targets count (:mod:`theseus.training.losses`)."""
+        """Plain token rows: the mean next-token loss times its targets. Segmented rows
+        (examples, ROW_FIELDS, seq_len + 1): each example attends within its segment at
+        restarted positions, and only its trained targets count
+        (:mod:`theseus.training.losses`). In training, a model with experts adds its
+        load-balancing loss (:func:`~theseus.training.losses.with_routing`)."""
+        assert isinstance(model, DecoderModel), type(model)  # every family's model is one
+        deterministic = not train
         if rows.ndim == 2:
-            return super().token_loss(model, rows, keys, train=train)
-        tokens, mask, segments = row_fields(rows)  # each (examples, seq_len + 1)
-        inputs = segments[:, :-1]  # (examples, seq_len)
-        logits = model(
-            tokens[:, :-1],
-            keys.examples,
-            deterministic=not train,
-            segments=inputs,
-            positions=segment_positions(inputs),
-        )
-        return masked_token_loss(logits, tokens[:, 1:], target_weights(mask, segments))
+            out = model.outputs(rows[:, :-1], keys.examples, deterministic=deterministic)
+            count = rows.shape[0] * (rows.shape[1] - 1)
+            mean = next_token_loss(out.logits, rows[:, 1:])
+            loss = TokenLoss(mean * count, jnp.asarray(count, jnp.int32))
+        else:
+            tokens, mask, segments = row_fields(rows)  # each (examples, seq_len + 1)
+            inputs = segments[:, :-1]  # (examples, seq_len)
+            out = model.outputs(
+                tokens[:, :-1],
+                keys.examples,
+                deterministic=deterministic,
+                segments=inputs,
+                positions=segment_positions(inputs),
+            )
+            loss = masked_token_loss(out.logits, tokens[:, 1:], target_weights(mask, segments))
+        return with_routing(loss, out.routing) if train and out.routing is not None else loss
 
     def default_seq_len(self) -> int:
         return self.family.context(self.config.model).length

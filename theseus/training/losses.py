@@ -22,6 +22,8 @@ import optax
 from flax import struct
 
 from theseus.data.packing import MASK, SEGMENTS, TOKENS
+from theseus.model.experts import RouterSums, aux_loss, z_loss
+from theseus.sharding.axis import Axis
 
 
 def next_token_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -31,16 +33,59 @@ def next_token_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 
 @struct.dataclass
+class RoutingLoss:
+    """A microbatch's routing losses as the step adds them up (each a replica's share, which
+    sum over the replicas of the microbatch): ``aux`` (the load-balancing loss), ``z`` (the
+    router z-loss), ``weighted`` (each times its coefficient and the microbatch's trained
+    tokens: what the objective adds to the token loss's total), ``load`` (experts,), the
+    top-k choices of each expert, and the choices ``dropped`` beyond capacity."""
+
+    aux: jax.Array
+    z: jax.Array
+    weighted: jax.Array
+    load: jax.Array
+    dropped: jax.Array
+
+
+@struct.dataclass
 class TokenLoss:
     """A loss as the step adds it up: the sum of per-token losses over the trained tokens
     (float32) and their number (int32). Sums over microbatches and replicas, divided once, give
-    the mean over the trained tokens of the whole global batch, whatever the layout."""
+    the mean over the trained tokens of the whole global batch, whatever the layout. A model
+    with experts adds its ``routing`` loss in training (None: none)."""
 
     total: jax.Array
     count: jax.Array
+    routing: RoutingLoss | None = None
 
     def mean(self) -> jax.Array:
         return self.total / self.count
+
+    def objective(self) -> jax.Array:
+        """What training differentiates: the total, plus the weighted routing loss. Divided by
+        the step's trained tokens it is the mean token loss plus the coefficient times the
+        token-weighted mean of the microbatches' routing losses."""
+        return self.total if self.routing is None else self.total + self.routing.weighted
+
+
+def across_replicas(x: jax.Array) -> jax.Array:
+    """``x`` summed over the replicas of a microbatch where the step runs each replica on its
+    own (a ``shard_map`` manual over ``batch``); elsewhere ``x`` is already the whole
+    microbatch's."""
+    if Axis.BATCH in jax.sharding.get_abstract_mesh().manual_axes:
+        return jax.lax.psum(x, Axis.BATCH)
+    return x
+
+
+def with_routing(loss: TokenLoss, sums: RouterSums) -> TokenLoss:
+    """``loss`` with the load-balancing loss and the router z-loss of the routing statistics
+    ``sums``: the choices and token rows of the whole microbatch (every replica's), so replicas,
+    tensor parallelism and FSDP leave them as one device computes them."""
+    counts, rows, tokens = (across_replicas(x) for x in (sums.counts, sums.rows, loss.count))
+    aux, z = aux_loss(sums, counts, rows), z_loss(sums, rows)
+    weighted = (sums.coef * aux + sums.z_coef * z) * tokens.astype(jnp.float32)
+    routing = RoutingLoss(aux=aux, z=z, weighted=weighted, load=sums.counts, dropped=sums.dropped)
+    return TokenLoss(loss.total, loss.count, routing)
 
 
 def masked_token_loss(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> TokenLoss:
