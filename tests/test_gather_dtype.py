@@ -9,7 +9,6 @@
   it; the recompute policies order by memory and FLOPs.
 """
 
-import functools
 from typing import ClassVar
 
 import jax
@@ -25,6 +24,7 @@ from support import (
     Run,
     assert_compute_dtype_gathers,
     assert_gathers_agree,
+    default_codegen_hlo,
     equivalence_config,
     run_steps,
     shared_trainer,
@@ -47,22 +47,11 @@ def gpt_trainer(policy: ShardingPolicy, **training) -> GPTTrainer:
     return trainer
 
 
-@functools.cache
-def compiled_hlo(trainer: GPTTrainer) -> str:
-    """The trainer's step compiled with XLA's default code generation (see below), as text;
-    run_steps(trainer, compiler_options=DEFAULT_CODEGEN) reuses the compiled program."""
-    batch = jax.ShapeDtypeStruct(
-        trainer.batch_plan.shape, np.int32, sharding=trainer.batch_sharding
-    )
-    lowered = trainer.train_step.lower(trainer.abstract_state, batch)
-    return lowered.compile(compiler_options=DEFAULT_CODEGEN).as_text()
-
-
 def train(policy: ShardingPolicy, **training) -> Run:
     """Three steps of :func:`gpt_trainer`, its compiled step's text kept for the tests that read
     it."""
     trainer = gpt_trainer(policy, **training)
-    compiled_hlo(trainer)
+    default_codegen_hlo(trainer)  # for the layer-loop test below; run_steps reuses it
     return run_steps(trainer, compiler_options=DEFAULT_CODEGEN)
 
 
@@ -174,7 +163,7 @@ def test_layer_loop_gathers_move_the_compute_dtype(gather_dtype):
     trainer = gpt_trainer(ShardingPolicy(fsdp=True), dtype="bfloat16", gather_dtype=gather_dtype)
     layers = trainer.config.model.n_layer
     assert layers != trainer.batch_plan.accumulation_steps  # the layer loop's trip count
-    hlo = compiled_hlo(trainer)
+    hlo = default_codegen_hlo(trainer)
     gathers = loop_collective_types(hlo, "all-gather")
     matrices = [t for trip, t in gathers if trip == layers and "," in t.split("{")[0]]  # rank >= 2
     assert len(matrices) >= 2 * 6, matrices  # 6 matrices, forward and backward
