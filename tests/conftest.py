@@ -88,13 +88,14 @@ SHARED_GROUPS = {
 FIRST = (
     "test_readme",
     "test_multiprocess",
-    "huggingface",
-    "test_gather_dtype",
-    "test_cli",
-    "test_gemma",
     "test_trainer",
+    "huggingface",
+    "test_cli",
+    "test_gather_dtype",
+    "test_gemma",
     "test_llama",
     "test_checkpoint",
+    "test_generate",
     "test_execution",
 )
 
