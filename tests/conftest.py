@@ -93,8 +93,11 @@ FIRST = (
     "test_cli",
     "test_gather_dtype",
     "test_gemma",
-    "test_llama",
+    "test_planner",
     "test_checkpoint",
+    "test_llama",
+    "test_lora",
+    "test_runs",
     "test_generate",
     "test_execution",
 )
