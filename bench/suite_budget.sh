@@ -29,7 +29,7 @@ env HOME="$work/home" XDG_CACHE_HOME="$work/cache" TMPDIR="$work/tmp" \
   /usr/bin/time -f '%e %U %S' -o "$work/time.txt" \
   .venv/bin/python -m pytest -q >"$work/pytest.txt" 2>&1 || status=$?
 tail -n 3 "$work/pytest.txt"
-read -r wall user sys <"$work/time.txt"
+read -r wall user sys < <(tail -n 1 "$work/time.txt")  # after "Command exited ..." if it failed
 cpu="$(python3 -c "print(f'{$user + $sys:.0f}')")"
 echo "suite: ${wall} s wall, ${user}+${sys} = ${cpu} s cpu (budget 600 s wall, 1,200 s cpu)"
 echo "load after: $(cut -d' ' -f1-3 /proc/loadavg); output and per-test report in $work"
