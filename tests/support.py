@@ -433,6 +433,18 @@ def assert_gathers_agree(got: Run, want: Run):
         np.testing.assert_allclose(value, expected, atol=1e-6, rtol=0, err_msg=str(path))
 
 
+@functools.cache
+def default_codegen_hlo(trainer: BaseTrainer) -> str:
+    """The trainer's step compiled with XLA's default code generation, as text (memoised);
+    ``run_steps(trainer, compiler_options=DEFAULT_CODEGEN)`` then reads the compiled program from
+    the compilation cache."""
+    batch = jax.ShapeDtypeStruct(
+        trainer.batch_plan.shape, np.int32, sharding=trainer.batch_sharding
+    )
+    lowered = trainer.train_step.lower(trainer.abstract_state, batch)
+    return lowered.compile(compiler_options=DEFAULT_CODEGEN).as_text()
+
+
 def assert_compute_dtype_gathers(model) -> None:
     """Under FSDP and bfloat16, ``model``'s matrices travel through the layer loop's all-gathers
     as 16-bit patterns (``training.gather_dtype=compute``) and train to the numbers of float32
@@ -441,11 +453,7 @@ def assert_compute_dtype_gathers(model) -> None:
     for gather_dtype in ("compute", "storage"):
         config = equivalence_config(1, model, dtype="bfloat16", gather_dtype=gather_dtype)
         trainer = shared_trainer(config, ShardingPolicy(fsdp=True))
-        batch = jax.ShapeDtypeStruct(
-            trainer.batch_plan.shape, np.int32, sharding=trainer.batch_sharding
-        )
-        lowered = trainer.train_step.lower(trainer.abstract_state, batch)
-        hlo = lowered.compile(compiler_options=DEFAULT_CODEGEN).as_text()  # run_steps reuses it
+        hlo = default_codegen_hlo(trainer)
         gathers = {
             line.split("=")[1].split()[0][:4] for line in hlo.splitlines() if " all-gather(" in line
         }
