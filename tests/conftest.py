@@ -74,15 +74,35 @@ def pytest_unconfigure(config):
 
 
 # Test modules that share fixtures or programs run in one group, on one worker; every other module
-# is a group of its own. Groups listed in FIRST start first (the longest ones: the two workers then
-# finish together); the Hugging Face group loads torch.
+# is a group of its own. Groups listed in FIRST start first, longest first (CPU seconds of each
+# file alone: docs/testing.md, "The suite's budget"), so the short groups come last and the two
+# workers finish together; a long group started last would run on alone. The Hugging Face group
+# loads torch; it is long with the reference libraries (CI) and short without them (the README's
+# command).
 SHARED_GROUPS = {
     "test_hf": "huggingface",
     "test_lora_hf": "huggingface",
     "test_chat_data": "huggingface",
     "test_harness": "huggingface",
+    "test_moe_hf": "huggingface",
+    "test_moe_lora": "huggingface",
 }
-FIRST = ("test_multiprocess", "test_readme", "huggingface", "test_llama", "test_trainer")
+FIRST = (
+    "test_readme",
+    "test_multiprocess",
+    "test_trainer",
+    "huggingface",
+    "test_cli",
+    "test_gather_dtype",
+    "test_gemma",
+    "test_planner",
+    "test_checkpoint",
+    "test_llama",
+    "test_lora",
+    "test_runs",
+    "test_generate",
+    "test_execution",
+)
 
 
 def group_of(nodeid: str) -> str:

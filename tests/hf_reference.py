@@ -116,6 +116,46 @@ KINDS = {
     ),
     "llama-bf16": (lambda t: t.LlamaConfig(**COMMON), "5.x", "bfloat16"),
 }
+# Mixtures of experts (tests/test_moe_hf.py): 4 experts, 2 per token, each 24 wide (split 8 ways
+# by tp=2 + FSDP on 8 devices), renormalised (Qwen3-MoE's norm_topk_prob).
+MOE_KINDS = {
+    "qwen3_moe": (
+        lambda t: t.Qwen3MoeConfig(
+            **COMMON,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=24,
+            norm_topk_prob=True,
+            router_aux_loss_coef=0.02,
+        ),
+        "5.x",
+        "float32",
+    ),
+    # OLMoE: q/k norms over all heads, the chosen probabilities as they are (no renormalising).
+    "olmoe": (
+        lambda t: t.OlmoeConfig(
+            **{**COMMON, "intermediate_size": 24},
+            num_experts=4,
+            num_experts_per_tok=2,
+            eos_token_id=None,
+            pad_token_id=None,
+        ),
+        "5.x",
+        "float32",
+    ),
+    # Mixtral: windows of 4 on every layer (sequences of 13), w1/w3/w2 experts.
+    "mixtral": (
+        lambda t: t.MixtralConfig(
+            **{**COMMON, "intermediate_size": 24},
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=4,
+        ),
+        "5.x",
+        "float32",
+    ),
+}
 IDS = np.random.RandomState(0).randint(0, VOCAB, (3, 13))
 
 
@@ -159,7 +199,7 @@ class Reference:
     def __init__(self, kind: str, directory: Path):
         lib = libraries()
         torch, transformers = lib.torch, lib.transformers
-        make_config, layout, dtype = KINDS[kind]
+        make_config, layout, dtype = {**KINDS, **MOE_KINDS}[kind]
         torch.manual_seed(len(kind))
         model = transformers.AutoModelForCausalLM.from_config(make_config(transformers)).eval()
         with torch.no_grad():

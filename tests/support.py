@@ -5,6 +5,7 @@ harness (policies, batches, "run N steps", "assert the same numbers")."""
 import contextlib
 import dataclasses
 import functools
+import importlib
 import json
 import logging
 import os
@@ -432,6 +433,18 @@ def assert_gathers_agree(got: Run, want: Run):
         np.testing.assert_allclose(value, expected, atol=1e-6, rtol=0, err_msg=str(path))
 
 
+@functools.cache
+def default_codegen_hlo(trainer: BaseTrainer) -> str:
+    """The trainer's step compiled with XLA's default code generation, as text (memoised);
+    ``run_steps(trainer, compiler_options=DEFAULT_CODEGEN)`` then reads the compiled program from
+    the compilation cache."""
+    batch = jax.ShapeDtypeStruct(
+        trainer.batch_plan.shape, np.int32, sharding=trainer.batch_sharding
+    )
+    lowered = trainer.train_step.lower(trainer.abstract_state, batch)
+    return lowered.compile(compiler_options=DEFAULT_CODEGEN).as_text()
+
+
 def assert_compute_dtype_gathers(model) -> None:
     """Under FSDP and bfloat16, ``model``'s matrices travel through the layer loop's all-gathers
     as 16-bit patterns (``training.gather_dtype=compute``) and train to the numbers of float32
@@ -440,11 +453,7 @@ def assert_compute_dtype_gathers(model) -> None:
     for gather_dtype in ("compute", "storage"):
         config = equivalence_config(1, model, dtype="bfloat16", gather_dtype=gather_dtype)
         trainer = shared_trainer(config, ShardingPolicy(fsdp=True))
-        batch = jax.ShapeDtypeStruct(
-            trainer.batch_plan.shape, np.int32, sharding=trainer.batch_sharding
-        )
-        lowered = trainer.train_step.lower(trainer.abstract_state, batch)
-        hlo = lowered.compile(compiler_options=DEFAULT_CODEGEN).as_text()  # run_steps reuses it
+        hlo = default_codegen_hlo(trainer)
         gathers = {
             line.split("=")[1].split()[0][:4] for line in hlo.splitlines() if " all-gather(" in line
         }
@@ -463,12 +472,40 @@ def assert_flops_match_xla(model) -> None:
     assert abs(analytic / xla - 1) < 0.1, (analytic, xla)
 
 
-def lm_eval_module():
-    """lm_eval, or a skip (a failure under CI) without the ``eval`` extra."""
+def optional_module(name: str, extra: str, what: str):
+    """The module ``name``, or a skip (a failure under CI) without the extra ``extra``."""
     try:
-        import lm_eval
+        return importlib.import_module(name)
     except ImportError:
         if os.environ.get("CI"):
             raise
-        pytest.skip("needs lm-evaluation-harness: pip install -c constraints.txt -e '.[eval]'")
-    return lm_eval
+        pytest.skip(f"needs {what}: pip install -c constraints.txt -e '.[{extra}]'")
+
+
+def lm_eval_module():
+    """lm_eval, or a skip (a failure under CI) without the ``eval`` extra."""
+    return optional_module("lm_eval", "eval", "lm-evaluation-harness")
+
+
+def trl_module():
+    """trl, or a skip (a failure under CI) without the ``hf-reference`` extra."""
+    return optional_module("trl", "hf-reference", "TRL")
+
+
+@contextlib.contextmanager
+def interrupted_records(module, after: int) -> Iterator[None]:
+    """``module.raw_records`` (a chat tokenizing module's reader) raising KeyboardInterrupt at
+    record ``after``, as an interrupted run meets it; the reader restored when the block ends."""
+    original = module.raw_records
+
+    def interrupted(files):
+        for number, record in enumerate(original(files)):
+            if number == after:
+                raise KeyboardInterrupt
+            yield record
+
+    module.raw_records = interrupted
+    try:
+        yield
+    finally:
+        module.raw_records = original

@@ -2,8 +2,8 @@
 loss masks equal to its ``assistant_masks`` ({% generation %}) or to prefix rendering, shards and
 masks streamed and resumed and loaded for training, bad input refused.
 
-Tiny byte-level BPE tokenizers are made here with the chat templates of Llama 3, Qwen2.5
-(ChatML, a default system prompt, tools) and a ChatML template with {% generation %} blocks.
+Tiny byte-level BPE tokenizers (tests/chat_tokenizers.py) carry the chat templates of Llama 3,
+Qwen2.5 (ChatML, a default system prompt, tools) and a ChatML template with {% generation %} blocks.
 """
 
 import gzip
@@ -14,19 +14,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from chat_tokenizers import CONVERSATIONS, tokenizer_folders
 from hf_reference import libraries
-from support import invoke, lm_eval_module
-from tokenizers import (
-    AddedToken,
-    Regex,
-    Tokenizer,
-    decoders,
-    models,
-    normalizers,
-    pre_tokenizers,
-    processors,
-    trainers,
-)
+from support import interrupted_records, invoke, lm_eval_module
+from tokenizers import AddedToken, Tokenizer, pre_tokenizers, processors
 
 import theseus.tokenization.chat.corpus as chat_tokenize
 from theseus.data import load_corpus
@@ -41,191 +32,11 @@ from theseus.data.split import DocumentSplit
 from theseus.tokenization.chat.encoder import ByteSpelling, ChatEncoder, Example
 from theseus.tokenization.chat.records import parse_record
 
-LLAMA3 = (
-    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
-    "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | "
-    "trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}"
-    "{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
-    "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
-)
-QWEN25 = r"""{%- if tools %}
-    {{- '<|im_start|>system\n' }}
-    {%- if messages[0]['role'] == 'system' %}
-        {{- messages[0]['content'] }}
-    {%- else %}
-        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
-    {%- endif %}
-    {{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
-    {%- for tool in tools %}
-        {{- "\n" }}
-        {{- tool | tojson }}
-    {%- endfor %}
-    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
-{%- else %}
-    {%- if messages[0]['role'] == 'system' %}
-        {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
-    {%- else %}
-        {{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}
-    {%- endif %}
-{%- endif %}
-{%- for message in messages %}
-    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
-        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
-    {%- elif message.role == "assistant" %}
-        {{- '<|im_start|>' + message.role }}
-        {%- if message.content %}
-            {{- '\n' + message.content }}
-        {%- endif %}
-        {%- for tool_call in message.tool_calls %}
-            {%- if tool_call.function is defined %}
-                {%- set tool_call = tool_call.function %}
-            {%- endif %}
-            {{- '\n<tool_call>\n{"name": "' }}
-            {{- tool_call.name }}
-            {{- '", "arguments": ' }}
-            {{- tool_call.arguments | tojson }}
-            {{- '}\n</tool_call>' }}
-        {%- endfor %}
-        {{- '<|im_end|>\n' }}
-    {%- elif message.role == "tool" %}
-        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
-            {{- '<|im_start|>user' }}
-        {%- endif %}
-        {{- '\n<tool_response>\n' }}
-        {{- message.content }}
-        {{- '\n</tool_response>' }}
-        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
-            {{- '<|im_end|>\n' }}
-        {%- endif %}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\n' }}
-{%- endif %}
-"""
-GENERATION = (
-    "{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
-    "{{ raise_exception('role ' + message['role'] + ' is not one of this template') }}{% endif %}"
-    "{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' }}"
-    "{% generation %}{{ message['content'] }}{{ '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
-    "{% else %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-SPECIAL = [
-    "<|begin_of_text|>",
-    "<|end_of_text|>",
-    "<|start_header_id|>",
-    "<|end_header_id|>",
-    "<|eot_id|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|endoftext|>",
-]
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Weather of a city",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-        },
-    }
-]
-CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Zürich"}}}
-CONVERSATIONS = [
-    {
-        "messages": [
-            {"role": "system", "content": "You answer briefly."},
-            {"role": "user", "content": "  What is a naïve café? 😀 "},
-            {"role": "assistant", "content": "A café without guile.\n"},
-            {"role": "user", "content": "And a delta?"},
-            {"role": "assistant", "content": "The fourth letter, after gamma."},
-        ]
-    },
-    {  # "cafe\u0301" is not NFC: Qwen's normalizer changes it
-        "messages": [
-            {"role": "user", "content": "hi"},
-            {"role": "assistant", "content": "hello, cafe\u0301 ça va"},
-        ]
-    },
-    {
-        "messages": [
-            {"role": "user", "content": "Weather in Zürich and Bern?"},
-            {"role": "assistant", "content": None, "tool_calls": [CALL, CALL]},
-            {"role": "tool", "content": '{"temp": 21}'},
-            {"role": "tool", "content": '{"temp": 19}'},
-            {"role": "assistant", "content": "21 and 19 degrees."},
-        ],
-        "tools": TOOLS,
-    },
-]
-
-
-# The pre-tokenizer pattern of Llama 3 and Qwen2.5 (Qwen2.5 splits digits one by one).
-SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-
-def _tokenizer(name: str) -> Tokenizer:
-    """A tiny byte-level BPE laid out as the named model's: Llama 3 (split, then bytes; a
-    post-processor adding <|begin_of_text|>), Qwen2.5 (NFC first) or plain bytes."""
-    tokenizer = Tokenizer(models.BPE())
-    if name == "generation":
-        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    else:
-        split = pre_tokenizers.Split(Regex(SPLIT), behavior="isolated")
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
-    if name == "qwen25":
-        tokenizer.normalizer = normalizers.NFC()
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=SPECIAL,
-    )
-    text = json.dumps(CONVERSATIONS, ensure_ascii=False) + QWEN25 + LLAMA3
-    tokenizer.train_from_iterator([text] * 4, trainer)
-    if name == "llama3":  # Llama 3's tokenizer adds <|begin_of_text|> to every text it encodes
-        bos = ("<|begin_of_text|>", tokenizer.token_to_id("<|begin_of_text|>"))
-        tokenizer.post_processor = processors.Sequence(
-            [
-                processors.ByteLevel(trim_offsets=False),
-                processors.TemplateProcessing(single="<|begin_of_text|> $A", special_tokens=[bos]),
-            ]
-        )
-    return tokenizer
-
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    """Tokenizer folders: llama3 (template in tokenizer_config.json), qwen25 (template in
-    chat_template.jinja, as transformers 5 saves it) and generation."""
-    root = tmp_path_factory.mktemp("chat-tokenizers")
-    made = {}
-    for name, template, config in (
-        ("llama3", LLAMA3, {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}),
-        ("qwen25", QWEN25, {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}),
-        (
-            "generation",
-            GENERATION,
-            {"eos_token": {"__type": "AddedToken", "content": "<|im_end|>", "special": True}},
-        ),
-    ):
-        folder = root / name
-        folder.mkdir()
-        _tokenizer(name).save(str(folder / "tokenizer.json"))
-        config = {**config, "tokenizer_class": "PreTrainedTokenizerFast"}
-        if name == "qwen25":
-            (folder / "chat_template.jinja").write_text(template)
-        else:
-            config["chat_template"] = template
-        (folder / "tokenizer_config.json").write_text(json.dumps(config))
-        made[name] = folder
-    return made
+    """Tokenizer folders of Llama 3, Qwen2.5 and a {% generation %} template."""
+    return tokenizer_folders(tmp_path_factory.mktemp("chat-tokenizers"))
 
 
 def _prefix_mask(hf, messages, tools, ids) -> np.ndarray:
@@ -480,18 +291,8 @@ def test_shards_and_masks_stream_resume_and_load_for_training(folders, tmp_path,
     # Interrupted after some shards: the rerun (encoding in this process) resumes to the same
     # files as the workers wrote.
     out = tmp_path / "out"
-    original = chat_tokenize.raw_records
-
-    def interrupted(files):
-        for number, record in enumerate(original(files)):
-            if number == 60:
-                raise KeyboardInterrupt
-            yield record
-
-    monkeypatch.setattr(chat_tokenize, "raw_records", interrupted)
-    with pytest.raises(KeyboardInterrupt):
+    with interrupted_records(chat_tokenize, 60), pytest.raises(KeyboardInterrupt):
         chat_tokenize.tokenize_chat(corpus, out, tokenizer=tokenizer, shard_tokens=900, workers=2)
-    monkeypatch.setattr(chat_tokenize, "raw_records", original)
     assert (out / PROGRESS_FILE).is_file() and list(out.glob("train-*.mask"))
     again = chat_tokenize.tokenize_chat(
         corpus, out, tokenizer=tokenizer, shard_tokens=900, workers=1
@@ -574,7 +375,10 @@ def test_bad_chat_input_exits_2_and_writes_nothing(folders, tmp_path):
     assert result.exit_code == 2 and "tokenizer folder" in result.output
     (tmp_path / "text.txt").write_text("plain text, no records\n")
     result = invoke("tokenize", tmp_path / "text.txt", tmp_path / "out", "--seq-len", 8)
-    assert result.exit_code == 2 and "--seq-len applies to chat records" in result.output
+    assert (
+        result.exit_code == 2
+        and "--seq-len applies to chat and preference records" in result.output
+    )
     assert not (tmp_path / "out").exists()
     # A bad record met by a worker process: the same paragraph, nothing written.
     corpus.write_text("\n".join([good] * 40 + ['{"messages": [}'] + [good] * 5) + "\n")

@@ -306,6 +306,27 @@ def test_damaged_latest_falls_back_to_previous(saved, tmp_path, damage):
 
 
 @orbax_abandoned_reads
+def test_read_meta_then_restore_falls_back_past_a_damaged_step(saved, tmp_path):
+    """The metadata decides the target, then the restore reads the arrays: a step whose metadata
+    is damaged is passed over by both, one whose arrays are damaged by the restore alone."""
+    target = restore_target(saved["trainer"])
+    for damage, newest_meta in (("metadata-garbage", 1), ("one-data-byte-flipped", 2)):
+        directory = damaged_copy(saved, tmp_path / damage)
+        DAMAGE[damage](directory)
+        with Checkpointer(directory) as checkpointer:
+            meta = checkpointer.read_meta()
+            assert meta.step == newest_meta and meta.base is None
+            restored = checkpointer.restore_state(None, target)
+            assert restored.step == 1 and restored.meta == checkpointer.read_meta(1)
+            assert [s.step for s in checkpointer.skipped] == [2]
+    with Checkpointer(tmp_path / "metadata-garbage" / "checkpoints", read_only=True) as reader:
+        with pytest.raises(CheckpointError, match=r"\(step 2\) is damaged: JSONDecodeError"):
+            reader.read_meta(2)
+        with pytest.raises(CheckpointError, match=r"step 3\) does not exist"):
+            reader.read_meta(3)
+
+
+@orbax_abandoned_reads
 def test_every_step_damaged_is_an_error(saved, tmp_path):
     directory = damaged_copy(saved, tmp_path)
     for step in (1, 2):
@@ -371,15 +392,11 @@ def test_params_only_restore_reads_the_params_into_another_layout(saved):
     policy, per_device, num_devices = TARGETS["tp4-8devices"]
     trainer = make_trainer(policy, per_device, num_devices)
     target = restore_target(trainer).params
-    asked = []
-
-    def target_for(meta):  # generation lays the parameters out by the saved config
-        asked.append(meta.step)
-        return target
-
     with Checkpointer(saved["directory"], read_only=True) as checkpointer:
-        restored = checkpointer.restore_params(None, target_for)
-        assert asked == [2] and checkpointer.skipped == ()
+        # Generation lays the parameters out by the saved config: metadata first, then arrays.
+        assert checkpointer.read_meta().step == 2
+        restored = checkpointer.restore_params(None, target)
+        assert checkpointer.skipped == ()
         assert restored.meta == checkpoint_meta(
             saved["trainer"], step=2, data_position=2 * GLOBAL_BATCH
         )

@@ -274,10 +274,14 @@ def test_run_flags_that_contradict_each_other(tmp_path):
 
 
 def test_overwrite_replaces_previous_run(run_copy):
+    """The same program as the finished run's (compiled once); a row only the previous run's
+    metrics.jsonl holds is gone."""
     (run_copy / "notes.txt").write_text("mine")
-    result = invoke("train", "--out", run_copy, *TINY, "--overwrite", "training.steps=2")
+    with (run_copy / "metrics.jsonl").open("a") as metrics:
+        metrics.write(json.dumps({"step": 5, "loss": 1.0}) + "\n")
+    result = invoke("train", "--out", run_copy, *TINY, "--overwrite")
     assert result.exit_code == 0, result.output
-    assert [r["step"] for r in read_metrics(run_copy)] == [1, 2]
+    assert [r["step"] for r in read_metrics(run_copy)] == [1, 2, 3, 4]
     assert (run_copy / "notes.txt").read_text() == "mine"  # not a theseus file: kept
 
 

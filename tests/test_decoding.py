@@ -1,7 +1,7 @@
 """The KV-cache decoder's bounded cache: sliding layers keep a ring of their window, full layers
 the whole context, and decoding past several windows (prompts of different lengths, one longer
 than the window, right-padded into one batch) gives the logits of the whole sequence through
-``forward``. (Greedy tokens against transformers: tests/test_hf.py; every layout:
+``run``. (Greedy tokens against transformers: tests/test_hf.py; every layout:
 tests/test_generate.py.)"""
 
 import jax
@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 from support import EQUIVALENCE_LLAMA, FAMILIES
 
-from theseus.model.decoder import forward
+from theseus.model.decoder import run
 from theseus.model.kv_cache import EMPTY
 from theseus.model.parts import arrays
 
@@ -53,7 +53,7 @@ def test_decoding_past_several_windows_equals_the_whole_forward(kind):
     ids = np.random.default_rng(0).integers(0, config.vocab_size, (3, WIDTH + NEW), np.int32)
     lengths = np.array(LENGTHS, np.int32)
     weights = arrays(model.weights())
-    want = np.asarray(forward(weights, jnp.asarray(ids), model.skeleton))  # (3, seq, vocab)
+    want = np.asarray(run(weights, jnp.asarray(ids), model.skeleton).logits)  # (3, seq, vocab)
 
     empty = decoder.cache(3, WIDTH + NEW)
     cache = jax.tree.map(lambda a: jnp.full(a.shape, a.fill, a.dtype), empty)

@@ -98,6 +98,7 @@ def test_chain_yaml_round_trip(tmp_path):
         "zero": True,
         "fsdp": True,
         "activation_checkpointing": "none",
+        "experts": "none",
     }
     assert [s["job"] for s in data["steps"]] == ["gpt/train/pretrain", "gpt/evaluate"]
     # The evaluate step starts from the training step's config.
@@ -180,22 +181,25 @@ def test_quick_session_config_assignment_is_checked_at_once(tmp_path):
 
 
 def test_trains_on_own_text_and_token_files(tmp_path):
+    """Both runs are TINY's model and steps (the program the resume test below trains, compiled
+    once); token ids past the model's vocabulary are refused with the size they need."""
     text = tmp_path / "corpus.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 400)
-    tokens = tmp_path / "tokens.bin"
-    write_tokens(tokens, np.arange(20_011) % 499, dtype="uint32")
+    tokens, wide = tmp_path / "tokens.bin", tmp_path / "wide.bin"
+    write_tokens(tokens, np.arange(20_011) % 251, dtype="uint32")  # under the vocabulary's 256
+    write_tokens(wide, np.arange(20_011) % 499, dtype="uint32")
     for name, data in (
         ("text", [f"data.path={text}"]),
-        ("bin", [f"data.path={tokens}", "data.token_dtype=uint32", "model.vocab_size=512"]),
+        ("bin", [f"data.path={tokens}", "data.token_dtype=uint32"]),
     ):
         with quick("gpt/train/pretrain", tmp_path / name) as q:
-            q.override(*TINY, *data, "training.steps=2")
+            q.override(*TINY, *data)
             summary = q()
         run = json.loads((tmp_path / name / "run.json").read_text())
         assert str(tmp_path) in run["data"]
         assert np.isfinite(summary.final_loss)
     with quick("gpt/train/pretrain", tmp_path / "small-vocab") as q:
-        q.override(*TINY, f"data.path={tokens}", "data.token_dtype=uint32")
+        q.override(*TINY, f"data.path={wide}", "data.token_dtype=uint32")
         with pytest.raises(ValueError, match=r"model\.vocab_size=499"):
             q()
 

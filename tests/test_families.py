@@ -21,7 +21,7 @@ from theseus.sharding.topology import Topology
 
 def test_families_are_registered_with_their_jobs():
     found = theseus.families()
-    assert sorted(found) == ["gemma", "gpt", "llama", "olmo2"]
+    assert sorted(found) == ["gemma", "gpt", "llama", "mixtral", "olmo2", "olmoe", "qwen3_moe"]
     for name, family in found.items():
         assert family.name == name
         assert family.jobs == (f"{name}/train/pretrain", f"{name}/evaluate")

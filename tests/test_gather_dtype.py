@@ -24,6 +24,7 @@ from support import (
     Run,
     assert_compute_dtype_gathers,
     assert_gathers_agree,
+    default_codegen_hlo,
     equivalence_config,
     run_steps,
     shared_trainer,
@@ -39,11 +40,18 @@ from theseus.sharding.axis import ShardingPolicy
 from theseus.sharding.casting import cast_only_inputs
 
 
-def train(policy: ShardingPolicy, **training) -> Run:
-    """GPT: three steps of 32 examples, 4 microbatches per step (XLA's default code generation:
-    see below)."""
+def gpt_trainer(policy: ShardingPolicy, **training) -> GPTTrainer:
+    """GPT (3 layers): 32 examples a step, 4 microbatches."""
     trainer = shared_trainer(equivalence_config(1 if policy.tp == 1 else 2, **training), policy)
     assert trainer.batch_plan.accumulation_steps == 4
+    return trainer
+
+
+def train(policy: ShardingPolicy, **training) -> Run:
+    """Three steps of :func:`gpt_trainer`, its compiled step's text kept for the tests that read
+    it."""
+    trainer = gpt_trainer(policy, **training)
+    default_codegen_hlo(trainer)  # for the layer-loop test below; run_steps reuses it
     return run_steps(trainer, compiler_options=DEFAULT_CODEGEN)
 
 
@@ -148,16 +156,16 @@ def test_float32_compute_casts_nothing():
 
 @pytest.mark.parametrize("gather_dtype", ["compute", "storage"])
 def test_layer_loop_gathers_move_the_compute_dtype(gather_dtype):
-    """Compile only, bfloat16 compute, FSDP, 5 layers: every matrix gathered in the layer loop
-    travels as 16-bit bit patterns of its bfloat16 values (``u16``: XLA:CPU would widen a
-    bfloat16 all-gather to float32); with ``gather_dtype=storage`` as float32. Gradients are
-    reduced in float32 either way."""
-    cfg = apply_overrides(
-        equivalence_config(1, dtype="bfloat16", gather_dtype=gather_dtype), ["model.n_layer=5"]
-    )
-    hlo = GPTTrainer(cfg, ShardingPolicy(fsdp=True)).compile().executable.as_text()
+    """bfloat16 compute, FSDP, 3 layers (the program the FSDP case above trains, compiled once):
+    every matrix gathered in the layer loop travels as 16-bit bit patterns of its bfloat16 values
+    (``u16``: XLA:CPU would widen a bfloat16 all-gather to float32); with
+    ``gather_dtype=storage`` as float32. Gradients are reduced in float32 either way."""
+    trainer = gpt_trainer(ShardingPolicy(fsdp=True), dtype="bfloat16", gather_dtype=gather_dtype)
+    layers = trainer.config.model.n_layer
+    assert layers != trainer.batch_plan.accumulation_steps  # the layer loop's trip count
+    hlo = default_codegen_hlo(trainer)
     gathers = loop_collective_types(hlo, "all-gather")
-    matrices = [t for trip, t in gathers if trip == 5 and "," in t.split("{")[0]]  # rank >= 2
+    matrices = [t for trip, t in gathers if trip == layers and "," in t.split("{")[0]]  # rank >= 2
     assert len(matrices) >= 2 * 6, matrices  # 6 matrices, forward and backward
     want = "u16[" if gather_dtype == "compute" else "f32["
     assert all(t.startswith(want) for t in matrices), matrices

@@ -209,7 +209,7 @@ def _truncate(folder: Path) -> None:
 
 
 BAD_INPUTS = {
-    "mixtral": (lambda f: _config(f, model_type="mixtral"), ["'mixtral'", "qwen3"]),
+    "unknown": (lambda f: _config(f, model_type="deepseek_v3"), ["'deepseek_v3'", "qwen3"]),
     "experts": (lambda f: _config(f, num_local_experts=8), ["experts", "num_local_experts"]),
     "rope": (
         lambda f: _config(f, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}),

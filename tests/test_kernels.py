@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType
+from support import invoke
 
 from theseus.model import kernels
 from theseus.model.attention import NO_WINDOW, AttentionMask
@@ -200,6 +201,23 @@ def test_refusals_on_this_cpu_machine():
     mask = AttentionMask.causal(128)
     assert "no NVIDIA GPU" in cudnn_refusal(q, mask, softcap=None, windows=())
     assert "splash attention is a TPU kernel" in splash_refusal(q, mask, softcap=None, windows=())
+
+
+@pytest.mark.parametrize(
+    ("kernel", "refusal"),
+    [("cudnn", "cuDNN attention needs an NVIDIA GPU"), ("splash", "a TPU kernel")],
+)
+def test_train_asking_for_a_kernel_this_backend_lacks_is_one_paragraph(tmp_path, kernel, refusal):
+    """``theseus train model.attention=cudnn`` (or splash) on CPU: one paragraph, exit 2, no run
+    folder (refused before the data is read)."""
+    out = tmp_path / "run"
+    batch = ("training.batch_size=8", "training.per_device_batch_size=1")
+    result = invoke("train", "--out", out, f"model.attention={kernel}", "model.n_layer=1", *batch)
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith(f"error: model.attention='{kernel}' cannot serve")
+    assert refusal in result.output and "model.attention=auto falls back" in result.output
+    assert result.output.count("\n") == 1 and "Traceback" not in result.output
+    assert not out.exists()
 
 
 @pytest.mark.parametrize(

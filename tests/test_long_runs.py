@@ -27,7 +27,7 @@ from theseus.training.run.checkpointing import restore_target
 from theseus.training.run.dashboards import GuardedDashboard
 from theseus.training.run.loop import train
 from theseus.training.run.preemption import PreemptionWatch
-from theseus.training.run.resume import check_resume, resume_changes
+from theseus.training.run.start import check_resume, resume_changes
 from theseus.training.run.stops import NonFiniteError
 from theseus.training.state import TrainState
 

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from hf_reference import VOCAB, Reference, byte_tokenizer, libraries, reference_logits
-from support import invoke, policy_id
+from support import FAMILIES, invoke, policy_id
 
 import theseus
 from theseus.config import apply_overrides
@@ -32,7 +32,6 @@ from theseus.hf.importer import import_hf
 from theseus.inference.logits import load_run
 from theseus.jobs import families as registered_families
 from theseus.jobs import get_job
-from theseus.model.families.llama import LlamaConfig
 from theseus.plot import read_metrics
 from theseus.sharding.axis import ShardingPolicy
 from theseus.sharding.topology import Topology
@@ -332,6 +331,7 @@ def test_dpo_gradients_equal_torch(llama_reference):
 
 # --- the trainer ---------------------------------------------------------------------------------
 
+LlamaConfig = FAMILIES["llama"].family.config_class
 PREF_MODEL = LlamaConfig(
     vocab_size=64,
     hidden_size=24,
@@ -628,3 +628,36 @@ def test_lora_dpo_from_an_imported_model_exports_its_logits(llama_reference, pai
         tmp_path / "merged", dtype=torch.float32
     ).eval()
     np.testing.assert_allclose(reference_logits(model, ids), logits, atol=1e-4, rtol=0)
+
+
+def test_a_chat_corpus_is_refused(pair_corpus, tmp_path):
+    """The same examples without the manifest's preference kind are a chat corpus: the
+    preference job refuses it (it has no pairs) in one paragraph, exit 2, nothing written."""
+    chat = tmp_path / "chat"
+    shutil.copytree(pair_corpus, chat)
+    manifest = json.loads((chat / "tokens.json").read_text())
+    del manifest["kind"]
+    (chat / "tokens.json").write_text(json.dumps(manifest))
+    run = tmp_path / "run"
+    result = invoke(*_job_args(chat, run))
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("error: ") and "Traceback" not in result.output
+    assert "is a chat corpus, not a preference corpus" in result.output, result.output
+    assert not run.exists()
+
+
+def test_a_model_with_experts_adds_its_routing_loss(pair_corpus, tmp_path):
+    """``qwen3_moe/train/preference``: the step adds the load-balancing loss (weighted by the
+    pairs) and records it beside TRL's metrics; ``loss`` is the preference loss alone."""
+    run = tmp_path / "run"
+    experts = ["model.num_experts=4", "model.num_experts_per_tok=2",
+               "model.moe_intermediate_size=16", "model.router_aux_loss_coef=0.05"]  # fmt: skip
+    args = _job_args(pair_corpus, run, *experts)
+    args[args.index(PREF_JOB)] = "qwen3_moe/train/preference"
+    result = invoke(*args)
+    assert result.exit_code == 0, result.output
+    rows = read_metrics(run)
+    assert abs(rows[0]["loss"] - math.log(2)) <= 1e-5
+    for row in rows:
+        assert set(METRICS) <= set(row) and row["aux_loss"] > 0
+        assert abs(sum(row["expert_load"].values()) - 1) < 1e-5 and len(row["expert_load"]) == 4

@@ -113,13 +113,12 @@ def test_run_records_speed_and_tensorboard_events(tmp_path):
         assert "mfu" not in row  # CPU: no known peak, and run.json says so
     assert "no peak FLOP/s known for device kind 'cpu'" in run["mfu_absent_because"]
     assert run["flops_per_token"] == trainer.flops_per_token() and run["device_kind"] == "cpu"
-    # Step times agree with the wall time between the metrics lines (each printed as its step is
-    # recorded); before step 1, the wall time also holds the compile, which no step time does.
+    # Before step 1's line, the wall time holds the compile and step 1, which its step time
+    # excludes and holds. (How closely step times follow the wall time between lines is a timing,
+    # for bench/, not a test: under load it was seen off by more than 10%.)
     at = {line.split()[1].split("/")[0]: t for t, line in logged if line.startswith("step ")}
     (model_logged,) = [t for t, line in logged if line.startswith("model:")]
     step_time = {str(row["step"]): row["step_time_s"] for row in rows}
-    assert at["2"] - at["1"] == pytest.approx(step_time["2"], rel=0.1, abs=0.05)
-    assert at["4"] - at["2"] == pytest.approx(step_time["3"] + step_time["4"], rel=0.1, abs=0.05)
     assert at["1"] - model_logged >= run["compile_time_s"] + step_time["1"]
 
     events = read_events(tmp_path / "tensorboard")

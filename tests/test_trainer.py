@@ -72,8 +72,10 @@ def shard_shapes(array):
     return {tuple(s.data.shape) for s in array.addressable_shards}
 
 
-@pytest.mark.parametrize("policy", [ShardingPolicy(tp=2, fsdp=True), ShardingPolicy(tp=4)])
+@pytest.mark.parametrize("policy", [ShardingPolicy(tp=2, fsdp=True), ShardingPolicy(tp=2)])
 def test_state_shards_follow_layouts(policy):
+    """TP with FSDP, and TP with ZeRO alone: the trainers (and compiled steps) of
+    test_policy_matches_one_device's accumulation-1 cases."""
     trainer = shared_trainer(policy_config(policy, 1), policy)
     state = trainer.init_state()
     state, _ = trainer.train_step(state, step_batch(trainer, 0))
@@ -99,13 +101,20 @@ def test_state_shards_follow_layouts(policy):
     assert params["wte"].sharding.is_fully_replicated == (not policy.fsdp)
 
 
+def compiled_text(trainer: GPTTrainer) -> str:
+    """The trainer's compiled step as text (a program another test ran: from the compilation
+    cache)."""
+    batch = jax.ShapeDtypeStruct(
+        trainer.batch_plan.shape, np.int32, sharding=trainer.batch_sharding
+    )
+    return trainer.train_step.lower(trainer.abstract_state, batch).compile().as_text()
+
+
 def test_step_without_fsdp_gathers_no_parameters():
-    """(FSDP's gathers, one layer at a time: test_fsdp_gathers_one_layer_at_a_time_...)"""
-    no_fsdp = GPTTrainer(config(2), ShardingPolicy(tp=2, zero=False))
-    batch_shape = (no_fsdp.batch_plan.accumulation_steps, 8 // 2 * 2, no_fsdp.seq_len + 1)
-    batch = jax.ShapeDtypeStruct(batch_shape, np.int32, sharding=no_fsdp.batch_sharding)
-    hlo = no_fsdp.train_step.lower(no_fsdp.abstract_state, batch).compile().as_text()
-    assert "all-gather" not in hlo
+    """TP without ZeRO or FSDP (test_policy_matches_one_device's tp=8 case, accumulation 4).
+    (FSDP's gathers, one layer at a time: test_fsdp_gathers_one_layer_at_a_time_...)"""
+    policy = ShardingPolicy(tp=8, zero=False)
+    assert "all-gather" not in compiled_text(shared_trainer(policy_config(policy, 4), policy))
 
 
 def replicated_bytes(trainer):
@@ -170,10 +179,7 @@ def collective_lines(hlo: str) -> list[str]:
 @pytest.mark.parametrize("policy", [ShardingPolicy(), ShardingPolicy(fsdp=True)])
 def test_bfloat16_compute_reduces_gradients_in_float32(policy):
     trainer = shared_trainer(config(2, dtype="bfloat16"), policy)
-    batch_shape = (trainer.batch_plan.accumulation_steps, 16, trainer.seq_len + 1)
-    batch = jax.ShapeDtypeStruct(batch_shape, np.int32, sharding=trainer.batch_sharding)
-    hlo = trainer.train_step.lower(trainer.abstract_state, batch).compile().as_text()
-    reductions = collective_lines(hlo)
+    reductions = collective_lines(compiled_text(trainer))
     assert reductions, "a data-parallel step must reduce gradients across replicas"
     assert not [line for line in reductions if "bf16" in line], "gradients reduced in bfloat16"
     assert all(leaf.dtype == np.float32 for leaf in jax.tree.leaves(trainer.abstract_state.params))

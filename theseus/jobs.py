@@ -144,6 +144,9 @@ BUILTIN_FAMILIES = (
     "theseus.model.families.llama",
     "theseus.model.families.olmo2",
     "theseus.model.families.gemma",
+    "theseus.model.families.qwen3_moe",
+    "theseus.model.families.olmoe",
+    "theseus.model.families.mixtral",
 )
 _FAMILY_JOBS: tuple[tuple[str, Action], ...] = (
     ("train/pretrain", "train"),

@@ -5,28 +5,38 @@ What a training step holds beyond the model state, as XLA lays it out (measured 
 
 - **saved**: what the backward pass keeps of every layer, by recompute policy (``none``: every
   residual of the layer; ``dots``: the layer's input and the outputs of its weight matmuls;
-  ``full``: the layer's input alone);
-- **layer peak**: the transient peak of one layer's backward (its recomputed residuals under
-  ``full``/``dots``, attention's temporaries by kernel, the gradients flowing through it);
+  ``full``: the layer's input alone), stacked by the layer scan;
+- **layer peak**: the transient peak of one layer's backward (its residuals as its matmuls read
+  them, recomputed under ``full``/``dots``; attention's temporaries by kernel or the MLP's
+  residuals, whichever is larger; the gradients flowing through it);
 - **logits**: the float32 logits, their softmax and gradient (vocabulary × tokens), often the
-  largest single term;
+  largest single term; freed before the layers' backward, so the total counts the larger of the
+  logits and the layer peak;
 - **other**: buffers outside the layer scan (the stream around it, the dense kernel's
-  loop-invariant mask), one layer's gathered weights under FSDP, and the microbatch's float32
-  gradient before it is added to the accumulator.
+  loop-invariant mask), one layer's gathered weights and their whole float32 gradient under
+  FSDP, and the microbatch's float32 gradient before it is added to the accumulator.
+
+The backend matters: XLA:CPU keeps the stacked compute-dtype (bfloat16) residuals in float32
+(:func:`residual_bytes`), so a plan made on CPU, as ``plan --compile`` compiles, counts them at 4
+bytes; on GPUs and TPUs at the compute dtype's (not measured here).
 
 Every term is divided as the layout divides it: examples are per device (``per_device_batch_size``
 of a :class:`~theseus.accounting.preflight.BatchPlan`); tensor parallelism splits heads and the
 MLP width, not the residual stream or the vocabulary (theseus's TP rules leave both whole).
 
-Attention kernels: ``xla`` is ``jax.nn.dot_product_attention``'s XLA path, which materialises
-float32 scores, the softmax and the boolean mask per head (memory in the square of the length);
+Attention kernels: ``xla`` is the product written out with XLA's own ops, which materialises
+float32 scores and the softmax per head (memory in the square of the length; the mask is added as
+0 or -inf, so no predicate is kept per layer);
 ``blockwise`` is the FlashAttention-2 algorithm (per query block of ``block_q`` rows, float32
-scores ``block_q × block_k`` per head; the backward keeps the output and the log-sum-exp only),
-modelled from its algorithm until it is measured.
+scores ``block_q × block_k`` per head; the backward keeps the output and the log-sum-exp only).
+Every term is checked against the compiled steps of GPT and Llama (head dims 64 and 128) at 2,048
+and 32,768 tokens, one device and tp=2 + FSDP (``bench/activation_bench.py``,
+docs/performance.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -82,16 +92,24 @@ class AttentionKernel:
 @dataclass(frozen=True)
 class Device:
     """What one device computes of a microbatch: ``examples`` of ``seq_len`` tokens, the model's
-    heads and MLP split ``tp`` ways (fractions when tp does not divide them: XLA pads)."""
+    heads and MLP split ``tp`` ways (fractions when tp does not divide them: XLA pads).
+    ``residual_bytes``: the bytes per element in which the backward keeps the layers' residuals
+    of the compute dtype (None: that dtype's; see :func:`residual_bytes`)."""
 
     examples: int
     seq_len: int
     tp: int
     dtype_bytes: int  # the compute dtype's
+    residual_bytes: int | None = None
 
     @staticmethod
-    def of(batch: BatchPlan, tp: int, dtype_bytes: int) -> Device:
-        return Device(batch.per_device_batch_size, batch.seq_len, tp, dtype_bytes)
+    def of(batch: BatchPlan, tp: int, dtype_bytes: int, backend: str) -> Device:
+        stored = residual_bytes(backend, dtype_bytes)
+        return Device(batch.per_device_batch_size, batch.seq_len, tp, dtype_bytes, stored)
+
+    @property
+    def stored_bytes(self) -> int:
+        return self.dtype_bytes if self.residual_bytes is None else self.residual_bytes
 
     @property
     def tokens(self) -> int:
@@ -101,7 +119,9 @@ class Device:
 @dataclass(frozen=True)
 class ActivationMemory:
     """Per-device bytes of one microbatch's forward and backward beyond the model state (see
-    the module docstring); ``total`` is what the plan adds to the model state."""
+    the module docstring); ``total`` is what the plan adds to the model state: the saved
+    residuals and the other buffers, with the larger of the two transient peaks (the loss's
+    logits are freed before the layers' backward starts)."""
 
     kernel: str = json_field("attention_kernel")
     remat: str = json_field("activation_checkpointing")
@@ -116,7 +136,16 @@ class ActivationMemory:
 
     @property
     def total(self) -> int:
-        return self.saved + self.layer_peak + self.logits + self.other
+        return self.saved + max(self.layer_peak, self.logits) + self.other
+
+
+def residual_bytes(backend: str, dtype_bytes: int) -> int:
+    """The bytes per element of the layers' compute-dtype residuals as ``backend`` keeps them
+    for the backward. XLA:CPU computes bfloat16 element-wise in float32 and hoists the
+    conversion out of the backward's layer scan: every stacked bfloat16 residual is converted
+    to a float32 stack before the scan (measured in the compiled steps' buffers:
+    docs/performance.md), so on CPU they cost 4 bytes; GPUs and TPUs keep the compute dtype."""
+    return FLOAT32 if backend == "cpu" else dtype_bytes
 
 
 # --- attention, per kernel --------------------------------------------------------------------
@@ -128,15 +157,18 @@ def score_elements(shape: DecoderShape, device: Device) -> float:
 
 
 def attention_saved(shape: DecoderShape, kernel: AttentionKernel, device: Device) -> float:
-    """What the backward keeps of one layer's attention core (q, k, v and the output are
-    counted with the layer). ``xla``: float32 scores, float32 probabilities and the boolean mask
-    per head (XLA:CPU keeps bfloat16 probabilities in float32; a GPU would keep 2 bytes less per
-    score), and two float32 softmax statistics per query and head. ``blockwise``: the float32
-    log-sum-exp per query and head."""
+    """What the backward keeps of one layer's attention core (q, k, v and the output projection's
+    input are counted with the layer). ``xla``: float32 scores and float32 probabilities per head
+    (XLA:CPU keeps bfloat16 probabilities in float32; a GPU would keep 2 bytes less per score;
+    the mask is added, so no predicate is kept), and two float32 softmax statistics per query
+    and head.
+    ``blockwise``: its custom VJP's residuals, the output (a buffer of its own beside the output
+    projection's input) and the float32 log-sum-exp per query and head."""
     per_query = device.tokens * shape.num_heads / device.tp * FLOAT32
     if kernel.name == "xla":
-        return score_elements(shape, device) * (2 * FLOAT32 + 1) + 2 * per_query
-    return per_query
+        return score_elements(shape, device) * 2 * FLOAT32 + 2 * per_query
+    output = device.tokens * shape.query_width / device.tp * device.stored_bytes
+    return output + per_query
 
 
 def attention_transient(
@@ -173,32 +205,43 @@ XLA_BACKWARD_BYTES = {"none": 9.0, "dots": 8.0, "full": 8.0}
 
 #: Bytes per score of one (query block × key block) tile that the blockwise kernel's backward
 #: holds at once: scores, probabilities and their gradients in float32, partly overlapped by
-#: XLA (3.5: fitted to the compiled steps of tests/test_planner.py, 2 layers at 512 and 1,536
-#: tokens, one device and tp=2 + FSDP, each within 12%).
+#: XLA (3.5: fitted to 2-layer models of width 48, where attention's backward is the layer's
+#: peak; at head dims 64 and 128 the MLP's residuals are larger and this term does not count).
 BLOCKWISE_SCORE_BYTES = 3.5 * FLOAT32
 
 
 # --- one layer ----------------------------------------------------------------------------------
 
 
+def stream_tokens_bytes(shape: DecoderShape) -> float:
+    """Bytes per token of one layer's float32 residuals: the stream and both norms'
+    intermediates (6 × width) and their statistics (4)."""
+    return (6 * shape.width + 4) * FLOAT32
+
+
+def compute_dtype_elements(shape: DecoderShape, device: Device) -> float:
+    """Elements per token of one layer's residuals in the compute dtype, attention's core aside:
+    both norms' outputs, q, k, v and the output projection's input (2 × width + 2 × query width
+    + 2 × kv width) and six MLP-wide intermediates (the up projections and the activation's);
+    heads and the MLP divided by tp."""
+    heads = (2 * shape.query_width + 2 * shape.kv_width) / device.tp
+    return 2 * shape.width + heads + 6 * shape.mlp_width / device.tp
+
+
 def layer_tokens_bytes(shape: DecoderShape, device: Device) -> float:
     """Bytes per token that the backward keeps of one layer without recomputation, attention's
-    core aside: the float32 stream and both norms' float32 intermediates (6 × width, 4
-    statistics), in the compute dtype both norms' outputs, q, k, v and the attention output
-    (2 × width + 2 × query width + 2 × kv width) and six MLP-wide intermediates (the up
-    projections and the activation's); heads and the MLP divided by tp."""
-    c, tp = device.dtype_bytes, device.tp
-    stream = (6 * shape.width + 4) * FLOAT32
-    heads = (2 * shape.query_width + 2 * shape.kv_width) / tp
-    return stream + c * (2 * shape.width + heads + 6 * shape.mlp_width / tp)
+    core aside: the float32 residuals and the compute-dtype ones as the backend stores them
+    (:func:`residual_bytes`)."""
+    return stream_tokens_bytes(shape) + device.stored_bytes * compute_dtype_elements(shape, device)
 
 
 def matmul_outputs_bytes(shape: DecoderShape, device: Device) -> float:
     """Bytes per token that ``dots`` keeps of one layer: its float32 input and the weight
     matmuls' outputs the backward reads (q, k, v, one width-wide projection and the MLP's up
-    projections), in float32 when the projections add biases, else in the compute dtype."""
+    projections), in float32 when the projections add biases, else in the compute dtype as the
+    backend stores it (:func:`residual_bytes`)."""
     tp = device.tp
-    out = FLOAT32 if shape.biased else device.dtype_bytes
+    out = FLOAT32 if shape.biased else device.stored_bytes
     ups = (2 if shape.gated_mlp else 1) * shape.mlp_width / tp
     widths = (shape.query_width + 2 * shape.kv_width) / tp + shape.width + ups
     return shape.width * FLOAT32 + out * widths
@@ -216,16 +259,31 @@ def layer_saved(shape: DecoderShape, kernel: AttentionKernel, remat: str, device
 
 
 def layer_peak(shape: DecoderShape, kernel: AttentionKernel, remat: str, device: Device) -> float:
-    """The transient peak of one layer's backward, reached in its attention (the MLP's
-    residuals are freed by then): attention's backward temporaries and the float32 gradients
-    of the stream; under ``full`` and ``dots`` also the attention half of the layer's residuals,
-    recomputed; without recomputation the dense kernel's loop invariant."""
+    """The transient peak of one layer's backward. ``xla``: reached in its attention (the MLP's
+    residuals are freed by then): the dense backward's temporaries and the float32 gradients of
+    the stream; under ``full`` and ``dots`` also the attention half of the layer's residuals,
+    recomputed; without recomputation the dense kernel's loop invariant. ``blockwise``: the
+    layer's residuals as its matmuls read them (without recomputation its compute-dtype ones,
+    sliced from the stacks, in the compute dtype: cast back from float32 on CPU; recomputed
+    under ``full`` and ``dots``, the float32 ones included) and the float32 gradients of the
+    stream, with the larger of its MLP's residuals (read in the MLP's backward) and attention's
+    backward temporaries (in attention's backward, the MLP's are freed by then)."""
     transient = attention_transient(shape, kernel, remat, device)
     stream_grads = 2 * device.tokens * shape.width * FLOAT32
+    if kernel.name == "blockwise":
+        mlp_elements = 6 * shape.mlp_width / device.tp
+        read = compute_dtype_elements(shape, device) - mlp_elements
+        read += shape.query_width / device.tp  # the kernel's output
+        read *= device.dtype_bytes
+        if remat != "none":
+            read += stream_tokens_bytes(shape)
+        mlp = device.tokens * device.dtype_bytes * mlp_elements
+        return device.tokens * read + stream_grads + max(mlp, transient)
     if remat == "none":
         return transient + stream_grads + attention_invariant(shape, kernel, device)
     mlp = device.tokens * device.dtype_bytes * 6 * shape.mlp_width / device.tp
-    recomputed = layer_saved(shape, kernel, "none", device) - mlp
+    unstacked = dataclasses.replace(device, residual_bytes=None)  # recomputed, not stored
+    recomputed = layer_saved(shape, kernel, "none", unstacked) - mlp
     return recomputed + transient + stream_grads
 
 
@@ -252,8 +310,9 @@ def activation_memory(
 ) -> ActivationMemory:
     """One microbatch's activation memory per device. ``gradient_bytes``: the microbatch's
     float32 gradient (as stored: the accumulator's size); ``gathered_layer_bytes``: the layer
-    the scan is running, its weights in the compute layout and the dtype they are gathered in,
-    when the step gathers them per layer (FSDP; 0 otherwise)."""
+    the scan is running, its weights in the compute layout and the dtype they are gathered in
+    and their float32 gradient whole before it is reduce-scattered, when the step gathers them
+    per layer (FSDP; 0 otherwise)."""
     other = outside_layers(shape, device) + gradient_bytes + gathered_layer_bytes
     return ActivationMemory(
         kernel=kernel.name,

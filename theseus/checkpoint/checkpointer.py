@@ -8,8 +8,11 @@ policy, mesh — and a fingerprint of every array). Restoring takes a target pyt
 saved under one policy or device count resumes under another, and no array is ever whole on one
 device. :meth:`Checkpointer.restore_params` restores the ``params`` entry of the state alone
 (generation needs neither the optimizer state nor the data position): Adam's moments are never
-read, and every check below applies the same way. The orbax plumbing is
-:mod:`theseus.checkpoint.store`; this module is the policy (checks, fallback, errors).
+read, and every check below applies the same way. A reader first reads a step's metadata
+(:meth:`Checkpointer.read_meta`), decides its target by it (the trained parameters alone, the
+saved config and policy), then restores: the checkpointer never calls back into its caller. The
+orbax plumbing is :mod:`theseus.checkpoint.store`; this module is the policy (checks, fallback,
+errors).
 
 Robustness: orbax writes a step into a temporary directory and renames it on commit, so an
 interrupted save leaves no step behind (temporary directories are ignored and removed when a
@@ -28,7 +31,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import jax
 import numpy as np
@@ -46,6 +49,7 @@ logger = main_process_logger(__name__)
 #: The entry of a state that :meth:`Checkpointer.restore_params` reads.
 PARAMS = "params"
 _MAX_LISTED = 5
+T = TypeVar("T")
 
 
 class CheckpointError(ValueError):
@@ -121,6 +125,7 @@ class Checkpointer:
         self.keep = keep
         self.read_only = read_only
         self._bad_steps: set[int] = set()
+        self._metadata: dict[int, MetadataFile] = {}  # by step, since the last read_meta
         self._saving: int | None = None  # the step whose save may still be running
         self.skipped: tuple[SkippedCheckpoint, ...] = ()
         if read_only and not self.directory.is_dir():
@@ -194,6 +199,7 @@ class Checkpointer:
             logger.warning(f"removing damaged checkpoint {self.step_directory(bad)} (step {bad})")
             self._store.delete(bad)
             self._bad_steps.discard(bad)
+            self._metadata.pop(bad, None)
 
     def wait(self) -> None:
         """Block until every pending save is committed; a failed one raises
@@ -230,16 +236,37 @@ class Checkpointer:
 
     # --- restoring ------------------------------------------------------------------------------
 
-    def restore_state(
-        self, step: int | None, target: Any | Callable[[CheckpointMeta], Any]
-    ) -> Restored:
+    def read_meta(self, step: int | None = None) -> CheckpointMeta:
+        """The metadata of ``step``, or with ``None`` of the newest committed step whose metadata
+        reads: what a caller decides its restore target by (whether a checkpoint holds the
+        trained parameters alone, which config and policy saved it) before :meth:`restore_state`
+        or :meth:`restore_params` reads any array. The arrays are not checked here; a restore
+        checks them, and falls back past a step whose arrays are damaged.
+
+        Raises :class:`CheckpointError` when the step is missing or its metadata is damaged
+        (with ``None``: when there is no step, or no step's metadata reads).
+        """
+        self.wait()
+        self._metadata = {}  # read afresh for each decision; the restore after it reuses them
+        if step is not None:
+            return self._agreed(int(step), self._read_metadata).meta
+        reasons = []
+        for candidate in self._newest_first():
+            try:
+                return self._agreed(candidate, self._read_metadata).meta
+            except CheckpointError as error:
+                reasons.append(str(error))
+        raise self._no_good_step(reasons)
+
+    def restore_state(self, step: int | None, target: Any) -> Restored:
         """Restore ``step`` (or, with ``None``, the newest good step) into ``target``'s layouts.
 
         ``target`` is a pytree of ``jax.ShapeDtypeStruct`` with shardings (for a training run,
-        ``theseus.training.run.checkpointing.restore_target``), or a function that builds one
-        from the step's metadata (generation lays the parameters out by the saved config and
-        policy); each device reads its own shards. Steps that ``None`` passed over are logged
-        and kept in :attr:`skipped`.
+        ``theseus.training.run.checkpointing.restore_target`` of the step's :meth:`read_meta`);
+        each device reads its own shards. With ``None``, a damaged step falls back to the one
+        before it, restored into the same target (the steps of one run hold one tree); steps
+        passed over are logged and kept in :attr:`skipped`, and :attr:`Restored.meta` is the
+        metadata of the step restored.
 
         Raises :class:`CheckpointError` when the step is missing or damaged (with ``None``: when
         no step is good) and :class:`IncompatibleCheckpointError` when the checkpoint holds
@@ -247,9 +274,7 @@ class Checkpointer:
         """
         return self._restore(step, target, entry=None)
 
-    def restore_params(
-        self, step: int | None, target: Any | Callable[[CheckpointMeta], Any]
-    ) -> Restored:
+    def restore_params(self, step: int | None, target: Any) -> Restored:
         """:meth:`restore_state` of the state's ``params`` entry alone: ``target`` describes the
         parameters, and only they are read and checked (the optimizer state never is)."""
         return self._restore(step, target, entry=PARAMS)
@@ -259,15 +284,16 @@ class Checkpointer:
         good step with ``None``."""
         self.skipped = ()
         self.wait()
+
+        def read(candidate: int) -> Restored:
+            return self._read_step(candidate, target, entry)
+
         if step is not None:
-            return self._restore_step(int(step), target, entry)
-        steps = self.all_steps()
-        if not steps:
-            raise CheckpointError(f"no checkpoints in {self.directory}")
+            return self._agreed(int(step), read)
         skipped = []
-        for candidate in reversed(steps):
+        for candidate in self._newest_first():
             try:
-                restored = self._restore_step(candidate, target, entry)
+                restored = self._agreed(candidate, read)
             except IncompatibleCheckpointError:
                 raise
             except CheckpointError as error:
@@ -281,32 +307,51 @@ class Checkpointer:
                 )
             return restored
         self.skipped = tuple(skipped)
-        raise CheckpointError(
+        raise self._no_good_step([s.reason for s in skipped])
+
+    def _newest_first(self) -> list[int]:
+        """The committed steps, newest first; an error when there is none."""
+        steps = self.all_steps()
+        if not steps:
+            raise CheckpointError(f"no checkpoints in {self.directory}")
+        return steps[::-1]
+
+    def _no_good_step(self, reasons: list[str]) -> CheckpointError:
+        return CheckpointError(
             f"no good checkpoint in {self.directory}; every step is damaged:\n"
-            + "\n".join(f"  {s.reason}" for s in skipped)
+            + "\n".join(f"  {reason}" for reason in reasons)
         )
 
-    def _restore_step(self, step: int, target: Any, entry: str | None) -> Restored:
-        """Read and check one step; every process reaches the same verdict."""
-        where = f"checkpoint {self.step_directory(step)} (step {step})"
-        restored: Restored | None = None
+    def _agreed(self, step: int, read: Callable[[int], T]) -> T:
+        """``read(step)`` on every process, with one verdict: a step unreadable on any process
+        is damaged on all of them."""
+        result: T | None = None
         error: CheckpointError | None = None
         try:
-            restored = self._read_step(step, target, entry, where)
+            result = read(step)
         except CheckpointError as caught:
             error = caught
         failing = _failing_processes(error is not None)
         if error is None and failing:
-            error = CheckpointError(f"{where} is damaged: unreadable on process(es) {failing}")
+            error = CheckpointError(
+                f"{self._where(step)} is damaged: unreadable on process(es) {failing}"
+            )
         if error is not None:
             if not isinstance(error, IncompatibleCheckpointError):
                 self._bad_steps.add(step)  # a later save at or before this step replaces it
             raise error
-        self._bad_steps.discard(step)
-        assert restored is not None  # read without an error
-        return restored
+        assert result is not None  # read without an error
+        return result
 
-    def _read_step(self, step: int, target: Any, entry: str | None, where: str) -> Restored:
+    def _where(self, step: int) -> str:
+        return f"checkpoint {self.step_directory(step)} (step {step})"
+
+    def _read_metadata(self, step: int) -> MetadataFile:
+        """The metadata file of committed ``step``, checked to name it (parsed once between two
+        :meth:`read_meta` calls: the restore that follows one reads the metadata it read)."""
+        if step in self._metadata:
+            return self._metadata[step]
+        where = self._where(step)
         if step not in self.all_steps():
             raise CheckpointError(
                 f"{where} does not exist; committed steps in {self.directory}: "
@@ -314,13 +359,22 @@ class Checkpointer:
             )
         try:
             saved = MetadataFile.from_json(self._store.read_meta(step))
-            meta, expected = saved.meta, saved.fingerprints
+        except Exception as error:  # orbax and JSON parsing raise many types
+            raise CheckpointError(f"{where} is damaged: {one_line(error)}") from error
+        if saved.meta.step != step:
+            raise CheckpointError(f"{where} is damaged: its metadata says step {saved.meta.step}")
+        self._metadata[step] = saved
+        return saved
+
+    def _read_step(self, step: int, target: Any, entry: str | None) -> Restored:
+        """Read and check one step into ``target`` (``entry``: the state's entry alone)."""
+        saved = self._read_metadata(step)
+        meta, expected = saved.meta, saved.fingerprints
+        where = self._where(step)
+        try:
             saved_tree = self._store.saved_tree(step)
         except Exception as error:  # orbax and tensorstore raise many types
             raise CheckpointError(f"{where} is damaged: {one_line(error)}") from error
-        if meta.step != step:
-            raise CheckpointError(f"{where} is damaged: its metadata says step {meta.step}")
-        target = target(meta) if callable(target) else target
         if entry is not None:  # the one entry, under its name: paths as in the whole state
             saved_tree = {entry: saved_tree.get(entry) if isinstance(saved_tree, dict) else None}
             expected = {p: v for p, v in expected.items() if p.startswith(f"{entry}/")}
@@ -344,6 +398,7 @@ class Checkpointer:
                 f"saved (fingerprint mismatch): {', '.join(wrong[:_MAX_LISTED])}"
                 + (" ..." if len(wrong) > _MAX_LISTED else "")
             )
+        self._bad_steps.discard(step)
         return Restored(state, meta)
 
 

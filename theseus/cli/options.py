@@ -48,6 +48,15 @@ ActivationCheckpointing = Annotated[
         "\\[default: none]",
     ),
 ]
+Experts = Annotated[
+    str | None,
+    typer.Option(
+        metavar="none|shard|batch|both",
+        help="where a mixture of experts' expert index goes on the mesh: none (each expert's "
+        "width is split by tp instead), shard, batch (expert parallelism across replicas) or "
+        "both \\[default: none]",
+    ),
+]
 CPUDevices = Annotated[
     int | None,
     typer.Option(help="simulate this many CPU devices (set before JAX starts)", min=1),
@@ -319,13 +328,14 @@ SHARDING_FLAGS = {
     "zero": Zero,
     "fsdp": FSDP,
     "activation_checkpointing": ActivationCheckpointing,
+    "experts": Experts,
 }
-#: --tp, --zero/--no-zero, --fsdp/--no-fsdp, --activation-checkpointing POLICY: the command receives the
-#: policy changes the user gave as ``sharding``.
+#: --tp, --zero/--no-zero, --fsdp/--no-fsdp, --activation-checkpointing POLICY, --experts
+#: PLACEMENT: the command receives the policy changes the user gave as ``sharding``.
 sharding_options = shared_options(SHARDING_FLAGS, into="sharding", build=sharding_changes)
 #: The layout flags alone (for commands that do not train).
 layout_options = shared_options(
-    {flag: SHARDING_FLAGS[flag] for flag in ("tp", "zero", "fsdp")},
+    {flag: SHARDING_FLAGS[flag] for flag in ("tp", "zero", "fsdp", "experts")},
     into="sharding",
     build=sharding_changes,
 )

@@ -72,8 +72,16 @@ def tokenize(
         int | None,
         typer.Option(
             help="chat records: also report how the train split packs into rows of this "
-            "training.seq_len + 1 tokens",
+            "training.seq_len + 1 tokens; preference records: refuse (or with --overlong drop, "
+            "leave out) pairs whose prompt is longer than this",
             min=1,
+        ),
+    ] = None,
+    overlong: Annotated[
+        str | None,
+        typer.Option(
+            help="preference records with --seq-len: a pair whose prompt is longer is an "
+            "'error' or is left out, counted in tokens.json ('drop') \\[default: error]"
         ),
     ] = None,
     workers: Annotated[
@@ -90,19 +98,49 @@ def tokenize(
 
     Train on them with data.path=OUT_DIR. The corpus is streamed with bounded memory; run the
     command again to finish an interrupted one. Chat records (messages, or prompt and completion)
-    are rendered with the model's chat template and get a loss mask beside their shards.
+    are rendered with the model's chat template and get a loss mask beside their shards;
+    preference records (chosen and rejected, with or without a prompt) become pairs whose mask
+    marks the completion tokens, as TRL's DPOTrainer tokenizes them.
     """
     with user_errors():
         from theseus.tokenization.chat.corpus import is_chat_corpus, tokenize_chat
+        from theseus.tokenization.chat.preference import is_preference_corpus, tokenize_preference
         from theseus.tokenization.text import tokenize as tokenize_corpus
 
-        if is_chat_corpus(corpus):
+        preference = is_preference_corpus(corpus)
+        if overlong is not None and not preference:
+            raise ValueError(
+                f"--overlong applies to preference records (chosen and rejected), but corpus "
+                f"{corpus!r} holds none; drop it or pass a preference corpus"
+            )
+        if preference or is_chat_corpus(corpus):
+            what = "preference" if preference else "chat"
             if vocab_size is not None or tokenizer is None:
                 raise ValueError(
-                    f"corpus {corpus!r} holds chat records, which are tokenized with the model's "
-                    "own tokenizer and chat template; pass --tokenizer with its tokenizer folder "
-                    "(tokenizer.json, tokenizer_config.json) and no --vocab-size"
+                    f"corpus {corpus!r} holds {what} records, which are tokenized with the "
+                    "model's own tokenizer and chat template; pass --tokenizer with its "
+                    "tokenizer folder (tokenizer.json, tokenizer_config.json) and no --vocab-size"
                 )
+        if preference:
+            assert tokenizer is not None
+            pairs = tokenize_preference(
+                corpus,
+                out_dir,
+                tokenizer=tokenizer,
+                chat_template=chat_template,
+                eos_token=eos_token,
+                validation_fraction=validation_fraction,
+                seed=seed,
+                shard_tokens=shard_tokens,
+                overwrite=overwrite,
+                seq_len=seq_len,
+                overlong=overlong or "error",  # type: ignore[arg-type]  # checked there
+                workers=workers,
+            )
+            typer.echo(pairs.describe())
+            return
+        if is_chat_corpus(corpus):
+            assert tokenizer is not None
             chat = tokenize_chat(
                 corpus,
                 out_dir,
@@ -126,8 +164,9 @@ def tokenize(
         for name, value in chat_only:
             if value is not None:
                 raise ValueError(
-                    f"{name} applies to chat records (messages, or prompt and completion), "
-                    f"but corpus {corpus!r} holds none; drop it or pass a chat corpus"
+                    f"{name} applies to chat and preference records (messages, prompt and "
+                    f"completion, or chosen and rejected), but corpus {corpus!r} holds none; "
+                    "drop it or pass such a corpus"
                 )
 
         result = tokenize_corpus(

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from theseus.data.packing import MaskedExamples
+from theseus.data.preference import PreferencePairs
 from theseus.data.shards import ShardedTokens
 
 #: The vocabulary of byte corpora: one token per byte value.
@@ -29,6 +30,8 @@ class Corpus:
     eos_id: int | None = None  # the end-of-text token of a tokenized folder
     # A masked (chat or completion) corpus's train and validation examples; None: a stream.
     examples: tuple[MaskedExamples, MaskedExamples] | None = None
+    # A preference corpus's train and validation pairs (its examples, two by two); None: none.
+    pairs: tuple[PreferencePairs, PreferencePairs] | None = None
 
     def fingerprint(self) -> dict[str, int]:
         """Sizes and a CRC-32 of evenly spaced samples of both splits: equal on every process

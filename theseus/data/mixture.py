@@ -20,6 +20,7 @@ import numpy as np
 from theseus.config import DataConfig
 from theseus.data.packing import ROW_FIELDS, DocumentRows, Overlong, PackedSampler
 from theseus.data.pairs import PAIR_FIELDS, PairRows, PairSampler
+from theseus.data.preference import PREFERENCE_KIND
 from theseus.data.sampler import VALIDATION_SEED, IndexedExamples, Sampler, validation_batches
 from theseus.data.tokens import Corpus, load_corpus
 
@@ -96,6 +97,13 @@ class Mixture:
         if self.pairs is not None:
             return self._pair_sampler(source, split, seq_len, seed, self.pairs)
         corpus = source.corpus
+        if corpus.pairs is not None:
+            raise ValueError(
+                f"{corpus.source} is a preference corpus (a chosen and a rejected reply to "
+                "each prompt), which trains with a preference job, not as chat examples (that "
+                "would train on the rejected replies too); run the model family's preference "
+                "job, or tokenize conversations for supervised fine-tuning"
+            )
         if corpus.examples is not None:
             key = (source.name, split, seq_len, seed)
             if key not in self._packed:  # packed once: the run, run.json and validation share it
@@ -111,19 +119,24 @@ class Mixture:
     def _pair_sampler(
         self, source: Source, split: int, seq_len: int, seed: int, pairs: PairRows
     ) -> PairSampler:
+        """``source``'s pair rows of split ``split``, read from its corpus's preference pairs
+        (:mod:`theseus.data.preference`); a corpus without pairs is refused."""
         corpus = source.corpus
         where = f"the {('train', 'validation')[split]} split of {corpus.source}"
-        if corpus.examples is None:
+        if corpus.pairs is None:
+            kind = "a token stream" if corpus.examples is None else "a chat corpus"
             raise ValueError(
-                f"{where} is a token stream, but preference tuning reads pairs (chosen, then "
-                "rejected examples of a preference corpus written by `theseus tokenize`); "
-                "give such a corpus as data.path or data.sources"
+                f"{where} is {kind}, not a preference corpus, but preference tuning reads pairs "
+                "(a chosen and a rejected reply to each prompt; the manifest's kind "
+                f"{PREFERENCE_KIND!r}): tokenize records with 'chosen' and 'rejected' (and a "
+                "'prompt') with `theseus tokenize` and give that folder as data.path or "
+                "data.sources, or train on this corpus with the family's train/pretrain job"
             )
         key = (source.name, split, seq_len, seed)
         if key not in self._packed:
             reference = pairs.reference.get((source.name, split))
             self._packed[key] = PairSampler(
-                corpus.examples[split], seq_len, seed, self.overlong, pairs.layout, where,
+                corpus.pairs[split].examples, seq_len, seed, self.overlong, pairs.layout, where,
                 reference,
             )  # fmt: skip
         return self._packed[key]

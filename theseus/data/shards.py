@@ -4,7 +4,10 @@
 A tokenized chat corpus also holds, beside each token shard, its loss mask
 (``train-NNNNN.mask``, one ``uint8`` per token: 1 where the token trains) and its conversations'
 lengths (``train-NNNNN.docs``, one ``uint32`` token count per conversation, in order: where
-examples begin), both named in the shard's manifest entry.
+examples begin), both named in the shard's manifest entry. A preference corpus
+(``"kind": "preference"``, :mod:`theseus.data.preference`) is such a masked corpus whose examples
+come in pairs (chosen, then rejected, one document per pair, never split across shards) and whose
+mask is 1 on the completion tokens.
 
 A shard is written as a hidden ``.NAME.partial`` file and renamed when complete; the progress
 record ``.tokenize-progress.json`` lists the complete shards and where in the corpus each split
@@ -200,7 +203,8 @@ class ShardWriter:
     (hidden partial files) and closes the shard, by renaming its files, once it holds
     ``shard_tokens`` or more at a piece boundary. ``dtypes`` maps each file's suffix to its
     dtype: ``{"bin": token dtype}``, plus ``"mask": MASK_DTYPE`` and ``"docs": DOCS_DTYPE``
-    for a chat corpus (whose documents are one piece each)."""
+    for a masked corpus (whose pieces are its examples: one per chat document, two per
+    preference pair)."""
 
     def __init__(self, folder: Path, split: str, shard_tokens: int, dtypes: dict, done: list):
         assert next(iter(dtypes)) == "bin" and set(dtypes) <= {"bin", "mask", "docs"}
@@ -225,10 +229,12 @@ class ShardWriter:
     ) -> None:
         """Append consecutive pieces (``arrays`` holds, per suffix, their tokens or mask values
         concatenated, or for ``"docs"`` one value per piece; piece ``i`` has ``counts[i]``
-        tokens, ``sizes[i]`` bytes of text and ends its document when ``lasts[i]``); a shard closes after the first piece that brings it to
-        ``shard_tokens`` or more, and ``on_close(i)`` is called then, while ``shards`` ends with
+        tokens, ``sizes[i]`` bytes of text and ends its document when ``lasts[i]``); a shard
+        closes after the first piece that brings it to ``shard_tokens`` or more (for a masked
+        corpus, the first such piece that ends a document: a preference pair's two examples
+        stay in one shard), and ``on_close(i)`` is called then, while ``shards`` ends with
         that shard."""
-        assert "docs" not in self.dtypes or all(lasts), "documents of one piece each"
+        whole = "docs" in self.dtypes  # a masked corpus's shards close at document ends only
         start = 0  # first token of this shard's part of the arrays
         offset = 0
         first = 0  # first piece of this shard's part
@@ -237,7 +243,7 @@ class ShardWriter:
             self._tokens += count
             self._bytes += size
             self._documents += int(last)
-            if self._tokens >= self.shard_tokens:
+            if self._tokens >= self.shard_tokens and (last or not whole):
                 self._append(arrays, (start, offset), (first, index + 1))
                 self.close_shard()
                 on_close(index)

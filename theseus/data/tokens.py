@@ -21,6 +21,7 @@ from theseus.data.binfile import bin_corpus
 from theseus.data.corpus import BYTE_VOCAB_SIZE, Corpus, bytes_to_tokens
 from theseus.data.documents import split_documents
 from theseus.data.packing import MaskedExamples
+from theseus.data.preference import is_preference, pairs_of
 from theseus.data.readers import kind_of, list_inputs, read_bytes, walk_sorted
 from theseus.data.shards import (
     SHARD_PATTERN,
@@ -62,7 +63,8 @@ def load_corpus(
       shards, memory-mapped, split when it was tokenized, with its vocabulary size and
       ``tokenizer.json``. Any of its shards names the whole folder. A folder that tokenize has
       not finished is refused. A chat folder's examples (tokens, loss mask and lengths) come
-      with it (``Corpus.examples``), packed into rows by the sampler.
+      with it (``Corpus.examples``), packed into rows by the sampler; a preference folder's
+      also as pairs (``Corpus.pairs``, :mod:`theseus.data.preference`).
     - any other directory: the bytes of its documents (every non-hidden regular file below it is
       one, or a JSON Lines or Parquet file's records' ``text_field``), split by document as
       :mod:`theseus.data.split` says (a tail split when it holds a single text file).
@@ -204,14 +206,17 @@ def _tokenized_corpus(root: Path, vocab_size: int | None) -> Corpus:
         f"vocab {record_vocab}"
     )
     eos_id = manifest.data.get("eos_id")
-    examples = None
+    examples = pairs = None
     if manifest.data.get("loss_mask"):
+        kind = "preference" if is_preference(manifest) else "chat"
+        source = source.replace("tokenized folder", f"tokenized {kind} folder", 1)
         examples = (
             MaskedExamples(train, *_masks_and_lengths(root, manifest, "train")),
             MaskedExamples(validation, *_masks_and_lengths(root, manifest, "validation")),
         )
-        source = source.replace("tokenized folder", "tokenized chat folder", 1)
-    return Corpus(train, validation, record_vocab, source, tokenizer, eos_id, examples)
+        if is_preference(manifest):
+            pairs = (pairs_of(examples[0], source), pairs_of(examples[1], source))
+    return Corpus(train, validation, record_vocab, source, tokenizer, eos_id, examples, pairs)
 
 
 def _read_nonempty(path: Path) -> bytes:

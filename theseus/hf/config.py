@@ -40,17 +40,18 @@ def supported() -> dict[str, RegisteredFamily]:
 
 def model_spec(hf: dict[str, Any], where: str) -> ModelSpec:
     """The theseus job and model section of a Hugging Face config (``where`` names its file)."""
-    model_type = hf.get("model_type")
+    model_type = str(hf.get("model_type"))
     architectures = hf.get("architectures") or []
-    experts = [key for key in _EXPERT_KEYS if hf.get(key)]
     types = supported()
-    if model_type not in types or experts:
+    family = types.get(model_type)
+    reads_experts = family is not None and "num_experts" in family.family.config_class.model_fields
+    experts = [key for key in _EXPERT_KEYS if hf.get(key) and not reads_experts]
+    if family is None or experts:
         what = f"model_type {model_type!r}" + (f" with experts ({experts[0]})" if experts else "")
         raise ValueError(
             f"{where}: {what} (architectures {architectures}) is not supported; theseus imports "
-            f"{', '.join(types)} (dense decoders)"
+            f"{', '.join(types)}"
         )
-    family = types[model_type]
     wanted = family.family.hf.architectures[model_type]
     if architectures and wanted not in architectures:
         raise ValueError(

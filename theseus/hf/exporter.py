@@ -126,14 +126,14 @@ def tensor_blocks(
     for start in range(0, rows, step):
         pieces = []
         for part in tensor.parts:
-            leaf = leaf_at(params, part.path)  # ([n_layer,] rows, ...)
-            layer = () if part.layer is None else (slice(part.layer, part.layer + 1),)
-            rest = tuple(slice(0, n) for n in leaf.shape[len(layer) + 1 :])
+            leaf = leaf_at(params, part.path)  # ([n_layer, [n_expert,]] rows, ...)
+            lead = tuple(slice(i, i + 1) for i in part.lead)
+            rest = tuple(slice(0, n) for n in leaf.shape[len(lead) + 1 :])
             stop = part.stop - part.start if len(tensor.shape) == 1 else min(rows, start + step)
-            region = (*layer, slice(start, stop), *rest)
-            block = host_region(leaf, region)  # ([1,] block, ...) float32
-            pieces.append(block if part.layer is None else block[0])
-        yield np.concatenate(pieces, axis=-1).astype(dtype)
+            region = (*lead, slice(start, stop), *rest)
+            block = host_region(leaf, region)  # ([1, [1,]] block, ...) float32
+            pieces.append(block[(0,) * len(lead)])
+        yield np.concatenate(pieces, axis=tensor.parts[0].axis).astype(dtype)
 
 
 def tensor_values(

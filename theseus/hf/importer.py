@@ -87,9 +87,11 @@ def match_tensors(
     found: dict[str, TensorInfo],
     hf_dir: Path,
     aliases: Callable[[str], tuple[str, ...]],
+    unread: tuple[str, ...] = (),
 ) -> dict[str, TensorInfo]:
     """Each expected tensor's file entry (under one of its ``aliases``); a missing or misshapen
-    one is an error naming it."""
+    one is an error naming it, and so is a tensor of the folder that nothing reads (unless its
+    name starts with one of the ``unread`` prefixes)."""
     matched, problems = {}, []
     for tensor in expected:
         info = next((found[a] for a in aliases(tensor.name) if a in found), None)
@@ -102,6 +104,9 @@ def match_tensors(
             )
         else:
             matched[tensor.name] = info
+    read = {a for tensor in expected for a in aliases(tensor.name)}
+    left = sorted(name for name in found if name not in read and not name.startswith(unread))
+    problems += [f"{name} is not a tensor of the model config.json describes" for name in left]
     if problems:
         raise ValueError(
             f"{hf_dir}: {len(problems)} tensor(s) do not fit its config.json: "
@@ -115,25 +120,28 @@ def _index(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[range]:
 
 
 def read_shard(
-    parts: dict[int | None, tuple[Part, TensorInfo]],
+    parts: dict[tuple[int, ...], tuple[Part, TensorInfo]],
     shape: tuple[int, ...],
     index: tuple[slice, ...],
-    stacked: bool,
 ) -> np.ndarray:
     """One shard (``index`` of a parameter of ``shape``) as float32, read from the memory-mapped
-    tensors: for a stacked parameter, the slices of each layer in the shard's range."""
-    ranges = _index(index, shape)
+    tensors (``parts`` by :attr:`Part.lead`): for a parameter stacked along layers (and
+    experts), the slices of each layer (and expert) in the shard's range."""
+    depth = len(next(iter(parts)))  # the stacked dimensions: 0, 1 (layers) or 2 (and experts)
 
     def piece(part: Part, info: TensorInfo, dims: list[range]) -> np.ndarray:
-        last = dims[-1]
-        columns = slice(part.start + last.start, part.start + last.stop)
-        where = (*(slice(d.start, d.stop) for d in dims[:-1]), columns)
-        return np.asarray(info.array()[where], dtype=np.float32)
+        where = [slice(d.start, d.stop) for d in dims]
+        along = dims[part.axis]  # the part's own indices of the tensor's dimension `axis`
+        where[part.axis] = slice(part.start + along.start, part.start + along.stop)
+        return np.asarray(info.array()[tuple(where)], dtype=np.float32)
 
-    if not stacked:
-        return piece(*parts[None], ranges)
-    layers = [piece(*parts[layer], ranges[1:]) for layer in ranges[0]]
-    return np.stack(layers) if layers else np.zeros([len(r) for r in ranges], np.float32)
+    def stack(lead: tuple[int, ...], dims: list[range]) -> np.ndarray:
+        if len(lead) == depth:
+            return piece(*parts[lead], dims)
+        pieces = [stack((*lead, i), dims[1:]) for i in dims[0]]
+        return np.stack(pieces) if pieces else np.zeros([len(r) for r in dims], np.float32)
+
+    return stack((), _index(index, shape))
 
 
 def place(
@@ -159,10 +167,10 @@ def place(
 
 def read_params(trainer: BaseTrainer, tensors: list[HFTensor], infos: dict[str, TensorInfo]):
     """Every parameter in the trainer's storage layout, read shard by shard."""
-    parts: dict[str, dict[int | None, tuple[Part, TensorInfo]]] = defaultdict(dict)
+    parts: dict[str, dict[tuple[int, ...], tuple[Part, TensorInfo]]] = defaultdict(dict)
     for tensor in tensors:
         for part in tensor.parts:
-            parts[part.path][part.layer] = (part, infos[tensor.name])
+            parts[part.path][part.lead] = (part, infos[tensor.name])
     flat = jax.tree_util.tree_flatten_with_path(trainer.abstract_state.params)[0]
     shardings = jax.tree.leaves(trainer.layouts.storage, is_leaf=is_sharding)
     leaves = []
@@ -170,10 +178,9 @@ def read_params(trainer: BaseTrainer, tensors: list[HFTensor], infos: dict[str, 
         name = path_str(path)
         own = parts[name]
         assert own, f"no Hugging Face tensor maps to {name}"
-        stacked = None not in own
 
-        def read(index, own=own, shape=leaf.shape, stacked=stacked):
-            return read_shard(own, shape, index, stacked)
+        def read(index, own=own, shape=leaf.shape):
+            return read_shard(own, shape, index)
 
         leaves.append(place(tuple(leaf.shape), sharding, read))
     return jax.tree.unflatten(jax.tree.structure(trainer.abstract_state.params), leaves)
@@ -214,8 +221,9 @@ def import_hf(
         multihost_utils.sync_global_devices("import-hf: output directory checked")
     spec = read_spec(hf_dir)
     hf_spec = spec.family.family.hf
-    expected = hf_spec.tensors(spec.model)
-    infos = match_tensors(expected, checkpoint_tensors(hf_dir), hf_dir, hf_spec.aliases)
+    found = checkpoint_tensors(hf_dir)
+    expected = hf_spec.layout_of(spec.model, found)
+    infos = match_tensors(expected, found, hf_dir, hf_spec.aliases, hf_spec.unread)
     trainer = import_trainer(spec, policy or ShardingPolicy(), devices)
     params = read_params(trainer, expected, infos)
     dtype = _dtype_name(infos[expected[0].name])

@@ -70,26 +70,12 @@ def load_run(
             f"{run_dir} holds no {CHECKPOINTS}/ folder: it is not the directory of a training "
             "run or an imported model, or the run saved no checkpoint yet"
         )
-    trainers: dict[int, tuple[BaseTrainer, str]] = {}  # by step: the layouts of each step read
-
-    def target_for(meta: CheckpointMeta) -> Any:
-        name = job or meta.job or legacy_job(meta.config)
-        trainer_class = get_job(name).trainer_class
-        config = validate(trainer_class.config_class, meta.config)
-
-        def config_for(topology: Topology) -> Any:
-            # Scoring and generation never split a training batch: accounting for any mesh.
-            batch = [f"training.batch_size={topology.replicas}", "training.per_device_batch_size=1"]
-            return apply_overrides(config, batch)
-
-        saved = validate(ShardingPolicy, meta.policy)
-        trainer = reading_trainer(trainer_class, config_for, saved, policy_changes, devices)
-        trainers[meta.step] = (trainer, name)
-        return params_target(trainer, getattr(trainer.layouts, layout), meta)
-
     with Checkpointer(run_dir / CHECKPOINTS, read_only=True) as checkpointer:
-        restored = checkpointer.restore_params(None, target_for)
-    trainer, name = trainers[restored.step]
+        meta = checkpointer.read_meta()  # its job, config and policy lay the parameters out
+        name = job or meta.job or legacy_job(meta.config)
+        trainer = _reading_trainer(name, meta, policy_changes, devices)
+        target = params_target(trainer, getattr(trainer.layouts, layout), meta)
+        restored = checkpointer.restore_params(None, target)
     # A fine-tuning checkpoint holds the trained parameters; its base holds the frozen ones.
     target = getattr(trainer.layouts, layout)
     base_dir = Path(base) if base else None
@@ -98,6 +84,26 @@ def load_run(
     )
     restored = with_base(trainer, restored, target, run_dir=run_dir, base_dir=base_dir)
     return LoadedRun(trainer, restored.state, restored.meta, name, found)
+
+
+def _reading_trainer(
+    name: str,
+    meta: CheckpointMeta,
+    policy_changes: dict[str, Any] | None,
+    devices: Sequence[jax.Device] | None,
+) -> BaseTrainer:
+    """The trainer of job ``name`` that reads a checkpoint saved with ``meta``: its config, its
+    policy merged with ``policy_changes`` (or one that fits ``devices``), one example per replica
+    (scoring and generation never split a training batch)."""
+    trainer_class = get_job(name).trainer_class
+    config = validate(trainer_class.config_class, meta.config)
+
+    def config_for(topology: Topology) -> Any:
+        batch = [f"training.batch_size={topology.replicas}", "training.per_device_batch_size=1"]
+        return apply_overrides(config, batch)
+
+    saved = validate(ShardingPolicy, meta.policy)
+    return reading_trainer(trainer_class, config_for, saved, policy_changes, devices)
 
 
 def check_token_ids(token_ids: Any, vocab_size: int) -> np.ndarray:

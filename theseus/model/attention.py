@@ -181,11 +181,29 @@ def chosen_kernel(
     if kernel == "auto":
         _log_once(f"attention: the blockwise kernel serves this call, not {name}: {refusal}")
         return "blockwise"
-    raise AttentionKernelError(
-        f"model.attention={kernel!r} cannot serve this model's attention on the {backend} "
-        f"backend: {refusal}. Set model.attention=auto (which falls back to the blockwise "
-        "kernel where the fused one cannot serve) or model.attention=blockwise."
+    raise _refused(kernel, refusal)
+
+
+def _refused(kernel: str, refusal: str) -> AttentionKernelError:
+    """The error of an explicit kernel that cannot serve (``refusal`` says what to do)."""
+    return AttentionKernelError(
+        f"model.attention={kernel!r} cannot serve this model's attention on the "
+        f"{jax.default_backend()} backend: {refusal} (model.attention=auto falls back to the "
+        "blockwise kernel where the fused one cannot serve)."
     )
+
+
+def check_backend(kernel: str) -> None:
+    """Refuse, before a run writes anything, a fused kernel (cudnn, splash) that this backend
+    has none of; the refusals that depend on the call (dtype, head size, mask) come when the
+    step is traced (:func:`chosen_kernel`)."""
+    if kernel not in ("cudnn", "splash"):
+        return
+    from theseus.model.kernels import backend_refusal  # GPU/TPU only, as kernel_refusal
+
+    refusal = backend_refusal(kernel)
+    if refusal is not None:
+        raise _refused(kernel, refusal)
 
 
 def _blockwise_per_device(
@@ -265,8 +283,6 @@ def attention(
         from theseus.model.kernels import splash_attention
 
         return splash_attention(q, k, v, mask, scale=scale, softcap=softcap, windows=windows)
-    if softcap is None:
-        return jax.nn.dot_product_attention(q, k, v, mask=mask.visible(), scale=scale)
     return _written_out(q, k, v, mask, scale, softcap, 0.0, None)
 
 
@@ -283,7 +299,9 @@ def _written_out(q, k, v, mask, scale, softcap, dropout_rate, keep) -> jax.Array
     else:
         scores = scores * jnp.float32(scale)
     scores = soft_cap(scores, softcap)  # (batch, n_kv, group, q_len, k_len)
-    scores = jnp.where(mask.visible()[:, :, None], scores, -jnp.inf)
+    # Masked by adding 0 or -inf: an add's gradient reads nothing, so the layer scan keeps no
+    # (q_len × k_len) predicate per layer for the backward (a select would).
+    scores = scores + jnp.where(mask.visible()[:, :, None], 0.0, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)  # (batch, n_kv, group, q, k)
     if keep is not None:
         keep = keep.reshape(batch, n_kv, group, q_len, k_len)

@@ -4,7 +4,7 @@ A family describes its decoder with a :class:`Skeleton`: how tokens at positions
 float32 residual stream (``embed``), what each layer reads besides its weights that depends only
 on positions (``features``: rotary angles), and one layer (``layer``); its model gives its
 parameters as typed :class:`Weights` (the token table, the stacked layers of the family's layer
-type, the final norm, the head). :func:`forward` runs it for training (layers through
+type, the final norm, the head). :func:`run` runs it for training (layers through
 :func:`theseus.scan_layers`), :class:`CachedDecoder` for ``theseus generate``; a layer calls
 ``inputs.attend(q, k, v)``, which attends within the sequence in training and writes the keys and
 values into the cache and attends over it in decoding, so each layer is written once; it returns
@@ -102,11 +102,24 @@ class Attended:
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class LayerOutput:
-    """What a layer returns: the new float32 ``stream`` (batch, seq, n_embd) and the ``cache``
-    its attention returned (:attr:`Attended.cache`)."""
+    """What a layer returns: the new float32 ``stream`` (batch, seq, n_embd), the ``cache``
+    its attention returned (:attr:`Attended.cache`) and, for an expert layer, its ``routing``
+    (:class:`theseus.model.experts.Routing`; None: the layer routes nothing)."""
 
     stream: jax.Array
     cache: Any = None
+    routing: Any = None
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Outputs:
+    """What a forward pass gives: float32 ``logits`` (batch, seq, vocab) and the routing
+    statistics its expert layers added up (:class:`theseus.model.experts.RouterSums`; None for
+    a model without experts)."""
+
+    logits: jax.Array
+    routing: Any = None
 
 
 @dataclass(frozen=True)
@@ -127,6 +140,11 @@ def no_features(positions: jax.Array, settings: Any) -> None:
     del positions, settings
 
 
+def no_routing(settings: Any) -> None:
+    """The routing statistics of a model without experts: none."""
+    del settings
+
+
 @dataclass(frozen=True)
 class Skeleton:
     """A family's decoder as plain, hashable values (it becomes part of a model's graphdef).
@@ -139,6 +157,8 @@ class Skeleton:
     config key that sets it. ``per_layer``: each layer's window and rotary frequencies;
     ``attention``: how every layer attends besides its mask (:class:`AttentionOptions`);
     ``logit_softcap`` caps the logits at ``±cap`` with ``cap · tanh(x / cap)`` (None: uncapped).
+    ``routing(settings)``: the empty routing statistics the expert layers add to (None: no
+    experts).
     """
 
     embed: Callable[[Weights, jax.Array, jax.Array, Any], jax.Array]
@@ -152,6 +172,7 @@ class Skeleton:
     per_layer: PerLayer = PerLayer()
     attention: AttentionOptions = AttentionOptions()
     logit_softcap: float | None = None
+    routing: Callable[[Any], Any] = no_routing
 
     def attend(
         self, q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask, **dropout: Any
@@ -219,7 +240,22 @@ class DecoderModel(nnx.Module):
         segments: jax.Array | None = None,
         positions: jax.Array | None = None,
     ) -> jax.Array:
-        """Float32 logits ``(batch, seq, vocab)`` of int ``tokens`` ``(batch, seq)``.
+        """Float32 logits ``(batch, seq, vocab)`` of int ``tokens`` ``(batch, seq)`` (the
+        logits of :meth:`outputs`)."""
+        return self.outputs(
+            tokens, keys, deterministic=deterministic, segments=segments, positions=positions
+        ).logits
+
+    def outputs(
+        self,
+        tokens: jax.Array,
+        keys: jax.Array | None = None,
+        *,
+        deterministic: bool = True,
+        segments: jax.Array | None = None,
+        positions: jax.Array | None = None,
+    ) -> Outputs:
+        """The :class:`Outputs` of int ``tokens`` ``(batch, seq)``.
 
         ``deterministic=False`` (training) applies dropout (when the model has any) with the
         per-example ``keys`` ``(batch,)``, which it then needs. Packed rows give ``segments``
@@ -235,10 +271,10 @@ class DecoderModel(nnx.Module):
                 "trainer's loss"
             )
         w = arrays(self.weights())
-        return forward(w, tokens, self.skeleton, keys, segments=segments, positions=positions)
+        return run(w, tokens, self.skeleton, keys, segments=segments, positions=positions)
 
 
-def forward(
+def run(
     weights: Weights,
     tokens: jax.Array,
     skeleton: Skeleton,
@@ -246,11 +282,11 @@ def forward(
     *,
     segments: jax.Array | None = None,
     positions: jax.Array | None = None,
-) -> jax.Array:
-    """Float32 logits (batch, seq, vocab) of int ``tokens`` (batch, seq) from ``weights``;
-    with per-example ``keys`` (batch,), dropout at ``skeleton.dropout`` (embedding: stream 0,
-    layer ``i``: stream ``i + 1``); with ``segments`` and ``positions`` (batch, seq), attention
-    within each segment and positions as given (packed rows)."""
+) -> Outputs:
+    """The :class:`Outputs` of int ``tokens`` (batch, seq) from ``weights``; with per-example
+    ``keys`` (batch,), dropout at ``skeleton.dropout`` (embedding: stream 0, layer ``i``: stream
+    ``i + 1``); with ``segments`` and ``positions`` (batch, seq), attention within each segment
+    and positions as given (packed rows). The routing statistics leave padding (segment 0) out."""
     sk = skeleton
     seq = tokens.shape[1]
     sk.check_length(seq)
@@ -261,20 +297,25 @@ def forward(
     features = sk.features(positions, sk.settings)
     mask = AttentionMask(positions, positions, segments, segments)
 
-    def one_layer(inputs, x):
-        layer, index, data = inputs
+    counted = None if segments is None else (segments != 0).reshape(-1).astype(jnp.float32)
+
+    def one_layer(inputs, carry):
+        (layer, index, data), (x, routing) = inputs, carry
         layer_mask = replace(mask, window=data.window)
 
         def attend(q, k, v, keep=None):
             return Attended(sk.attend(q, k, v, layer_mask, dropout_rate=sk.dropout, keep=keep))
 
         layer_inputs = LayerInputs(attend, features, fold_in(keys, index + 1), data)
-        return sk.layer(layer, x, layer_inputs, sk.settings).stream
+        out = sk.layer(layer, x, layer_inputs, sk.settings)
+        routed = out.routing is not None
+        return out.stream, routing.add(out.routing, counted) if routed else routing
 
     num_layers = jax.tree.leaves(weights.layers)[0].shape[0]  # leaves (n_layer, ...)
     per_layer = (weights.layers, jnp.arange(num_layers), sk.per_layer.data(num_layers))
-    x = scan_layers(one_layer, x, per_layer, remat=sk.remat)
-    return head(weights, x, sk)
+    carry = (x, sk.routing(sk.settings))
+    x, routing = scan_layers(one_layer, carry, per_layer, remat=sk.remat)
+    return Outputs(head(weights, x, sk), routing)
 
 
 def head(weights: Weights, x: jax.Array, skeleton: Skeleton) -> jax.Array:

@@ -5,7 +5,7 @@ registers the family's jobs, ``NAME/train/pretrain`` and ``NAME/evaluate``."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,13 +19,23 @@ from theseus.sharding.axis import ShardingPlan
 
 @dataclass(frozen=True)
 class Part:
-    """Columns ``[start, stop)`` of a Hugging Face tensor's last dimension are theseus parameter
-    ``path`` (its layer ``layer`` when the parameter is stacked along ``n_layer``)."""
+    """Indices ``[start, stop)`` of a Hugging Face tensor's dimension ``axis`` (default: its
+    last, columns) are theseus parameter ``path`` (its layer ``layer`` when the parameter is
+    stacked along ``n_layer``, and within it expert ``expert`` when stacked along ``n_expert``
+    too)."""
 
     path: str
     layer: int | None
     start: int
     stop: int
+    expert: int | None = None
+    axis: int = -1
+
+    @property
+    def lead(self) -> tuple[int, ...]:
+        """The indices of the stacked dimensions the tensor is one slice of: (), (layer,) or
+        (layer, expert)."""
+        return tuple(i for i in (self.layer, self.expert) if i is not None)
 
 
 @dataclass(frozen=True)
@@ -37,9 +47,16 @@ class HFTensor:
     parts: tuple[Part, ...]
 
 
-def whole(name: str, shape: tuple[int, ...], path: str, layer: int | None = None) -> HFTensor:
-    """A tensor that is one theseus parameter (one layer of it when ``layer`` is given)."""
-    return HFTensor(name, shape, (Part(path, layer, 0, shape[-1]),))
+def whole(
+    name: str,
+    shape: tuple[int, ...],
+    path: str,
+    layer: int | None = None,
+    expert: int | None = None,
+) -> HFTensor:
+    """A tensor that is one theseus parameter (one layer of it when ``layer`` is given, one
+    expert of that layer when ``expert`` is)."""
+    return HFTensor(name, shape, (Part(path, layer, 0, shape[-1], expert),))
 
 
 @dataclass(frozen=True, eq=False)
@@ -54,6 +71,10 @@ class HFSpec:
     keys of a model section. ``tensors(model)``: the checkpoint's tensors.
     ``peft_targets``: the Hugging Face modules peft can adapt (empty: adapters are not exported).
     ``aliases(name)``: the names a tensor may have in published checkpoints.
+    ``unread``: prefixes of the tensors of a folder the family leaves unread on purpose (a
+    multimodal folder's vision tower); any other tensor it does not read is an error.
+    ``other_layouts``: other tensor layouts of the same model that import reads (a folder in
+    one of them is read in it; export writes ``tensors``).
     """
 
     architectures: dict[str, str]
@@ -63,6 +84,17 @@ class HFSpec:
     tensors: Callable[[dict[str, Any]], list[HFTensor]]
     peft_targets: tuple[str, ...] = ()
     aliases: Callable[[str], tuple[str, ...]] = lambda name: (name,)
+    unread: tuple[str, ...] = ()
+    other_layouts: tuple[Callable[[dict[str, Any]], list[HFTensor]], ...] = ()
+
+    def layout_of(self, model: dict[str, Any], found: Collection[str]) -> list[HFTensor]:
+        """The tensors of the layout a folder holding the tensor names ``found`` is written in:
+        the first whose every tensor is there (under an alias), else :attr:`tensors`."""
+        layouts = [self.tensors(model), *(layout(model) for layout in self.other_layouts)]
+        for tensors in layouts:
+            if all(any(a in found for a in self.aliases(t.name)) for t in tensors):
+                return tensors
+        return layouts[0]
 
     @property
     def model_types(self) -> tuple[str, ...]:

@@ -28,7 +28,13 @@ from jax.sharding import PartitionSpec as P
 
 from theseus.sharding.axis import Axis
 
-__all__ = ["cudnn_attention", "cudnn_refusal", "splash_attention", "splash_refusal"]
+__all__ = [
+    "backend_refusal",
+    "cudnn_attention",
+    "cudnn_refusal",
+    "splash_attention",
+    "splash_refusal",
+]
 
 #: Splash attention's largest query and key block (MaxText's); a block divides the sequence.
 SPLASH_BLOCK = 512
@@ -164,12 +170,17 @@ def per_device(
     )(*inputs)
 
 
-def cudnn_refusal(
-    q: jax.Array, mask: Any, *, softcap: float | None, windows: tuple[int | None, ...]
-) -> str | None:
-    """Why cuDNN's fused attention cannot serve this call, in one sentence a user can act on;
-    None when it can."""
+def backend_refusal(kernel: str) -> str | None:
+    """Why this process's backend has no ``kernel`` (cudnn, splash) at all, whatever the call:
+    cuDNN's needs an NVIDIA GPU with cuDNN found, splash a TPU. None when it has one."""
     here = backend()
+    if kernel == "splash":
+        if here.name == "tpu":
+            return None
+        return (
+            f"splash attention is a TPU kernel and JAX runs on {here.name} here; use "
+            "model.attention=auto or blockwise"
+        )
     if not here.nvidia and here.name in ("gpu", "rocm"):
         return (
             "cuDNN attention needs an NVIDIA GPU and this GPU is not one (ROCm); use "
@@ -185,6 +196,18 @@ def cudnn_refusal(
             "cuDNN is not detected (JAX's CUDA plugin brings it); install theseus with "
             "`pip install -c constraints.txt -e '.[cuda12]'` or use model.attention=blockwise"
         )
+    return None
+
+
+def cudnn_refusal(
+    q: jax.Array, mask: Any, *, softcap: float | None, windows: tuple[int | None, ...]
+) -> str | None:
+    """Why cuDNN's fused attention cannot serve this call, in one sentence a user can act on;
+    None when it can."""
+    here = backend()
+    refusal = backend_refusal("cudnn")
+    if refusal is not None:
+        return refusal
     if q.dtype not in (jnp.float16, jnp.bfloat16):
         return (
             f"cuDNN attention takes float16 or bfloat16 and this call is {q.dtype}; set "
@@ -254,12 +277,9 @@ def splash_refusal(
     """Why splash attention cannot serve this call, in one sentence a user can act on; None when
     it can (``softcap`` it takes whatever it is)."""
     del softcap  # splash caps scores itself
-    name = backend().name
-    if name != "tpu":
-        return (
-            f"splash attention is a TPU kernel and JAX runs on {name} here; use "
-            "model.attention=auto or blockwise"
-        )
+    refusal = backend_refusal("splash")
+    if refusal is not None:
+        return refusal
     seq_len = q.shape[1]
     if splash_block(seq_len) is None:
         return (

@@ -72,7 +72,10 @@ def plan(
     candidates = [policy]
     if alternatives:
         candidates = candidate_policies(
-            num_devices, per_host, activation_checkpointing=policy.activation_checkpointing
+            num_devices,
+            per_host,
+            activation_checkpointing=policy.activation_checkpointing,
+            experts=policy.experts,
         )
         candidates = sorted({*candidates, policy}, key=communication_key)
     options, batch_plan = [], None
@@ -129,11 +132,14 @@ def memory_verdict(option: PolicyOption, device_memory: int) -> Verdict:
             f" + activations {format_bytes(acts.total)} of one microbatch (recompute "
             f"{acts.remat}, {acts.kernel} attention)"
         )
+    recompute = acts is None or acts.remat != "full"
+    more = (
+        "Recompute more (--activation-checkpointing dots or full), lower" if recompute else "Lower"
+    )
     return Verdict(
         False,
         f"out of memory: {option.name} needs {format_bytes(total)} per device ({parts}) but a "
-        f"device has {format_bytes(device_memory)}. Recompute more "
-        "(--activation-checkpointing dots or full), lower training.per_device_batch_size, "
+        f"device has {format_bytes(device_memory)}. {more} training.per_device_batch_size, "
         "shard more (--fsdp, --tp) or add devices; --budget chooses for you.",
     )
 
@@ -226,12 +232,13 @@ def activations(
     shape = trainer.decoder_shape()
     if shape is None or batch_plan is None or totals is None:
         return None
-    device = Device.of(batch_plan, policy.tp, np.dtype(trainer.compute_dtype).itemsize)
-    gathered = 0  # FSDP gathers each layer's weights, in the compute dtype when castable
-    if policy.fsdp and batch_plan.replicas > 1:
+    dtype_bytes = np.dtype(trainer.compute_dtype).itemsize
+    device = Device.of(batch_plan, policy.tp, dtype_bytes, jax.default_backend())
+    gathered = 0  # FSDP gathers each layer's weights, in the compute dtype when castable,
+    if policy.fsdp and batch_plan.replicas > 1:  # and reduce-scatters its float32 gradient
         cast = trainer.context.gather_dtype
         itemsize = FLOAT32 if cast is None else np.dtype(cast).itemsize
-        gathered = shape.layer_weights * itemsize // policy.tp
+        gathered = shape.layer_weights * (itemsize + FLOAT32) // policy.tp
     return activation_memory(
         shape,
         trainer.attention_kernel(),

@@ -18,7 +18,7 @@ its buffer per device:
 
 from __future__ import annotations
 
-from theseus.sharding.axis import Remat, ShardingPolicy
+from theseus.sharding.axis import EXPERT_AXES, Placement, Remat, ShardingPolicy
 from theseus.sharding.topology import resolve_devices_per_host
 
 COMMUNICATION = {
@@ -28,9 +28,24 @@ COMMUNICATION = {
 }
 
 
+def expert_exchange(policy: ShardingPolicy) -> str:
+    """What placing a mixture's experts adds to the communication: XLA partitions the expert
+    layer's token sort and grouped matmuls for the placement (all-gathers of the microbatch's
+    routing and tokens; no all-to-all dispatch). Empty when the experts are not placed."""
+    if policy.experts == "none":
+        return ""
+    axes = " and ".join(EXPERT_AXES[policy.experts])
+    return (
+        f"; experts split over {axes}: XLA partitions each expert layer's token sort and "
+        "grouped matmuls (all-gathers of the microbatch's routing and tokens, no all-to-all)"
+    )
+
+
 def communication(policy: ShardingPolicy) -> str:
     text = COMMUNICATION[policy.kind]
-    return text if policy.tp == 1 else f"{text}; activations within every layer over tp={policy.tp}"
+    if policy.tp > 1:
+        text = f"{text}; activations within every layer over tp={policy.tp}"
+    return text + expert_exchange(policy)
 
 
 def communication_key(policy: ShardingPolicy) -> tuple[int, int]:
@@ -43,13 +58,18 @@ def candidate_policies(
     devices_per_host: int | None = None,
     *,
     activation_checkpointing: Remat = "none",
+    experts: Placement = "none",
 ) -> list[ShardingPolicy]:
     """Every policy the mesh allows, least communication first: each ``tp`` dividing the devices
-    of one host, with DP, ZeRO and FSDP."""
+    of one host, with DP, ZeRO and FSDP (each recomputing and placing experts as given)."""
     per_host = resolve_devices_per_host(num_devices, devices_per_host)
     policies = [
         ShardingPolicy(
-            tp=tp, zero=zero, fsdp=fsdp, activation_checkpointing=activation_checkpointing
+            tp=tp,
+            zero=zero,
+            fsdp=fsdp,
+            activation_checkpointing=activation_checkpointing,
+            experts=experts,
         )
         for tp in range(1, per_host + 1)
         if per_host % tp == 0

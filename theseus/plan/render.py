@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from theseus.accounting.memory import CompiledStep, format_bytes
 from theseus.accounting.text import mesh_text, number_text, percent, shape_text, text_table
-from theseus.plan.policies import COMMUNICATION
+from theseus.plan.policies import COMMUNICATION, expert_exchange
 from theseus.plan.results import BudgetChoice, Plan, RematOption, memory_sum
 from theseus.sharding.axis import Axis
 from theseus.training.summary import REPLICATED_WARNING_SHARE, ReplicatedShare, layout_table
@@ -54,6 +54,8 @@ def _memory(p: Plan) -> list[str]:
         "  communication, least first: DP < ZeRO < FSDP at tp=1, then each tp > 1 in the same "
         "order (" + "; ".join(f"{k}: {v}" for k, v in COMMUNICATION.items()) + ")"
     )
+    if p.policy.experts != "none":
+        lines.append(f"  {p.policy.name}{expert_exchange(p.policy)}")
     return [*lines, *_activations(p)]
 
 
@@ -67,8 +69,9 @@ def _activations(p: Plan) -> list[str]:
     lines = [
         f"activations of {p.name}, one microbatch per device ({a.kernel} attention, recompute "
         f"{a.remat}): {format_bytes(a.total)} ({_num(a.total)} bytes) = kept for the backward "
-        f"{format_bytes(a.saved)} + one layer's backward peak {format_bytes(a.layer_peak)} + "
-        f"logits and loss {format_bytes(a.logits)} + other {format_bytes(a.other)}"
+        f"{format_bytes(a.saved)} + the larger of one layer's backward peak "
+        f"{format_bytes(a.layer_peak)} and the logits and loss {format_bytes(a.logits)} (freed "
+        f"before the layers' backward) + other {format_bytes(a.other)}"
     ]
     if p.device_memory is not None:
         assert p.total is not None  # activations are estimated with the model state only

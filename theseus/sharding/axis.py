@@ -34,6 +34,18 @@ Remat = Literal["none", "full", "dots"]
 #: layer, or everything but the outputs of matmuls without batch dimensions (the weight
 #: projections; JAX's ``dots_with_no_batch_dims_saveable``).
 REMAT_POLICIES: tuple[Remat, ...] = ("none", "full", "dots")
+Placement = Literal["none", "shard", "batch", "both"]
+#: The logical name of a mixture of experts' expert index, which the policy places on the mesh.
+N_EXPERT = "n_expert"
+#: Where ``ShardingPolicy.experts`` puts the expert index: nowhere (each expert's width is split
+#: by the model's TP rules instead), over ``shard``, over ``batch`` (expert parallelism across
+#: replicas) or over both.
+EXPERT_AXES: dict[Placement, tuple[str, ...]] = {
+    "none": (),
+    "shard": (Axis.SHARD,),
+    "batch": (Axis.BATCH,),
+    "both": (Axis.SHARD, Axis.BATCH),
+}
 
 
 def remat_policy(value: object) -> Remat:
@@ -58,7 +70,9 @@ class ShardingPolicy(pydantic.BaseModel):
     ``tp`` devices evaluate one replica together; ``zero`` partitions optimizer state and the
     update over ``batch``; ``fsdp`` additionally partitions stored parameters (and the gradient
     accumulator) over ``batch``; ``activation_checkpointing`` says what each layer recomputes
-    in the backward pass (:data:`REMAT_POLICIES`; ``True``/``False`` are read as ``full``/``none``).
+    in the backward pass (:data:`REMAT_POLICIES`; ``True``/``False`` are read as ``full``/``none``);
+    ``experts`` where a mixture of experts' expert index goes (:data:`EXPERT_AXES`; a model
+    without experts has none to place).
     """
 
     model_config = pydantic.ConfigDict(frozen=True, extra="forbid", strict=True)
@@ -67,6 +81,7 @@ class ShardingPolicy(pydantic.BaseModel):
     zero: bool = True
     fsdp: bool = False
     activation_checkpointing: Remat = "none"
+    experts: Placement = "none"
 
     @pydantic.field_validator("activation_checkpointing", mode="before")
     @classmethod
@@ -87,9 +102,10 @@ class ShardingPolicy(pydantic.BaseModel):
         return ShardingPolicy(**{**self.model_dump(), **changes})
 
     def describe(self) -> str:
+        experts = "" if self.experts == "none" else f" experts={self.experts}"
         return (
             f"tp={self.tp} zero={self.zero} fsdp={self.fsdp} "
-            f"activation_checkpointing={self.activation_checkpointing}"
+            f"activation_checkpointing={self.activation_checkpointing}{experts}"
         )
 
     @property
@@ -189,14 +205,20 @@ class ShardingPlan:
 
     def rules(self, policy: ShardingPolicy, phase: Phase) -> tuple[Rule, ...]:
         """The rules of one layout: compute = TP; storage = TP+ZeRO when fsdp, else TP;
-        update = TP+ZeRO when zero, else TP."""
+        update = TP+ZeRO when zero, else TP; in each, the expert index where the policy places
+        it (:data:`EXPERT_AXES`), ahead of every other rule."""
         if phase == "compute":
-            return self.tp
-        if phase == "storage":
-            return self.merged() if policy.fsdp else self.tp
-        if phase == "update":
-            return self.merged() if policy.zero else self.tp
-        raise ValueError(f"unknown layout phase {phase!r}; expected one of {PHASES}")
+            rules = self.tp
+        elif phase == "storage":
+            rules = self.merged() if policy.fsdp else self.tp
+        elif phase == "update":
+            rules = self.merged() if policy.zero else self.tp
+        else:
+            raise ValueError(f"unknown layout phase {phase!r}; expected one of {PHASES}")
+        if policy.experts == "none":
+            return rules
+        placed = (N_EXPERT, _spec_entry(EXPERT_AXES[policy.experts]))
+        return (placed, *(rule for rule in rules if rule[0] != N_EXPERT))
 
 
 def partition_spec(names: Sequence[str | None] | None, rules: Iterable[Rule]) -> PartitionSpec:

@@ -20,6 +20,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from theseus.sharding.axis import (
+    N_EXPERT,
     PHASES,
     Phase,
     Rule,
@@ -193,6 +194,12 @@ class LayoutError(ValueError):
             "change the model size), choose a tp that divides it, or drop the partition over "
             "batch (fsdp=False for storage, zero=False for the update)."
         )
+        if any(f"({N_EXPERT})" in p.reason for p in problems):
+            lines.append(
+                f"The expert count ({N_EXPERT}) must divide by the mesh axes the policy places "
+                "experts over: choose --experts none|shard|batch|both to fit it, or a tp (the "
+                "shard axis) and device count whose batch axis divides it."
+            )
         super().__init__("\n".join(lines))
 
 
@@ -201,17 +208,22 @@ def _pieces(entry: Any, mesh_shape: dict[str, int]) -> int:
 
 
 def indivisible_dims(
-    shape: Sequence[int], spec: PartitionSpec, mesh_shape: dict[str, int]
+    shape: Sequence[int],
+    spec: PartitionSpec,
+    mesh_shape: dict[str, int],
+    names: Sequence[str | None] | None = None,
 ) -> list[str]:
     """Why ``spec`` cannot place an array of ``shape`` without padding: one reason per dimension
-    that its split does not divide (empty when the layout is valid)."""
+    that its split does not divide (empty when the layout is valid), naming the dimension's
+    logical name when ``names`` are given."""
     reasons = []
     for dim, (size, entry) in enumerate(zip(shape, tuple(spec), strict=False)):
         pieces = _pieces(entry, mesh_shape)
         if size % pieces:
             split = " × ".join(f"{axis}={mesh_shape[axis]}" for axis in mesh_axes(entry))
+            name = f" ({names[dim]})" if names and names[dim] else ""
             reasons.append(
-                f"dim {dim} of size {size} does not divide into {pieces} pieces ({split})"
+                f"dim {dim}{name} of size {size} does not divide into {pieces} pieces ({split})"
             )
     return reasons
 
@@ -230,7 +242,7 @@ def shard_shape(
 def _leaf_problems(leaf: AbstractLeaf, spec: PartitionSpec, mesh_shape) -> list[str]:
     if leaf.names is not None and len(leaf.names) != len(leaf.shape):
         return [f"{len(leaf.names)} logical names for a tensor of rank {len(leaf.shape)}"]
-    return indivisible_dims(leaf.shape, spec, mesh_shape)
+    return indivisible_dims(leaf.shape, spec, mesh_shape, leaf.names)
 
 
 def check_layouts(

@@ -7,14 +7,16 @@ from __future__ import annotations
 from typing import ClassVar
 
 import jax
+import jax.numpy as jnp
 import pydantic
 from flax import nnx
 
 from theseus.accounting.activations import AttentionKernel, DecoderShape
 from theseus.accounting.preflight import check_context_length
 from theseus.data import Corpus
-from theseus.model.attention import DEFAULT_BLOCK
+from theseus.model.attention import DEFAULT_BLOCK, check_backend
 from theseus.model.decode import Decoder
+from theseus.model.decoder import DecoderModel, Outputs
 from theseus.model.family import Family
 from theseus.training.flops import flops_per_token
 from theseus.training.keys import Keys
@@ -25,6 +27,7 @@ from theseus.training.losses import (
     row_fields,
     segment_positions,
     target_weights,
+    with_routing,
 )
 from theseus.training.trainer import BaseTrainer, TrainerConfig
 
@@ -60,23 +63,34 @@ class FamilyTrainer(BaseTrainer):
     def token_loss(
         self, model: nnx.Module, rows: jax.Array, keys: Keys, *, train: bool
     ) -> TokenLoss:
-        """Plain token rows: :meth:`loss` times its targets. Segmented rows (examples,
-        ROW_FIELDS, seq_len + 1): each example attends within its segment at restarted
-        positions, and only its trained targets count (:mod:`theseus.training.losses`)."""
+        """Plain token rows: the mean next-token loss times its targets. Segmented rows
+        (examples, ROW_FIELDS, seq_len + 1): each example attends within its segment at
+        restarted positions, and only its trained targets count
+        (:mod:`theseus.training.losses`). In training, a model with experts adds its
+        load-balancing loss (:func:`~theseus.training.losses.with_routing`)."""
+        assert isinstance(model, DecoderModel), type(model)  # every family's model is one
+        deterministic = not train
         if rows.ndim == 2:
-            return super().token_loss(model, rows, keys, train=train)
-        tokens, mask, segments = row_fields(rows)  # each (examples, seq_len + 1)
-        logits = self.segmented_logits(model, rows, keys, train=train)
-        return masked_token_loss(logits, tokens[:, 1:], target_weights(mask, segments))
+            out = model.outputs(rows[:, :-1], keys.examples, deterministic=deterministic)
+            count = rows.shape[0] * (rows.shape[1] - 1)
+            mean = next_token_loss(out.logits, rows[:, 1:])
+            loss = TokenLoss(mean * count, jnp.asarray(count, jnp.int32))
+        else:
+            tokens, mask, segments = row_fields(rows)  # each (examples, seq_len + 1)
+            out = self.segmented_outputs(model, rows, keys, train=train)
+            loss = masked_token_loss(out.logits, tokens[:, 1:], target_weights(mask, segments))
+        return with_routing(loss, out.routing if train else None)
 
-    def segmented_logits(
+    def segmented_outputs(
         self, model: nnx.Module, rows: jax.Array, keys: Keys, *, train: bool
-    ) -> jax.Array:
-        """Logits (examples, seq_len, vocab) of segmented rows (examples, fields, seq_len + 1):
-        each example attends within its segment, at positions restarted at 0."""
+    ) -> Outputs:
+        """The outputs (logits (examples, seq_len, vocab), routing) of segmented rows
+        (examples, fields, seq_len + 1): each example attends within its segment, at positions
+        restarted at 0."""
+        assert isinstance(model, DecoderModel), type(model)  # every family's model is one
         tokens, _, segments = row_fields(rows)
         inputs = segments[:, :-1]  # (examples, seq_len)
-        return model(
+        return model.outputs(
             tokens[:, :-1],
             keys.examples,
             deterministic=not train,
@@ -103,6 +117,12 @@ class FamilyTrainer(BaseTrainer):
             return AttentionKernel("xla")
         block_q = model.attention_block_q or DEFAULT_BLOCK
         return AttentionKernel("blockwise", block_q, model.attention_block_k or DEFAULT_BLOCK)
+
+    def check_backend(self) -> None:
+        """An explicit fused attention kernel this backend has none of (cuDNN's off NVIDIA
+        GPUs, splash off TPUs) is refused before the run writes anything (a plan may name one
+        for another machine)."""
+        check_backend(self.config.model.attention)
 
     def check_corpus(self, corpus: Corpus) -> None:
         vocab = self.config.model.vocab_size

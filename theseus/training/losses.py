@@ -16,12 +16,16 @@ boundary). Every other token trains.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import optax
 from flax import struct
 
 from theseus.data.packing import MASK, SEGMENTS, TOKENS
+from theseus.model.experts import RouterSums, aux_loss, z_loss
+from theseus.sharding.axis import Axis
 
 
 def next_token_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -31,18 +35,35 @@ def next_token_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 
 @struct.dataclass
+class RoutingLoss:
+    """A microbatch's routing losses as the step adds them up (each a replica's share, which
+    sum over the replicas of the microbatch): ``aux`` (the load-balancing loss), ``z`` (the
+    router z-loss), ``weighted`` (each times its coefficient and the microbatch's trained
+    tokens: what the objective adds to the token loss's total), ``load`` (experts,), the
+    top-k choices of each expert, and the choices ``dropped`` beyond capacity."""
+
+    aux: jax.Array
+    z: jax.Array
+    weighted: jax.Array
+    load: jax.Array
+    dropped: jax.Array
+
+
+@struct.dataclass
 class TokenLoss:
     """A loss as the step adds it up: the sum of per-item losses over the items that train
     (float32) and their number (int32): tokens for next-token losses, pairs for preference
     losses. Sums over microbatches and replicas, divided once, give the mean over the items of
     the whole global batch, whatever the layout. ``sums`` are further per-item metrics summed
     the same way (reported as means, :meth:`means`); ``tokens`` the trained tokens when the
-    items are not tokens (None: ``count``)."""
+    items are not tokens (None: ``count``). A model with experts adds its ``routing`` loss in
+    training (None: none)."""
 
     total: jax.Array
     count: jax.Array
     sums: dict[str, jax.Array] = struct.field(default_factory=dict)
     tokens: jax.Array | None = None
+    routing: RoutingLoss | None = None
 
     def mean(self) -> jax.Array:
         return self.total / self.count
@@ -56,17 +77,44 @@ class TokenLoss:
 
     def plus(self, other: TokenLoss) -> TokenLoss:
         """This and ``other`` added, ``other``'s leaves summed over any leading dimension (the
-        replicas of a microbatch)."""
+        replicas of a microbatch); both have the same structure (``routing`` None in both, or a
+        :class:`RoutingLoss` in both)."""
         return jax.tree.map(lambda a, b: a + b.reshape(-1, *a.shape).sum(0), self, other)
 
-    def zeros(self) -> TokenLoss:
-        """A sum of nothing with this one's structure (its leaves may be abstract)."""
-        return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self)
+    def objective(self) -> jax.Array:
+        """What training differentiates: the total, plus the weighted routing loss. Divided by
+        the step's ``count`` it is the mean loss plus the coefficient times the ``count``-weighted
+        mean of the microbatches' routing losses."""
+        return self.total if self.routing is None else self.total + self.routing.weighted
 
 
 def zero_token_loss() -> TokenLoss:
     """The sum of no next-token losses."""
     return TokenLoss(jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+
+
+def across_replicas(x: jax.Array) -> jax.Array:
+    """``x`` summed over the replicas of a microbatch where the step runs each replica on its
+    own (a ``shard_map`` manual over ``batch``); elsewhere ``x`` is already the whole
+    microbatch's."""
+    if Axis.BATCH in jax.sharding.get_abstract_mesh().manual_axes:
+        return jax.lax.psum(x, Axis.BATCH)
+    return x
+
+
+def with_routing(loss: TokenLoss, sums: RouterSums | None) -> TokenLoss:
+    """``loss`` with the load-balancing loss and the router z-loss of the routing statistics
+    ``sums`` (None: no experts, or not training; ``loss`` as it is): the choices and token rows
+    of the whole microbatch (every replica's), so replicas, tensor parallelism and FSDP leave
+    them as one device computes them. Weighted by the microbatch's ``count`` (tokens, or pairs
+    for a preference loss), as the objective is."""
+    if sums is None:
+        return loss
+    counts, rows, tokens = (across_replicas(x) for x in (sums.counts, sums.rows, loss.count))
+    aux, z = aux_loss(sums, counts, rows), z_loss(sums, rows)
+    weighted = (sums.coef * aux + sums.z_coef * z) * tokens.astype(jnp.float32)
+    routing = RoutingLoss(aux=aux, z=z, weighted=weighted, load=sums.counts, dropped=sums.dropped)
+    return dataclasses.replace(loss, routing=routing)
 
 
 def masked_token_loss(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> TokenLoss:

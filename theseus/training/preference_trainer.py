@@ -30,7 +30,7 @@ from theseus.sharding.topology import UnderMesh
 from theseus.training import reference
 from theseus.training.family import FamilyTrainer
 from theseus.training.keys import Keys
-from theseus.training.losses import TokenLoss
+from theseus.training.losses import TokenLoss, with_routing
 from theseus.training.pair_logps import (
     completion_logps,
     reference_pairs,
@@ -117,19 +117,20 @@ class PreferenceTrainer(FamilyTrainer):
         """Per row and segment, the reference's summed completion log-probabilities
         (examples, seq_len + 2), without gradient."""
         reference = self.reference_model(model)
-        logits = self.segmented_logits(reference, rows, keys, train=False)
+        logits = self.segmented_outputs(reference, rows, keys, train=False).logits
         return jax.lax.stop_gradient(completion_logps(logits, rows).sums)
 
     def token_loss(
         self, model: nnx.Module, rows: jax.Array, keys: Keys, *, train: bool
     ) -> TokenLoss:
         """The summed preference loss of the pairs of pair rows (examples, PAIR_FIELDS,
-        seq_len + 1), their number, the summed metrics and the trained tokens. Plain token
-        rows (the FLOP count's and the gather trace's) get the next-token loss."""
+        seq_len + 1), their number, the summed metrics and the trained tokens; in training, a
+        model with experts adds its routing loss, weighted by the pairs. Plain token rows (the
+        FLOP count's and the gather trace's) get the next-token loss."""
         if rows.ndim == 2:
             return super().token_loss(model, rows, keys, train=train)
-        logits = self.segmented_logits(model, rows, keys, train=train)
-        logps = completion_logps(logits, rows)
+        out = self.segmented_outputs(model, rows, keys, train=train)
+        logps = completion_logps(out.logits, rows)
         pairs = row_pairs(logps, rows)
         preference = self.preference
         reference = None
@@ -139,12 +140,13 @@ class PreferenceTrainer(FamilyTrainer):
             reference = reference_pairs(stored_reference(rows), pairs)
         scored = pair_losses(preference, pairs.policy, reference)
         valid = pairs.valid
-        return TokenLoss(
+        loss = TokenLoss(
             jnp.sum(scored.loss * valid),
             jnp.sum(valid).astype(jnp.int32),
             scored.metric_sums(valid),
             jnp.sum(logps.tokens[:, 1:]).astype(jnp.int32),
         )
+        return with_routing(loss, out.routing if train else None)
 
     def zero_loss(self) -> TokenLoss:
         zero, none = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)

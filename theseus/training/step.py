@@ -107,26 +107,25 @@ def train_step(context: TrainerContext, entry: gathering.Entry) -> TrainStep:
                 summed = loss_in_layouts(
                     context, joined, rows, Keys(examples, step_key), train=True
                 )
-                return summed.total, summed
+                return summed.objective(), summed
 
             (_, summed), grads = jax.value_and_grad(loss, has_aux=True)(trained)
             return summed, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
 
         per_replica = gathering.per_replica(replica_grads, replicas)
 
-        def microbatch(carry, inputs):  # sums of losses and gradients, and trained tokens
-            grad_sum, loss_sum = carry
+        def microbatch(grad_sum, inputs):  # the sum of gradients; each microbatch's losses
             params = gathering.enter(state.params, context.layouts, entry)
             summed, grads = per_replica((params, rng.step), *inputs)  # (replicas, ...)
             grad_sum = constrain(jax.tree.map(jnp.add, grad_sum, grads), accumulator_layout)
-            return (grad_sum, loss_sum.plus(summed)), None
+            return grad_sum, jax.tree.map(lambda x: x.sum(0), summed)  # replicas summed
 
         trained, frozen = partition.split(state.params)
         zeros = jax.tree.map(lambda p: jnp.zeros((replicas, *p.shape), jnp.float32), trained)
-        nothing = context.zero_loss()
-        (grad_sum, summed), _ = jax.lax.scan(
-            microbatch, (constrain(zeros, accumulator_layout), nothing), (batch, rng.examples)
+        grad_sum, per_micro = jax.lax.scan(
+            microbatch, constrain(zeros, accumulator_layout), (batch, rng.examples)
         )
+        summed: TokenLoss = jax.tree.map(lambda x: x.sum(0), per_micro)
         # The one reduction across replicas of the step, straight into the update layout, and the
         # one division: by the trained tokens of the whole global batch.
         count = summed.count.astype(jnp.float32)
@@ -140,6 +139,12 @@ def train_step(context: TrainerContext, entry: gathering.Entry) -> TrainStep:
             "learning_rate": context.learning_rate(state.step),
             **summed.means(),
         }
+        if summed.routing is not None:  # a model with experts: its load-balancing loss
+            metrics["aux_loss"] = summed.routing.aux / num_micro
+            metrics["router_z_loss"] = summed.routing.z / num_micro
+            choices = summed.routing.load.sum()
+            metrics["expert_load"] = summed.routing.load / choices
+            metrics["dropped_fraction"] = summed.routing.dropped / choices  # 0: dropless
 
         def update(params, opt_state):  # the trained parameters; frozen ones pass through
             params = constrain(params, update_layout)

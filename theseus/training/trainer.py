@@ -161,6 +161,11 @@ class BaseTrainer(abc.ABC):
         """The attention kernel the model's layers run, for the activation estimate."""
         return AttentionKernel("xla")
 
+    def check_backend(self) -> None:
+        """Reject, before a run writes anything, what this process's backend cannot run
+        (nothing unless a subclass says otherwise)."""
+        return None
+
     def check_corpus(self, corpus: Corpus) -> None:
         """Reject data the model cannot read (e.g. token ids beyond its vocabulary)."""
         del corpus  # any data is fine unless a subclass says otherwise

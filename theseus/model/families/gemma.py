@@ -298,6 +298,7 @@ FAMILY = gqa.family(
         tensors=tensors,
         peft_targets=gqa.PEFT_TARGETS,
         aliases=aliases,
+        unread=("vision_tower.", "multi_modal_projector."),  # a gemma3 folder's image side
     ),
     descriptions={
         "train/pretrain": "train a Gemma 2 or Gemma 3 (text) decoder on byte or token data",

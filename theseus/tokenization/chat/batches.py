@@ -14,7 +14,7 @@ from __future__ import annotations
 import collections
 import multiprocessing
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
@@ -42,14 +42,19 @@ class EncoderSource:
 
 @dataclass(frozen=True)
 class EncodedBatch:
-    """A batch's records encoded, in reading order."""
+    """A batch's records encoded as examples, in reading order: a chat record is one example,
+    a preference pair two (chosen, then rejected), which end their record (``lasts``)."""
 
-    splits: list[str]  # each record's split
-    documents: list[int]  # each record's number
-    ids: np.ndarray  # (tokens,) int32, the records' ids one after another
+    splits: list[str]  # each example's split (its record's)
+    documents: list[int]  # each example's record number
+    ids: np.ndarray  # (tokens,) int32, the examples' ids one after another
     mask: np.ndarray  # (tokens,) uint8, 1 where the token trains
-    counts: np.ndarray  # (records,) tokens of each record
-    sizes: list[int]  # UTF-8 bytes of each rendered record
+    counts: np.ndarray  # (examples,) tokens of each example
+    sizes: list[int]  # UTF-8 bytes of each rendered example
+    lasts: list[bool]  # whether each example is its record's last
+
+
+Encode = Callable[[ChatEncoder, list[RawRecord]], EncodedBatch]  # a top-level function (pickled)
 
 
 def encode_batch(encoder: ChatEncoder, records: list[RawRecord]) -> EncodedBatch:
@@ -65,6 +70,7 @@ def encode_batch(encoder: ChatEncoder, records: list[RawRecord]) -> EncodedBatch
         np.concatenate([e.mask for e in encoded]),
         np.asarray([e.ids.size for e in encoded], np.int64),
         [utf8_size(example.text) for example in examples],
+        [True] * len(examples),
     )
 
 
@@ -73,19 +79,20 @@ def encoded_batches(
     encoder: ChatEncoder,
     batches: Iterator[list[RawRecord]],
     workers: int,
+    encode: Encode = encode_batch,
 ) -> Iterator[EncodedBatch]:
-    """Each batch encoded, in order: here when ``workers`` is 1, else by that many processes
-    with at most two batches each in flight (memory stays bounded)."""
+    """Each batch encoded by ``encode``, in order: here when ``workers`` is 1, else by that
+    many processes with at most two batches each in flight (memory stays bounded)."""
     if workers == 1:
         for batch in batches:
-            yield encode_batch(encoder, batch)
+            yield encode(encoder, batch)
         return
     context = multiprocessing.get_context("spawn")  # no fork of a process that may run JAX
     pool = ProcessPoolExecutor(workers, context, initializer=_start_worker, initargs=(source,))
     pending: collections.deque = collections.deque()
     try:
         for batch in batches:
-            pending.append(pool.submit(_encode_in_worker, batch))
+            pending.append(pool.submit(_encode_in_worker, encode, batch))
             if len(pending) >= 2 * workers:
                 yield pending.popleft().result()
         while pending:
@@ -111,6 +118,6 @@ def _start_worker(source: EncoderSource) -> None:
     _worker_encoder = source.encoder()
 
 
-def _encode_in_worker(records: list[RawRecord]) -> EncodedBatch:
+def _encode_in_worker(encode: Encode, records: list[RawRecord]) -> EncodedBatch:
     assert _worker_encoder is not None, "the worker was not started"
-    return encode_batch(_worker_encoder, records)
+    return encode(_worker_encoder, records)

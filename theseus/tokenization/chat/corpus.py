@@ -35,10 +35,12 @@ from theseus.data.shards import (
 )
 from theseus.data.split import DocumentSplit
 from theseus.tokenization.chat.batches import (
+    Encode,
     EncodedBatch,
     EncoderSource,
     RawRecord,
     default_workers,
+    encode_batch,
     encoded_batches,
 )
 from theseus.tokenization.chat.encoder import ChatEncoder
@@ -47,7 +49,6 @@ from theseus.tokenization.chat.records import (
     first_record,
     is_chat_record,
     raw_records,
-    read_records,
 )
 from theseus.tokenization.folder import CHAT_TEMPLATE_FILE
 from theseus.tokenization.inputs import BUILTIN
@@ -94,17 +95,23 @@ class ChatTokenized:
 def is_chat_corpus(corpus: str | os.PathLike) -> bool:
     """Whether ``corpus`` is a chat corpus: the first record of its first JSON Lines or Parquet
     file holds ``messages``, or ``prompt`` and ``completion``."""
+    return is_chat_record(first_corpus_record(corpus))
+
+
+def first_corpus_record(corpus: str | os.PathLike) -> object | None:
+    """The first record of the first JSON Lines or Parquet file of ``corpus`` (None when it
+    has none, or is not a readable one: the text corpus reader reports it)."""
     path = Path(corpus)
     if str(corpus) == BUILTIN or not path.exists() or path.suffix == ".bin":
-        return False
+        return None
     if path.is_file():
         inputs = list_inputs(path.parent, [path.name])
     else:
         inputs = list_inputs(path, walk_sorted(path))
     try:
-        return is_chat_record(first_record([f for f in inputs if f.kind != "text"]))
+        return first_record([f for f in inputs if f.kind != "text"])
     except ValueError:
-        return False  # the text corpus reader reports the bad file
+        return None
 
 
 def tokenize_chat(
@@ -130,78 +137,152 @@ def tokenize_chat(
     ``theseus tokenize`` does). Worker processes start by importing the main module, so a
     script that asks for them calls this under ``if __name__ == "__main__":``."""
     start = time.perf_counter()
+    check_options(seq_len, workers, shard_tokens)
+    job = RecordsJob.open(
+        corpus,
+        out_dir,
+        Settings(tokenizer, chat_template, eos_token, validation_fraction, seed, shard_tokens),
+        {},
+        encode_batch,
+        overwrite,
+    )
+    if job.output.finished is not None:
+        manifest = read_json(job.output.out / TOKENIZED_RECORD, "manifest")
+        fields = {**job.output.finished, "seconds": time.perf_counter() - start}
+        return _result(TokenizedCorpus(**fields), manifest, seq_len)
+    job.write(workers, encode_batch)
+    manifest, fields = job.finish(f"chat records {str(corpus)!r}, {len(job.files)} file(s)")
+    seconds = time.perf_counter() - start
+    return _result(TokenizedCorpus(**fields, seconds=seconds), manifest, seq_len)
+
+
+def check_options(seq_len: int | None, workers: int | None, shard_tokens: int) -> None:
     if seq_len is not None:
         check_int("seq_len", seq_len, minimum=1)
     if workers is not None:
         check_int("workers", workers, minimum=1)
     check_int("shard_tokens", shard_tokens, minimum=1)
-    files = chat_files(corpus)
-    source = EncoderSource(
-        str(tokenizer), None if chat_template is None else str(chat_template), eos_token
-    )
-    encoder = source.encoder()
-    for item in files:  # a bad first record, or a missing template, before anything is written
-        for record in read_records([item]):
-            encoder.render(record)
-            break
-    template = encoder.template
-    own = {
-        "chat_template": None if template is None else template.sha256,
-        "eos_token": encoder.eos_token,
-        "loss_mask": True,
-    }
-    tokenizer_id = sha256(encoder.tokenizer.to_str())
-    output = Output.prepare(
-        out_dir,
-        settings(fingerprint(files), tokenizer_id, own, validation_fraction, seed, shard_tokens),
-        overwrite=overwrite,
-    )
-    if output.finished is not None:
-        manifest = read_json(output.out / TOKENIZED_RECORD, "manifest")
-        fields = {**output.finished, "seconds": time.perf_counter() - start}
-        return _result(TokenizedCorpus(**fields), manifest, seq_len)
-    split = DocumentSplit(validation_fraction, seed)
-    dtype = token_dtype(encoder.tokenizer.get_vocab_size())
-    dtypes = {"bin": dtype, "mask": MASK_DTYPE, "docs": DOCS_DTYPE}
-    with output.writing():
-        _copy_tokenizer(encoder, output.out)
-        with output.shards(shard_tokens, dtypes, corpus) as writers:
-            batches = _raw_batches(files, split, output.resume)
-            workers = default_workers(files) if workers is None else workers
-            for batch in encoded_batches(source, encoder, batches, workers):
-                for name, writer in writers.items():
-                    chosen = [k for k, s in enumerate(batch.splits) if s == name]
 
-                    def on_close(index: int, name=name, chosen=chosen, batch=batch) -> None:
-                        output.shard_closed(name, (batch.documents[chosen[index]] + 1, 0))
 
-                    if chosen:
-                        _write(writer, batch, name, chosen, on_close)
-    manifest, fields = output.finish(
-        f"chat records {str(corpus)!r}, {len(files)} file(s)",
-        vocab_size=encoder.tokenizer.get_vocab_size(),
-        token_dtype=dtype,
-        eos_token=encoder.eos_token,
-        eos_id=encoder.eos_id,
-        tokenizer_sha256=tokenizer_id,
-        trained_tokenizer=False,
-        loss_mask=True,
-        chat_template_sha256=own["chat_template"],
-    )
-    seconds = time.perf_counter() - start
-    return _result(TokenizedCorpus(**fields, seconds=seconds), manifest, seq_len)
+@dataclass(frozen=True)
+class Settings:
+    """How records become a masked corpus: the model's tokenizer folder, its template and
+    end-of-text token, the split and the shard size."""
+
+    tokenizer: str | os.PathLike
+    chat_template: str | os.PathLike | None
+    eos_token: str | None
+    validation_fraction: float
+    seed: int
+    shard_tokens: int
+
+
+@dataclass(frozen=True)
+class RecordsJob:
+    """Records (chat or preference) being tokenized into a masked corpus: the files, the
+    encoder (and what worker processes build theirs from), the output folder and its settings."""
+
+    corpus: str | os.PathLike
+    files: list[InputFile]
+    source: EncoderSource
+    encoder: ChatEncoder
+    output: Output
+    settings: Settings
+    own: dict
+
+    @classmethod
+    def open(
+        cls,
+        corpus: str | os.PathLike,
+        out_dir: str | os.PathLike,
+        given: Settings,
+        own: dict,
+        encode: Encode,
+        overwrite: bool,
+    ) -> RecordsJob:
+        """The job's files and encoder, its output folder prepared (fresh, resumed or
+        finished), after ``encode`` ran on each file's first record (a bad one, or a missing
+        template, stops it before anything is written); ``own`` joins the settings."""
+        files = chat_files(corpus)
+        template = None if given.chat_template is None else str(given.chat_template)
+        source = EncoderSource(str(given.tokenizer), template, given.eos_token)
+        encoder = source.encoder()
+        for item in files:
+            for raw, document, where in raw_records([item]):
+                encode(encoder, [("train", raw, document, where)])
+                break
+        sha = None if encoder.template is None else encoder.template.sha256
+        own = {"chat_template": sha, "eos_token": encoder.eos_token, "loss_mask": True, **own}
+        tokenizer_id = sha256(encoder.tokenizer.to_str())
+        chosen = settings(
+            fingerprint(files),
+            tokenizer_id,
+            own,
+            given.validation_fraction,
+            given.seed,
+            given.shard_tokens,
+        )
+        output = Output.prepare(out_dir, chosen, overwrite=overwrite)
+        return cls(corpus, files, source, encoder, output, given, own)
+
+    @property
+    def token_dtype(self) -> str:
+        return token_dtype(self.encoder.tokenizer.get_vocab_size())
+
+    def write(self, workers: int | None, encode: Encode) -> int:
+        """Encode every record with ``encode`` (in ``workers`` processes) and write the
+        shards, going on from an interrupted run's; the number of records read."""
+        output, split = (
+            self.output,
+            DocumentSplit(self.settings.validation_fraction, self.settings.seed),
+        )
+        dtypes = {"bin": self.token_dtype, "mask": MASK_DTYPE, "docs": DOCS_DTYPE}
+        read = {"records": 0}
+        with output.writing():
+            _copy_tokenizer(self.encoder, output.out)
+            with output.shards(self.settings.shard_tokens, dtypes, self.corpus) as writers:
+                batches = _raw_batches(self.files, split, output.resume, read)
+                workers = default_workers(self.files) if workers is None else workers
+                for batch in encoded_batches(self.source, self.encoder, batches, workers, encode):
+                    for name, writer in writers.items():
+                        chosen = [k for k, s in enumerate(batch.splits) if s == name]
+
+                        def on_close(index: int, name=name, chosen=chosen, batch=batch) -> None:
+                            output.shard_closed(name, (batch.documents[chosen[index]] + 1, 0))
+
+                        if chosen:
+                            _write(writer, batch, chosen, on_close)
+        return read["records"]
+
+    def finish(self, description: str, **fields) -> tuple[dict, dict]:
+        """Write the manifest: the tokenizer's facts, the template's hash and ``fields``."""
+        encoder = self.encoder
+        return self.output.finish(
+            description,
+            vocab_size=encoder.tokenizer.get_vocab_size(),
+            token_dtype=self.token_dtype,
+            eos_token=encoder.eos_token,
+            eos_id=encoder.eos_id,
+            tokenizer_sha256=self.output.settings["tokenizer"],
+            trained_tokenizer=False,
+            loss_mask=True,
+            chat_template_sha256=self.own["chat_template"],
+            **fields,
+        )
 
 
 def _raw_batches(
-    files: list[InputFile], split: DocumentSplit, resume: dict
+    files: list[InputFile], split: DocumentSplit, resume: dict, read: dict
 ) -> Iterator[list[RawRecord]]:
     """Records as read, routed to their split, in batches of about ``BATCH_BYTES``; records
-    before their split's resume position are skipped."""
-    routed = (
-        ("validation" if split.is_validation(document) else "train", raw, document, where)
-        for raw, document, where in raw_records(files)
-    )
-    kept = (record for record in routed if (record[2], 0) >= resume[record[0]])
+    before their split's resume position are skipped (``read["records"]`` counts them all)."""
+
+    def routed() -> Iterator[RawRecord]:
+        for raw, document, where in raw_records(files):
+            read["records"] = document + 1
+            yield "validation" if split.is_validation(document) else "train", raw, document, where
+
+    kept = (record for record in routed() if (record[2], 0) >= resume[record[0]])
     return by_text_bytes(kept, lambda record: _as_read(record[1]))
 
 
@@ -210,9 +291,9 @@ def _as_read(raw: object) -> bytes | str:
     return raw if isinstance(raw, bytes) else json.dumps(raw, default=str)
 
 
-def _write(writer: ShardWriter, batch: EncodedBatch, name: str, chosen: list[int], on_close):
-    """Append the records ``chosen`` (those of split ``name``) of a batch, one document each."""
-    tokens = np.repeat(np.asarray(batch.splits) == name, batch.counts)  # (batch tokens,)
+def _write(writer: ShardWriter, batch: EncodedBatch, chosen: list[int], on_close):
+    """Append the examples ``chosen`` (those of the writer's split) of a batch."""
+    tokens = np.repeat(np.asarray(batch.splits) == writer.split, batch.counts)  # (batch tokens,)
     counts = batch.counts[chosen]  # (chosen,)
     arrays = {
         "bin": batch.ids[tokens].astype(writer.dtypes["bin"]),
@@ -220,7 +301,7 @@ def _write(writer: ShardWriter, batch: EncodedBatch, name: str, chosen: list[int
         "docs": counts,
     }
     sizes = [batch.sizes[k] for k in chosen]
-    writer.write_pieces(arrays, counts.tolist(), sizes, [True] * len(chosen), on_close)
+    writer.write_pieces(arrays, counts.tolist(), sizes, [batch.lasts[k] for k in chosen], on_close)
 
 
 def _copy_tokenizer(encoder: ChatEncoder, out: Path) -> None:

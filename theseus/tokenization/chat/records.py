@@ -1,6 +1,7 @@
 """Chat and completion records: JSON Lines (plain, gzip or zstd) and Parquet rows holding
 ``messages`` (a list of ``{role, content}``, as OpenAI and Hugging Face write them, with optional
-``tools``), or ``prompt`` and ``completion`` (two texts, or two lists of messages).
+``tools``), or ``prompt`` and ``completion`` (two texts, or two lists of messages); preference
+records (``chosen`` and ``rejected``) are read here too and parsed by :mod:`.pairs`.
 
 Records are numbered in reading order (files sorted by relative path) like documents; a bad
 record is a ``ValueError`` naming its file and line or row.
@@ -48,6 +49,8 @@ class TextCompletion:
 
 
 Record = Conversation | TextCompletion
+# The fields of chat records and of preference records (theseus.tokenization.chat.pairs).
+RECORD_FIELDS = ("messages", "prompt", "completion", "chosen", "rejected", "tools")
 
 
 def is_chat_record(record: object) -> TypeGuard[dict[str, Any]]:
@@ -82,7 +85,7 @@ def chat_files(corpus: str | os.PathLike) -> list[InputFile]:
 def first_record(files: list[InputFile]) -> object | None:
     """The first raw record of the first file (None when it holds none)."""
     for raw, _, where in raw_records(files):
-        return _decoded(raw, where)
+        return decoded(raw, where)
     return None
 
 
@@ -105,10 +108,10 @@ def raw_records(files: list[InputFile]) -> Iterator[tuple[object, int, str]]:
 
 def parse_raw(raw: object, document: int, where: str) -> Record:
     """A record from :func:`raw_records`, decoded and checked."""
-    return parse_record(_decoded(raw, where), document, where)
+    return parse_record(decoded(raw, where), document, where)
 
 
-def _decoded(raw: object, where: str) -> object:
+def decoded(raw: object, where: str) -> object:
     return json_value(raw, where) if isinstance(raw, bytes) else raw
 
 
@@ -120,18 +123,18 @@ def parse_record(raw: object, document: int, where: str) -> Record:
             f"has {keys or 'nothing'}); give each record a list of {{role, content}} messages "
             "or a prompt and a completion"
         )
-    tools = raw.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise ValueError(f"{where}: 'tools' holds {type(tools).__name__}, not a list; fix it")
+    tools = tools_of(raw, where)
     if "messages" in raw:
         return Conversation(
-            document, _messages(raw["messages"], where, "messages"), tools, 0, where
+            document, checked_messages(raw["messages"], where, "messages"), tools, 0, where
         )
     prompt, completion = raw["prompt"], raw["completion"]
     if isinstance(prompt, str) and isinstance(completion, str):
         return TextCompletion(document, prompt, completion, where)
     if isinstance(prompt, list) and isinstance(completion, list):
-        messages = _messages(prompt, where, "prompt") + _messages(completion, where, "completion")
+        messages = checked_messages(prompt, where, "prompt") + checked_messages(
+            completion, where, "completion"
+        )
         return Conversation(document, messages, tools, len(prompt), where)
     raise ValueError(
         f"{where}: 'prompt' and 'completion' hold {type(prompt).__name__} and "
@@ -139,7 +142,17 @@ def parse_record(raw: object, document: int, where: str) -> Record:
     )
 
 
-def _messages(messages: object, where: str, field: str) -> list[dict]:
+def tools_of(raw: dict, where: str) -> list | None:
+    """A record's ``tools`` (None when it has none), checked."""
+    tools = raw.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise ValueError(f"{where}: 'tools' holds {type(tools).__name__}, not a list; fix it")
+    return tools
+
+
+def checked_messages(messages: object, where: str, field: str) -> list[dict]:
+    """``messages`` (field ``field`` of the record at ``where``), checked: a non-empty list of
+    messages with a role and a content."""
     if not isinstance(messages, list) or not messages:
         raise ValueError(
             f"{where}: {field!r} holds {type(messages).__name__ if messages else 'nothing'}, not "
@@ -173,11 +186,12 @@ def _raw_records(item: InputFile) -> Iterator[tuple[object, str]]:
 
         parquet = pq.ParquetFile(item.path)
         names = parquet.schema_arrow.names
-        columns = [c for c in ("messages", "prompt", "completion", "tools") if c in names]
+        columns = [c for c in RECORD_FIELDS if c in names]
         if not columns:
             raise ValueError(
-                f"{item.path} has no column 'messages' (nor 'prompt' and 'completion'; its "
-                f"columns: {', '.join(names)}); give it the conversations"
+                f"{item.path} has no column 'messages' (nor 'prompt' and 'completion', nor "
+                f"'chosen' and 'rejected'; its columns: {', '.join(names)}); give it the "
+                "conversations or preference pairs"
             )
         for group in range(parquet.num_row_groups):
             rows = parquet.read_row_group(group, columns=columns).to_pylist()

@@ -191,7 +191,8 @@ def restore_params(
 ) -> Restored:
     """Every parameter of the newest good checkpoint in ``layout``: a checkpoint holding the
     trained ones alone is joined with its checked base (``base_dir``: see :func:`with_base`)."""
-    restored = checkpointer.restore_params(None, lambda meta: params_target(trainer, layout, meta))
+    target = params_target(trainer, layout, checkpointer.read_meta())
+    restored = checkpointer.restore_params(None, target)
     run_dir = checkpointer.directory.parent
     return with_base(trainer, restored, layout, run_dir=run_dir, base_dir=base_dir)
 

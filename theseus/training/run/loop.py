@@ -1,6 +1,6 @@
 """The training loop: data in, steps dispatched, metrics read one step late, records and
-checkpoints written (the run's records: :mod:`~theseus.training.run.records`; where it starts:
-:mod:`~theseus.training.run.start`)."""
+checkpoints written (the run's records: :mod:`~theseus.training.run.records`; where it starts,
+from which directory and state: :mod:`~theseus.training.run.start`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from typing import Any
 import jax
 
 from theseus.checkpoint.checkpointer import Checkpointer
-from theseus.config import CHECKPOINTS
 from theseus.data import MixtureSampler
 from theseus.distributed.join import describe_processes, is_main_process, main_process_logger
 from theseus.training.flops import count_flops
@@ -31,8 +30,8 @@ from theseus.training.run.data import (
 from theseus.training.run.metrics import MetricsWriter
 from theseus.training.run.mode import NEW_RUN, RunMode
 from theseus.training.run.preemption import PreemptionWatch
-from theseus.training.run.records import num_trained, prepare_run_dir, write_run_record
-from theseus.training.run.start import StartingPoint, starting_point
+from theseus.training.run.records import num_trained, write_run_record
+from theseus.training.run.start import StartingPoint, started
 from theseus.training.run.stops import NonFiniteGuard, Preempted
 from theseus.training.run.tensorboard import TensorBoardWriter
 from theseus.training.run.throughput import speedometer
@@ -84,7 +83,7 @@ def train(
     With ``mode.resume``, continue from the newest good checkpoint there: same data position,
     RNG and optimizer state, so the losses equal those of an uninterrupted run. Settings that
     would change those numbers are refused unless ``mode.allow_changes`` (see
-    :mod:`theseus.training.run.resume`).
+    :mod:`theseus.training.run.start`).
     Raises a :class:`~theseus.training.run.stops.RunInterrupted` when the run stops early on
     purpose, :class:`~theseus.checkpoint.checkpointer.CheckpointWriteError` when a checkpoint
     cannot be written.
@@ -93,19 +92,10 @@ def train(
     config = trainer.config
     batch_plan = trainer.batch_plan
     require_wandb(config.logging.wandb)  # before anything is written
+    trainer.check_backend()
     corpus = load_data(trainer)
     validation = validation_array(trainer, corpus)
-    prepare_run_dir(out_dir, mode)
-    tensorboard = None
-    if config.logging.tensorboard and is_main_process():
-        tensorboard = TensorBoardWriter(out_dir, config.model_dump(mode="json"))
-    checkpointer = Checkpointer(
-        out_dir / CHECKPOINTS,
-        keep=config.checkpointing.keep,
-        async_save=config.checkpointing.async_save,
-    )
-    with checkpointer:
-        start = starting_point(trainer, checkpointer, out_dir, mode)
+    with started(trainer, out_dir, mode) as (checkpointer, start):
         with_reference = trainer.with_reference(corpus, start.state.params, out_dir)
         if with_reference is not corpus:  # the held-out rows carry it too
             corpus, validation = with_reference, validation_array(trainer, with_reference)
@@ -142,6 +132,9 @@ def train(
             config.training.max_skipped_steps,
             lambda: _next_move(checkpointer),
         )
+        tensorboard = None
+        if config.logging.tensorboard and is_main_process():
+            tensorboard = TensorBoardWriter(out_dir, config.model_dump(mode="json"))
         wandb = open_wandb(config, out_dir, resume=mode.resume)
         trackers = [GuardedDashboard(tensorboard, "TensorBoard")] if tensorboard else []
         if wandb is not None:

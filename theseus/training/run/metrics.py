@@ -146,10 +146,10 @@ class MetricsWriter:
 
     def row(self, pending: PendingStep) -> dict[str, Any]:
         """The row of a step (reads its metrics from the device): numbers as floats, flags as
-        booleans."""
+        booleans, a vector (an MoE model's ``expert_load``) as a dict by index."""
         metrics = jax.device_get(pending.metrics)
         row: dict[str, Any] = {"step": pending.step}
-        row |= {k: bool(v) if v.dtype == bool else float(v) for k, v in metrics.items()}
+        row |= {k: _value(v) for k, v in metrics.items()}
         row["trained_tokens"] = int(row["trained_tokens"])  # targets that trained (masked: fewer)
         # device_get returned when the step finished
         row |= self.speed.rates(self._clock.lap(), row["trained_tokens"])
@@ -172,6 +172,12 @@ class MetricsWriter:
             tracker.write(row)
         self._reporter.update(row)
         self.check_row(row)
+
+
+def _value(v: Any) -> Any:
+    if v.ndim == 1:
+        return {str(i): float(x) for i, x in enumerate(v)}
+    return bool(v) if v.dtype == bool else float(v)
 
 
 def kept_rows(path: Path, last_step: float) -> list[str]:

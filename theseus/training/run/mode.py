@@ -29,7 +29,7 @@ RUN_FILES = (
 class RunMode:
     """``resume``: continue from the newest good checkpoint of the run directory;
     ``allow_changes``: with ``resume``, accept settings that change the numbers (see
-    :mod:`theseus.training.run.resume`); ``overwrite``: replace a run already there. Neither
+    :mod:`theseus.training.run.start`); ``overwrite``: replace a run already there. Neither
     flag: the directory must not hold a run yet. ``init_from``: a new run starts from the newest
     good parameters of that run directory (trained or imported by ``theseus import-hf``), with a
     fresh optimizer and its own schedule."""

@@ -1,5 +1,6 @@
-"""A run's records: its directory prepared (and a replaced run cleared) on every process, and
-``run.json``, ``config.yaml``, ``layouts.txt`` (and the tokenizer) written by the main one."""
+"""A run's records: ``run.json``, ``config.yaml``, ``layouts.txt`` (and the tokenizer), written by
+the main process (the directory itself is prepared where the run starts:
+:func:`theseus.training.run.start.prepare_run_dir`)."""
 
 from __future__ import annotations
 
@@ -8,44 +9,15 @@ import math
 import shutil
 from pathlib import Path
 
-import jax
-from jax.experimental import multihost_utils
-
 from theseus.accounting.memory import CompiledStep
 from theseus.accounting.records import as_json
 from theseus.config import save_yaml
 from theseus.data import Mixture
 from theseus.distributed.join import is_main_process
-from theseus.training.run.identity import copy_tokenizer_files, job_of_trainer
-from theseus.training.run.mode import RunMode
+from theseus.training.run.identity import job_of_trainer
 from theseus.training.state import TrainState
 from theseus.training.summary import layouts_text
 from theseus.training.trainer import BaseTrainer
-
-
-def sync_processes(name: str) -> None:
-    """Wait until every process of a multi-process run reaches this point."""
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices(name)
-
-
-def prepare_run_dir(out_dir: Path, mode: RunMode) -> None:
-    """Check the run directory against ``mode`` (see :meth:`RunMode.runs_to_replace`), then clear
-    a run it replaces; a run started from another run's parameters (``mode.init_from``) keeps
-    that run's tokenizer files.
-
-    Every process checks before any of them writes (process 0 then clears an overwritten run),
-    so the check never sees a run that this very job has begun.
-    """
-    replaced = mode.runs_to_replace(out_dir)
-    sync_processes("theseus: run directory checked")
-    if is_main_process():
-        for path in replaced:  # none when resuming
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-        out_dir.mkdir(parents=True, exist_ok=True)
-        if mode.init_from is not None:
-            copy_tokenizer_files(mode.init_from, out_dir)
-    sync_processes("theseus: run directory ready")
 
 
 def write_run_record(

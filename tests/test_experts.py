@@ -1,0 +1,102 @@
+"""The expert block alone: dropless experts on grouped matmuls against a dense reference (every
+expert on every token, weighted), and the capacity setting: at experts / top_k nothing is dropped
+and the output is dropless's; at 1.0 the choices beyond each expert's share are dropped, the
+earliest tokens first, and counted."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from theseus.model.experts import (
+    Experts,
+    RouterSums,
+    _blocked,
+    _ragged,
+    dropless,
+    mixture,
+    route,
+    within_capacity,
+)
+from theseus.model.parts import arrays
+
+EXPERTS, TOP_K, WIDTH, MLP = 5, 2, 11, 7
+
+
+def _block(capacity=None) -> Experts:
+    block = Experts.create(1, EXPERTS, WIDTH, MLP, TOP_K, True, nnx.Rngs(3), capacity)
+    one = jax.tree.map(lambda a: a[0] * 20, arrays(block))  # one layer; routers far from even
+    return one
+
+
+def _tokens() -> jax.Array:
+    return jax.random.normal(jax.random.key(1), (3, 13, WIDTH))  # (batch, seq, n_embd)
+
+
+def _dense(block: Experts, h: np.ndarray, weights: np.ndarray, experts: np.ndarray) -> np.ndarray:
+    """Each token's chosen experts' SwiGLU outputs, weighted, by loops (float64)."""
+    gate, up, down = (
+        np.asarray(w, np.float64) for w in (block.gate_proj, block.up_proj, block.down_proj)
+    )
+    out = np.zeros(h.shape)
+    for t in range(h.shape[0]):
+        for k in range(TOP_K):
+            e = experts[t, k]
+            g, u = gate[e] @ h[t], up[e] @ h[t]
+            out[t] += weights[t, k] * (down[e] @ (g / (1 + np.exp(-g)) * u))
+    return out
+
+
+def test_dropless_equals_every_chosen_expert_computed_densely():
+    block, h = _block(), _tokens()
+    out, routing = mixture(block, h, jax.nn.silu)
+    flat = np.asarray(h, np.float64).reshape(-1, WIDTH)
+    want = _dense(block, flat, np.asarray(routing.weights), np.asarray(routing.experts))
+    np.testing.assert_allclose(np.asarray(out).reshape(-1, WIDTH), want, atol=1e-5)
+    assert routing.kept is None
+
+
+def test_capacity_of_experts_over_top_k_drops_nothing():
+    h = _tokens()
+    dropless_out, _ = mixture(_block(), h, jax.nn.silu)
+    out, routing = mixture(_block(EXPERTS / TOP_K), h, jax.nn.silu)
+    assert bool(routing.kept.all())
+    np.testing.assert_allclose(out, dropless_out, atol=1e-6, rtol=0)
+    sums = RouterSums.zeros(EXPERTS, 0.0).add(routing, None)
+    assert float(sums.dropped) == 0.0
+
+
+def test_capacity_one_drops_beyond_each_experts_share_and_counts_it():
+    block, h = _block(1.0), _tokens()
+    tokens = h.reshape(-1, WIDTH)
+    routing = within_capacity(route(block, tokens), EXPERTS, 1.0)
+    limit = int(np.ceil(tokens.shape[0] * TOP_K / EXPERTS))  # 16 choices per expert
+    taken = np.zeros(EXPERTS, int)
+    want_kept = np.zeros((tokens.shape[0], TOP_K), bool)
+    for t, chosen in enumerate(np.asarray(routing.experts)):  # earliest tokens first
+        for k, e in enumerate(chosen):
+            want_kept[t, k] = taken[e] < limit
+            taken[e] += 1
+    np.testing.assert_array_equal(np.asarray(routing.kept), want_kept)
+    assert 0 < (~want_kept).sum() < want_kept.size
+    sums = RouterSums.zeros(EXPERTS, 0.0).add(routing, None)
+    assert float(sums.dropped) == (~want_kept).sum()
+    out = dropless(block, tokens, routing, jax.nn.silu)
+    kept_weights = np.where(want_kept, np.asarray(route(block, tokens).weights), 0.0)
+    want = _dense(block, np.asarray(tokens, np.float64), kept_weights, np.asarray(routing.experts))
+    np.testing.assert_allclose(np.asarray(out), want, atol=1e-5)
+
+
+def test_padded_blocks_equal_the_grouped_matmul():
+    """CPU's blocked formulation and the grouped matmul other backends run (ragged_dot, exact
+    on CPU too, densely) give the same rows, with an empty expert and groups of every size."""
+    block, h = _block(), _tokens().reshape(-1, WIDTH)
+    sizes = jnp.array([0, 1, 33, 2, 42], jnp.int32)  # 78 rows, one group above BLOCK_ROWS
+    ragged = _ragged(h[:78], block, sizes, jax.nn.silu)
+    np.testing.assert_allclose(_blocked(h[:78], block, sizes, jax.nn.silu), ragged, atol=1e-5)
+    grads = [
+        jax.grad(lambda b, f=f: jnp.sum(f(h[:78], b, sizes, jax.nn.silu) ** 2))(block)
+        for f in (_blocked, _ragged)
+    ]
+    for got, want in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1]), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-3, rtol=1e-5)
