@@ -32,7 +32,7 @@ from theseus.training.run.stops import NonFiniteError
 from theseus.training.state import TrainState
 
 DIVERGING = (
-    "optimization.learning_rate=100",
+    "optimization.learning_rate=1e4",
     "optimization.warmup_steps=0",
     "optimization.grad_clip=1e9",
 )
@@ -56,9 +56,10 @@ def config(*overrides):
 
 
 def test_diverging_run_stops_and_resumes_from_the_newest_good_checkpoint(tmp_path):
-    """The issue's run: a learning rate of 100 makes a step's gradient non-finite within a few
-    steps (which one, and whether inf or nan, depends on how XLA rounds values near float32's
-    limit, so the test reads it from the stop); it stops there, exit 3, nothing saved after the
+    """A learning rate of 10,000 makes a step's gradient non-finite within a few steps (which
+    one, and whether inf or nan, depends on how XLA rounds values near float32's limit, so the
+    test reads it from the stop; at the issue's 100 the loss reached 4e9 in 10 steps without
+    overflowing once the written-out attention masked by adding -inf); it stops there, exit 3, nothing saved after the
     step before; a resume that lowers the learning rate is refused, then accepted with
     --allow-changes (skipping what still overflows), and --steps extends the run without it."""
     out = tmp_path / "nan"
@@ -87,7 +88,7 @@ def test_diverging_run_stops_and_resumes_from_the_newest_good_checkpoint(tmp_pat
         "train", "--out", out, *TINY_GPT, *diverging, *lower, "--steps", 10, "--resume"
     )
     assert refused.exit_code == 2, refused.output
-    assert "optimization.learning_rate: 100.0 -> 0.001" in refused.output
+    assert "optimization.learning_rate: 10000.0 -> 0.001" in refused.output
     assert "--allow-changes" in refused.output
 
     args = [*TINY_GPT, *diverging, *lower, "training.max_skipped_steps=20", "--resume"]
@@ -102,7 +103,7 @@ def test_diverging_run_stops_and_resumes_from_the_newest_good_checkpoint(tmp_pat
     assert [r["step"] for r in rows] == list(range(1, 14))
     resumes = json.loads((out / "run.json").read_text())["resumes"]
     assert [r["from_step"] for r in resumes] == [good, 10]
-    assert {"key": "optimization.learning_rate", "old": 100.0, "new": 1e-3} in resumes[0]["changes"]
+    assert {"key": "optimization.learning_rate", "old": 1e4, "new": 1e-3} in resumes[0]["changes"]
     assert resumes[1]["changes"] == [{"key": "training.steps", "old": 10, "new": 13}]
 
 

@@ -16,7 +16,7 @@ from theseus.accounting.preflight import check_context_length
 from theseus.data import Corpus
 from theseus.model.attention import DEFAULT_BLOCK, check_backend
 from theseus.model.decode import Decoder
-from theseus.model.decoder import DecoderModel, Outputs
+from theseus.model.decoder import DecoderModel, Outputs, no_routing
 from theseus.model.family import Family
 from theseus.training.flops import flops_per_token
 from theseus.training.keys import Keys
@@ -63,12 +63,15 @@ class FamilyTrainer(BaseTrainer):
     def token_loss(
         self, model: nnx.Module, rows: jax.Array, keys: Keys, *, train: bool
     ) -> TokenLoss:
-        """Plain token rows: the mean next-token loss times its targets. Segmented rows
+        """Plain token rows: :meth:`loss` (which a subclass may override) times its targets, or,
+        for a model with experts, the mean next-token loss of its outputs. Segmented rows
         (examples, ROW_FIELDS, seq_len + 1): each example attends within its segment at
         restarted positions, and only its trained targets count
         (:mod:`theseus.training.losses`). In training, a model with experts adds its
         load-balancing loss (:func:`~theseus.training.losses.with_routing`)."""
         assert isinstance(model, DecoderModel), type(model)  # every family's model is one
+        if rows.ndim == 2 and model.skeleton.routing is no_routing:
+            return super().token_loss(model, rows, keys, train=train)  # loss(), as overridden
         deterministic = not train
         if rows.ndim == 2:
             out = model.outputs(rows[:, :-1], keys.examples, deterministic=deterministic)
