@@ -116,12 +116,9 @@ def to_hf(model: dict[str, Any], model_type: str) -> dict[str, Any]:
 
 def tensors(model: dict[str, Any], experts: list[HFTensor]) -> list[HFTensor]:
     """The checkpoint's tensors around the ``experts``' (one layout of :mod:`~theseus.model.moe`)."""
-    e = model["hidden_size"]
     _, n_q, n_kv = gqa_hf.widths(model)
-    shapes: dict[str, tuple[int, ...]] = {"input_layernorm": (e,), "post_attention_layernorm": (e,)}
-    shapes |= {k: v for k, v in gqa_hf.projection_shapes(model).items() if k.startswith("self")}
-    shapes |= {"self_attn.q_norm": (n_q,), "self_attn.k_norm": (n_kv,)}
-    return gqa_hf.checkpoint_tensors(model, shapes, experts)
+    norms = {"self_attn.q_norm": (n_q,), "self_attn.k_norm": (n_kv,)}  # over all heads
+    return gqa_hf.checkpoint_tensors(model, moe.layer_shapes(model) | norms, experts)
 
 
 FAMILY = moe.family(
