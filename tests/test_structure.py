@@ -245,9 +245,11 @@ def test_one_module_names_the_tokenizer_folder_files():
 # dict holds. A key test is `"k" in d` / `"k" not in d` (a string constant on the left), any
 # `.get(key...)` call, `hasattr(...)`, a three-argument `getattr(...)` and `isinstance(x, dict)`.
 # Under theseus/model/ one may appear only inside a function (or a function nested in one) with
-# a parameter annotated `dict[str, Any]`: the JSON dicts of the Hugging Face mapping
-# (config.json, a model section), the only dicts model code reads.
+# a parameter annotated `dict[str, Any]` and named as the JSON dicts of the Hugging Face mapping
+# are (`hf`: a config.json; `model`: a model section; `scaling`: its rope scaling), the only dicts
+# model code reads: parameters as a dict are typed weights read the wrong way.
 CONFIG_DICT = "dict[str, Any]"
+CONFIG_NAMES = ("hf", "model", "scaling")
 
 
 def key_tests(source: str) -> list[str]:
@@ -261,7 +263,11 @@ def key_tests(source: str) -> list[str]:
             node = parents[node]
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
-                if any(a.annotation and ast.unparse(a.annotation) == CONFIG_DICT for a in args):
+                if any(
+                    a.annotation and ast.unparse(a.annotation) == CONFIG_DICT
+                    for a in args
+                    if a.arg in CONFIG_NAMES
+                ):
                     return True
         return False
 
@@ -305,12 +311,35 @@ def test_the_key_test_finder_finds_key_tests():
     assert len(key_tests(old_project)) == 5, key_tests(old_project)
     config = "def from_hf(hf: dict[str, Any], where: str):\n    return 'x' in hf, hf.get('y')\n"
     assert key_tests(config) == []
+    weights = (
+        "def zeroed(params: dict[str, Any]):\n"
+        "    return {k: zeroed(v) if isinstance(v, dict) else v for k, v in params.items()}\n"
+    )
+    assert len(key_tests(weights)) == 1, key_tests(weights)
+
+
+# The model code, and the training code that reads a model's weights or a pair's log-probabilities
+# (preference losses, their trainer, the reference pass).
+TYPED_CODE = ["model/**/*.py", "training/preference*.py", "training/pair_logps.py",
+              "training/reference.py"]  # fmt: skip
 
 
 def test_no_branch_on_the_presence_of_a_dict_key_in_model_code():
+    matched = {pattern: sorted(PACKAGE.glob(pattern)) for pattern in TYPED_CODE}
+    assert all(matched.values()), matched  # each pattern still names modules
+    paths = sorted({path for found in matched.values() for path in found})
     found = {
         str(path.relative_to(PACKAGE)): hits
-        for path in sorted((PACKAGE / "model").rglob("*.py"))
+        for path in paths
         if (hits := key_tests(path.read_text()))
     }
     assert not found, f"model code tests dict keys (use typed weights, read by attribute): {found}"
+
+
+def test_the_skeleton_has_fewer_fields_than_the_eighteen_before_typed_weights():
+    """A new feature is a field of the group that needs it (``PerLayer``, ``AttentionOptions``,
+    the family's settings), not of ``Skeleton``, which had 18 fields before they were grouped."""
+    tree = ast.parse((PACKAGE / "model" / "decoder.py").read_text())
+    (skeleton,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Skeleton"]
+    fields = [n.target.id for n in skeleton.body if isinstance(n, ast.AnnAssign)]
+    assert 5 <= len(fields) < 18, fields

@@ -103,7 +103,8 @@ def tokenize(
     marks the completion tokens, as TRL's DPOTrainer tokenizes them.
     """
     with user_errors():
-        from theseus.tokenization.chat.corpus import is_chat_corpus, tokenize_chat
+        from theseus.tokenization.chat.corpus import RecordsOptions, is_chat_corpus, tokenize_chat
+        from theseus.tokenization.chat.pairs import LongPrompts
         from theseus.tokenization.chat.preference import is_preference_corpus, tokenize_preference
         from theseus.tokenization.text import tokenize as tokenize_corpus
 
@@ -121,40 +122,28 @@ def tokenize(
                     "model's own tokenizer and chat template; pass --tokenizer with its "
                     "tokenizer folder (tokenizer.json, tokenizer_config.json) and no --vocab-size"
                 )
+        options: RecordsOptions = {
+            "chat_template": chat_template,
+            "eos_token": eos_token,
+            "validation_fraction": validation_fraction,
+            "seed": seed,
+            "shard_tokens": shard_tokens,
+            "overwrite": overwrite,
+            "seq_len": seq_len,
+            "workers": workers,
+        }
         if preference:
             assert tokenizer is not None
+            # tokenize_preference refuses an --overlong that is neither 'error' nor 'drop'
+            limit: LongPrompts = overlong or "error"  # type: ignore[assignment]
             pairs = tokenize_preference(
-                corpus,
-                out_dir,
-                tokenizer=tokenizer,
-                chat_template=chat_template,
-                eos_token=eos_token,
-                validation_fraction=validation_fraction,
-                seed=seed,
-                shard_tokens=shard_tokens,
-                overwrite=overwrite,
-                seq_len=seq_len,
-                overlong=overlong or "error",  # type: ignore[arg-type]  # checked there
-                workers=workers,
+                corpus, out_dir, tokenizer=tokenizer, overlong=limit, **options
             )
             typer.echo(pairs.describe())
             return
         if is_chat_corpus(corpus):
             assert tokenizer is not None
-            chat = tokenize_chat(
-                corpus,
-                out_dir,
-                tokenizer=tokenizer,
-                chat_template=chat_template,
-                eos_token=eos_token,
-                validation_fraction=validation_fraction,
-                seed=seed,
-                shard_tokens=shard_tokens,
-                overwrite=overwrite,
-                seq_len=seq_len,
-                workers=workers,
-            )
-            typer.echo(chat.describe())
+            typer.echo(tokenize_chat(corpus, out_dir, tokenizer=tokenizer, **options).describe())
             return
         chat_only = (
             ("--chat-template", chat_template),

@@ -20,7 +20,9 @@ from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
+import pydantic
 
+from theseus.config import Section
 from theseus.model.blockwise import blockwise_attention
 from theseus.model.kernels import per_device
 from theseus.model.layers import apply_dropout
@@ -106,6 +108,30 @@ class AttentionOptions:
             "block_k": self.block_k,
             "windows": self.windows,
         }
+
+
+class AttentionConfig(Section):
+    """The attention settings of every family's model section: ``attention``, the kernel
+    (:data:`Kernel`), and with ``attention_block_q`` and ``attention_block_k`` the blockwise
+    kernel's block sizes (None: the backend's default)."""
+
+    attention: Kernel = pydantic.Field(
+        "auto",
+        description="attention kernel: auto (by backend), blockwise, xla (written out), cudnn, "
+        "splash",
+    )
+    attention_block_q: pydantic.StrictInt | None = pydantic.Field(
+        None, gt=0, description="blockwise attention: queries per block; None: backend default"
+    )
+    attention_block_k: pydantic.StrictInt | None = pydantic.Field(
+        None, gt=0, description="blockwise attention: keys per block; None: backend default"
+    )
+
+    @property
+    def attention_options(self) -> AttentionOptions:
+        """The kernel and its block sizes as the skeleton's :class:`AttentionOptions`."""
+        block_q, block_k = self.attention_block_q, self.attention_block_k
+        return AttentionOptions(kernel=self.attention, block_q=block_q, block_k=block_k)
 
 
 class AttentionKernelError(ValueError):

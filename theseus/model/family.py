@@ -113,6 +113,15 @@ class Matmuls:
     attention_width: int
 
 
+def dense_matmuls(shape: DecoderShape) -> Matmuls:
+    """A dense decoder's matmuls from its dimensions: q, k, v and o, the MLP's (gate and up, or
+    one up projection; down), the head."""
+    e, q, kv, mlp = shape.width, shape.query_width, shape.kv_width, shape.mlp_width
+    up = ((e, mlp),) * (2 if shape.gated_mlp else 1)
+    weights = ((e, q), (e, kv), (e, kv), (q, e), *up, (mlp, e))
+    return Matmuls(shape.num_layers, weights, (e, shape.vocab_size), q)
+
+
 @dataclass(frozen=True)
 class Context:
     """How long a model's sequences may be: ``length`` positions (set by config ``key``)."""

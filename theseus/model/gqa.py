@@ -16,9 +16,8 @@ import pydantic
 from flax import nnx
 
 from theseus.accounting.activations import DecoderShape
-from theseus.config import Section
 from theseus.model import windows as sliding
-from theseus.model.attention import AttentionOptions, Kernel
+from theseus.model.attention import AttentionConfig
 from theseus.model.decoder import (
     Attended,
     CachedDecoder,
@@ -27,7 +26,7 @@ from theseus.model.decoder import (
     Skeleton,
     Weights,
 )
-from theseus.model.family import Context, Family, HFSpec, Matmuls
+from theseus.model.family import Context, Family, HFSpec, dense_matmuls
 from theseus.model.parts import Norm, Projection, RMSNorm, param, stacked_projection, weights
 from theseus.model.rotary import apply_rotary, inverse_frequencies, rotary
 from theseus.sharding.axis import Axis, ShardingPlan
@@ -61,11 +60,11 @@ def field(default: Any, description: str, **limits: Any) -> Any:
     return pydantic.Field(default, description=description, **limits)
 
 
-class GQAConfig(Section):
+class GQAConfig(AttentionConfig):
     """The hyperparameters every rotary grouped-query decoder has (the names of Hugging Face's
     configs). ``head_dim`` None means hidden_size / num_heads. rope_type ``linear`` divides the
     rotary frequencies by ``rope_factor``; ``llama3`` scales them as Llama 3.1 does with the
-    ``rope_*`` factors."""
+    ``rope_*`` factors; the attention kernel's settings as :class:`AttentionConfig`."""
 
     vocab_size: pydantic.StrictInt = field(256, "token ids", gt=0)
     hidden_size: pydantic.StrictInt = field(128, "residual width", gt=0)
@@ -89,15 +88,6 @@ class GQAConfig(Section):
     )
     rms_norm_eps: float = field(1e-6, "RMSNorm epsilon", gt=0)
     tie_word_embeddings: bool = field(False, "output head = embedding")
-    attention: Kernel = field(
-        "auto", "attention kernel: auto (by backend), blockwise, xla (written out), cudnn, splash"
-    )
-    attention_block_q: pydantic.StrictInt | None = field(
-        None, "blockwise attention: queries per block; None: the backend's default", gt=0
-    )
-    attention_block_k: pydantic.StrictInt | None = field(
-        None, "blockwise attention: keys per block; None: the backend's default", gt=0
-    )
 
     @pydantic.model_validator(mode="after")
     def _heads_fit(self) -> GQAConfig:
@@ -195,6 +185,15 @@ class Attention:
 
 
 @weights
+class WholeNormedAttention(Attention):
+    """Grouped-query attention whose q and k projections are RMS-normed over all heads
+    (``q_norm`` n_q wide, ``k_norm`` n_kv wide) before the rotary embedding (OLMo 2, OLMoE)."""
+
+    q_norm: RMSNorm
+    k_norm: RMSNorm
+
+
+@weights
 class MLP:
     """The weights of a gated MLP: gate and up (n_embd to n_mlp), down."""
 
@@ -249,9 +248,7 @@ def rotary_skeleton(
         compute_dtype=dtype,
         context=c.context,
         remat=remat,
-        attention=AttentionOptions(
-            kernel=c.attention, block_q=c.attention_block_q, block_k=c.attention_block_k
-        ),
+        attention=c.attention_options,
     )
 
 
@@ -272,6 +269,16 @@ def attention_projections(
         "v_proj": proj(e, c.n_kv, ("n_embd", "n_kv"), bias),
         "o_proj": proj(c.n_q, e, ("n_q", "n_embd"), False),
     } | ({} if head_norm is None else {"q_norm": head_norm(hd), "k_norm": head_norm(hd)})
+
+
+def whole_normed_projections(c: GQAConfig, rngs: nnx.Rngs) -> dict[str, Any]:
+    """:func:`attention_projections` and q and k norms over all heads after them (the fields of
+    :class:`WholeNormedAttention`)."""
+    rms = rms_norms(c, rngs)
+    return attention_projections(c, rngs) | {
+        "q_norm": rms(c.n_q, "n_q"),
+        "k_norm": rms(c.n_kv, "n_kv"),
+    }
 
 
 def mlp_projections(c: GQAConfig, rngs: nnx.Rngs) -> dict[str, Any]:
@@ -332,16 +339,26 @@ def self_attention(
     return replace(attended, output=a.o_proj(attended.output.reshape(batch, seq, -1)))
 
 
+def whole_normed_attention(
+    a: WholeNormedAttention,
+    h: jax.Array,
+    inputs: LayerInputs,
+    rotation: tuple[jax.Array, jax.Array],
+    head_dim: int,
+) -> Attended:
+    """Self-attention of ``h`` (batch, seq, n_embd) as :func:`self_attention`, but q and k
+    normed over all heads before they are split into heads and rotated."""
+    batch, seq, _ = h.shape
+    q = a.q_norm(a.q_proj(h), h.dtype)  # (batch, seq, n_q)
+    k = a.k_norm(a.k_proj(h), h.dtype)  # (batch, seq, n_kv)
+    q, k, v = (t.reshape(batch, seq, -1, head_dim) for t in (q, k, a.v_proj(h)))  # (.., heads, hd)
+    attended = inputs.attend(apply_rotary(q, *rotation), apply_rotary(k, *rotation), v)
+    return replace(attended, output=a.o_proj(attended.output.reshape(batch, seq, -1)))
+
+
 def gated_mlp(m: MLP, h: jax.Array, activation: Callable[[jax.Array], jax.Array]) -> jax.Array:
     """``down(activation(gate(h)) · up(h))`` of ``h`` (batch, seq, n_embd), in ``h``'s dtype."""
     return m.down_proj(activation(m.gate_proj(h)) * m.up_proj(h))  # (batch, seq, n_embd)
-
-
-def matmuls(c: GQAConfig) -> Matmuls:
-    """q, k, v, o projections (k and v n_kv wide), the three gated-MLP matrices, the head."""
-    e, mlp = c.hidden_size, c.intermediate_size
-    weights = ((e, c.n_q), (e, c.n_kv), (e, c.n_kv), (c.n_q, e), (e, mlp), (e, mlp), (mlp, e))
-    return Matmuls(c.num_layers, weights, (e, c.vocab_size), c.n_q)
 
 
 def decoder_shape(c: GQAConfig) -> DecoderShape:
@@ -366,7 +383,7 @@ def family(
     hf: HFSpec,
     descriptions: dict[str, str],
 ) -> Family:
-    """A rotary grouped-query family: :data:`GQA_PLAN`, these matmuls, the cached decoder of
+    """A rotary grouped-query family: :data:`GQA_PLAN`, its dense matmuls, the cached decoder of
     the model's skeleton, trainer ``<Model>Trainer``."""
     return Family(
         name=name,
@@ -375,7 +392,7 @@ def family(
         model_class=model_class,
         plan=GQA_PLAN,
         context=lambda c: c.context,
-        matmuls=matmuls,
+        matmuls=lambda c: dense_matmuls(decoder_shape(c)),
         num_params=num_params,
         shape=decoder_shape,
         decoder=partial(cached_decoder, model_class.skeleton_of),

@@ -160,3 +160,19 @@ def merged_params(graphdef: nnx.GraphDef, params: Any) -> Any:
 
     replace_projections(model, merge)
     return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def with_zero_adapters(model: nnx.Module) -> nnx.Module:
+    """A copy of ``model`` whose adapters are zeros: what the base model computes, along the
+    adapted model's own path (its other parameters are the same arrays)."""
+    copy = nnx.merge(*nnx.split(model))
+
+    def zeroed(key: tuple[str, ...], proj: Projection) -> Projection:
+        if proj.lora is None:
+            return proj
+        a, b = proj.lora.a, proj.lora.b
+        zeros = a.replace(jnp.zeros_like(a.get_value())), b.replace(jnp.zeros_like(b.get_value()))
+        return replace(proj, lora=replace(proj.lora, a=zeros[0], b=zeros[1]))
+
+    replace_projections(copy, zeroed)
+    return copy

@@ -17,7 +17,7 @@ import pydantic
 from flax import nnx
 
 from theseus.accounting.activations import DecoderShape
-from theseus.model import experts, gqa
+from theseus.model import experts, gqa, gqa_hf
 from theseus.model.decoder import Skeleton
 from theseus.model.experts import N_EXPERT_MLP, Experts, RouterSums, Routing
 from theseus.model.family import Family, HFTensor, Matmuls, Part, whole
@@ -137,6 +137,15 @@ def to_hf(model: dict[str, Any], width_key: str = "moe_intermediate_size") -> di
         width_key: model["moe_intermediate_size"],
         "router_aux_loss_coef": model["router_aux_loss_coef"],
     }
+
+
+def layer_shapes(model: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """A pre-norm expert layer's tensors besides its experts and q/k norms (Hugging Face's
+    names under ``model.layers.N.``): its two norms and the self-attention projections."""
+    e = model["hidden_size"]
+    shapes: dict[str, tuple[int, ...]] = {"input_layernorm": (e,), "post_attention_layernorm": (e,)}
+    attention = gqa_hf.projection_shapes(model).items()
+    return shapes | {k: v for k, v in attention if k.startswith("self_attn.")}
 
 
 def expert_tensors(

@@ -70,6 +70,18 @@ class TokenizedCorpus:
             f"data.path={self.out_dir} model.vocab_size={self.vocab_size}"
         )
 
+    def masked(self, examples: str, masked: str) -> str:
+        """How a masked corpus (chat or preference records) begins its description: what was
+        written (``examples``, counted), its tokens and shards, of which ``masked`` (the ones
+        of the mask beside each shard), and the time."""
+        again = " (resumed)" if self.resumed else ""
+        return (
+            f"wrote {self.out_dir}{again}: {examples}, {self.train_tokens:,} train + "
+            f"{self.validation_tokens:,} validation {self.token_dtype} tokens in "
+            f"{self.num_shards} shard(s), of which {masked} (the mask beside each shard), in "
+            f"{self.seconds:.1f} s"
+        )
+
 
 def token_dtype(vocab_size: int) -> str:
     """The smallest ``.bin`` dtype that holds ids ``0 .. vocab_size - 1``."""

@@ -25,7 +25,7 @@ from flax import nnx
 
 from theseus.data import Mixture
 from theseus.data.pairs import PairLayout, PairRows
-from theseus.model.lora import ADAPTERS
+from theseus.model.lora import with_zero_adapters
 from theseus.sharding.topology import UnderMesh
 from theseus.training import reference
 from theseus.training.family import FamilyTrainer
@@ -109,9 +109,7 @@ class PreferenceTrainer(FamilyTrainer):
         the other parameters are the same arrays, gathered as the policy's are)."""
         if self.config.finetune.lora_rank == 0:
             return model
-        graphdef, params = nnx.split(model, nnx.Param)
-        pure = _zero_adapters(nnx.to_pure_dict(params))
-        return nnx.merge(graphdef, pure)
+        return with_zero_adapters(model)
 
     def reference_logps(self, model: nnx.Module, rows: jax.Array, keys: Keys) -> jax.Array:
         """Per row and segment, the reference's summed completion log-probabilities
@@ -151,16 +149,6 @@ class PreferenceTrainer(FamilyTrainer):
     def zero_loss(self) -> TokenLoss:
         zero, none = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
         return TokenLoss(zero, none, {name: zero for name in METRICS}, none)
-
-
-def _zero_adapters(params: dict[str, Any]) -> dict[str, Any]:
-    """``params`` (nested dicts) with every LoRA adapter matrix zeros."""
-    return {
-        key: _zero_adapters(value)
-        if isinstance(value, dict)
-        else (jnp.zeros_like(value) if key in ADAPTERS else value)
-        for key, value in params.items()
-    }
 
 
 def preference_trainer_class(family_trainer: type[FamilyTrainer]) -> type[PreferenceTrainer]:

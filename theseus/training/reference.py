@@ -27,6 +27,7 @@ from theseus.training import gathering
 from theseus.training.context import TrainerContext
 from theseus.training.keys import Keys, validation_keys
 from theseus.training.step import batch_sharding
+from theseus.training.trainer import TrainerConfig
 
 
 class PreferenceTrainer(Protocol):
@@ -43,7 +44,7 @@ class PreferenceTrainer(Protocol):
     def batch_plan(self) -> BatchPlan: ...
 
     @property
-    def config(self) -> Any: ...
+    def config(self) -> TrainerConfig: ...
 
     def put_batch(
         self, rows_for: Callable[[slice], np.ndarray], shape: tuple[int, ...]

@@ -15,8 +15,7 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from theseus.accounting.activations import DecoderShape
-from theseus.config import Section
-from theseus.model.attention import AttentionOptions, Kernel
+from theseus.model.attention import AttentionConfig
 from theseus.model.decoder import (
     CachedDecoder,
     DecoderModel,
@@ -25,7 +24,7 @@ from theseus.model.decoder import (
     Skeleton,
     Weights,
 )
-from theseus.model.family import Context, Family, HFSpec, HFTensor, Matmuls, Part, whole
+from theseus.model.family import Context, Family, HFSpec, HFTensor, Part, dense_matmuls, whole
 from theseus.model.layers import apply_dropout, keep_masks
 from theseus.model.parts import LayerNorm, Projection, param, stacked_projection, weights
 from theseus.sharding.axis import Axis, ShardingPlan
@@ -54,23 +53,13 @@ EPS = 1e-5  # GPT-2's LayerNorm epsilon
 TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")  # GPT-2's activation_function names of tanh GELU
 
 
-class GPTConfig(Section):
-    """GPT-2 hyperparameters.
-
-    Attributes:
-        vocab_size: number of token ids (rows of the embedding table and the tied output head).
-        block_size: maximum sequence length (rows of the learned position embedding).
-        n_layer: number of transformer blocks.
-        n_head: number of attention heads; must divide ``n_embd`` (and, for efficient TP, be
-            a multiple of ``tp``, so each device holds whole heads).
-        n_embd: width of the residual stream.
-        mlp_ratio: MLP hidden width as a multiple of ``n_embd``.
-        dropout: dropout rate in training where GPT-2 applies it (embeddings, attention
-            probabilities, the attention and MLP branches into the residual stream); in [0, 1).
-        attention: the attention kernel (:data:`theseus.model.attention.Kernel`); with
-            ``attention_block_q`` and ``attention_block_k`` the blockwise kernel's block sizes
-            (None: the backend's default).
-    """
+class GPTConfig(AttentionConfig):
+    """GPT-2 hyperparameters (the fields' descriptions say what each is): ``vocab_size`` rows
+    of the token table and the tied head, ``block_size`` of the position table; ``n_head``
+    divides ``n_embd`` (for efficient TP, a multiple of ``tp``: each device holds whole heads);
+    ``dropout`` applies in training where GPT-2 applies it (embeddings, attention probabilities,
+    the attention and MLP branches into the residual stream). The attention kernel's settings
+    are :class:`~theseus.model.attention.AttentionConfig`'s."""
 
     vocab_size: pydantic.StrictInt = pydantic.Field(256, gt=0, description="token ids")
     block_size: pydantic.StrictInt = pydantic.Field(128, gt=0, description="max sequence length")
@@ -79,17 +68,6 @@ class GPTConfig(Section):
     n_embd: pydantic.StrictInt = pydantic.Field(128, gt=0, description="residual width")
     mlp_ratio: pydantic.StrictInt = pydantic.Field(4, gt=0, description="MLP width / n_embd")
     dropout: float = pydantic.Field(0.0, ge=0, lt=1, description="dropout rate in training")
-    attention: Kernel = pydantic.Field(
-        "auto",
-        description="attention kernel: auto (by backend), blockwise, xla (written out), cudnn, "
-        "splash",
-    )
-    attention_block_q: pydantic.StrictInt | None = pydantic.Field(
-        None, gt=0, description="blockwise attention: queries per block; None: backend default"
-    )
-    attention_block_k: pydantic.StrictInt | None = pydantic.Field(
-        None, gt=0, description="blockwise attention: keys per block; None: backend default"
-    )
 
     @pydantic.model_validator(mode="after")
     def _heads_divide_width(self) -> GPTConfig:
@@ -166,9 +144,7 @@ def skeleton(c: GPTConfig, compute_dtype: DTypeLike, remat: bool | str = False):
         context=Context(c.block_size, "model.block_size"),
         dropout=c.dropout,
         remat=remat,
-        attention=AttentionOptions(
-            kernel=c.attention, block_q=c.attention_block_q, block_k=c.attention_block_k
-        ),
+        attention=c.attention_options,
     )
 
 
@@ -214,13 +190,6 @@ def num_params(c: GPTConfig) -> int:
     mlp = (c.n_embd + 1) * c.n_mlp + (c.n_mlp + 1) * c.n_embd
     layer = 4 * c.n_embd + attention + mlp
     return (c.vocab_size + c.block_size) * c.n_embd + c.n_layer * layer + 2 * c.n_embd
-
-
-def matmuls(c: GPTConfig) -> Matmuls:
-    """q, k, v and output projections, the MLP; the head is tied to the embedding."""
-    e = c.n_embd
-    weights = ((e, c.n_attn),) * 3 + ((c.n_attn, e), (e, c.n_mlp), (c.n_mlp, e))
-    return Matmuls(c.n_layer, weights, (e, c.vocab_size), c.n_attn)
 
 
 def decoder_shape(c: GPTConfig) -> DecoderShape:
@@ -336,7 +305,7 @@ FAMILY = Family(
     model_class=GPT,
     plan=GPT_PLAN,
     context=lambda c: Context(c.block_size, "model.block_size"),
-    matmuls=matmuls,
+    matmuls=lambda c: dense_matmuls(decoder_shape(c)),  # the head is tied to the embedding
     num_params=num_params,
     shape=decoder_shape,
     decoder=decoder,

@@ -128,10 +128,8 @@ def export_type(model: dict[str, Any], imported: str | None) -> str:
 
 
 def to_hf(model: dict[str, Any], model_type: str) -> dict[str, Any]:
-    config = gqa_hf.to_hf_common(model) | {
-        "hidden_act": "silu",
-        "rope_parameters": rope_to_hf(model),
-    }
+    rope = {"rope_parameters": rope_to_hf(model)}
+    config = gqa_hf.to_hf_common(model) | {"hidden_act": "silu"} | rope
     if model_type in ("llama", "qwen3"):
         config["attention_bias"] = model["attention_bias"]
     if model_type in ("qwen2", "qwen3"):

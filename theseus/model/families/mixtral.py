@@ -115,10 +115,7 @@ def to_hf(model: dict[str, Any], model_type: str) -> dict[str, Any]:
 
 def tensors(model: dict[str, Any], experts: list[HFTensor]) -> list[HFTensor]:
     """The checkpoint's tensors around the ``experts``' (one layout of :mod:`~theseus.model.moe`)."""
-    e = model["hidden_size"]
-    shapes: dict[str, tuple[int, ...]] = {"input_layernorm": (e,), "post_attention_layernorm": (e,)}
-    shapes |= {k: v for k, v in gqa_hf.projection_shapes(model).items() if k.startswith("self")}
-    return gqa_hf.checkpoint_tensors(model, shapes, experts)
+    return gqa_hf.checkpoint_tensors(model, moe.layer_shapes(model), experts)
 
 
 FAMILY = moe.family(

@@ -24,8 +24,8 @@ from theseus.model import gqa, gqa_hf
 from theseus.model.decoder import LayerInputs, LayerOutput
 from theseus.model.family import HFSpec, HFTensor
 from theseus.model.gqa import GQAConfig, Settings, field
-from theseus.model.parts import RMSNorm, weights
-from theseus.model.rotary import apply_rotary, rope_from_hf, rope_to_hf
+from theseus.model.parts import weights
+from theseus.model.rotary import rope_from_hf, rope_to_hf
 
 
 class Olmo2Config(GQAConfig):
@@ -37,26 +37,16 @@ class Olmo2Config(GQAConfig):
 
 
 @weights
-class Layer(gqa.Attention, gqa.MLP, gqa.OutputNorms):
+class Layer(gqa.WholeNormedAttention, gqa.MLP, gqa.OutputNorms):
     """An OLMo 2 layer's weights: q/k norms over all heads, each sublayer's output normed."""
-
-    q_norm: RMSNorm  # always present in OLMo 2 (optional in the other families)
-    k_norm: RMSNorm
 
 
 def block(layer: Layer, x: jax.Array, inputs: LayerInputs, s: Settings) -> LayerOutput:
     """One layer on the float32 stream ``x`` (batch, seq, n_embd): attention with q/k normed
     over all heads then rotated, its output normed and added; the SwiGLU MLP likewise."""
-    batch, seq, _ = x.shape
-    cos, sin = inputs.features
     h = x.astype(s.compute_dtype)  # no pre-norm
-    q = layer.q_norm(layer.q_proj(h), s.compute_dtype)  # (batch, seq, n_q)
-    k = layer.k_norm(layer.k_proj(h), s.compute_dtype)  # (batch, seq, n_kv)
-    v = layer.v_proj(h)  # (batch, seq, n_kv)
-    q, k, v = (t.reshape(batch, seq, -1, s.head_dim) for t in (q, k, v))  # (.., heads, head_dim)
-    attended = inputs.attend(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
-    out = layer.o_proj(attended.output.reshape(batch, seq, -1))  # (batch, seq, n_embd)
-    x = x + layer.post_attention_layernorm(out, jnp.float32)
+    attended = gqa.whole_normed_attention(layer, h, inputs, inputs.features, s.head_dim)
+    x = x + layer.post_attention_layernorm(attended.output, jnp.float32)
     out = gqa.gated_mlp(layer, x.astype(s.compute_dtype), jax.nn.silu)  # (batch, seq, n_embd)
     x = x + layer.post_feedforward_layernorm(out, jnp.float32)
     return LayerOutput(x, attended.cache)
@@ -75,9 +65,7 @@ class Olmo2(gqa.Model):
         self.embed_tokens = gqa.token_table(c, rngs)
         rms = gqa.rms_norms(c, rngs)
         self.layers = Layer(
-            **gqa.attention_projections(c, rngs),
-            q_norm=rms(c.n_q, "n_q"),
-            k_norm=rms(c.n_kv, "n_kv"),
+            **gqa.whole_normed_projections(c, rngs),
             post_attention_layernorm=rms(c.hidden_size),
             **gqa.mlp_projections(c, rngs),
             post_feedforward_layernorm=rms(c.hidden_size),

@@ -25,7 +25,7 @@ from theseus.model.family import HFSpec, HFTensor
 from theseus.model.gqa import field
 from theseus.model.moe import MoEConfig, MoESettings
 from theseus.model.parts import RMSNorm, weights
-from theseus.model.rotary import apply_rotary, rope_from_hf, rope_to_hf
+from theseus.model.rotary import rope_from_hf, rope_to_hf
 
 
 class OlmoeConfig(MoEConfig):
@@ -37,12 +37,10 @@ class OlmoeConfig(MoEConfig):
 
 
 @weights
-class Layer(gqa.Attention):
+class Layer(gqa.WholeNormedAttention):
     """An OLMoE layer's weights: attention with q/k norms over all heads, the two norms, the
     expert block ``mlp``."""
 
-    q_norm: RMSNorm  # always present in OLMoE (optional in gqa.Attention)
-    k_norm: RMSNorm
     input_layernorm: RMSNorm
     post_attention_layernorm: RMSNorm
     mlp: Experts
@@ -51,16 +49,9 @@ class Layer(gqa.Attention):
 def block(layer: Layer, x: jax.Array, inputs: LayerInputs, s: MoESettings) -> LayerOutput:
     """One pre-RMSNorm layer on the float32 stream ``x`` (batch, seq, n_embd): attention with q
     and k normed over all heads, then rotated; then the expert block."""
-    batch, seq, _ = x.shape
-    cos, sin = inputs.features
     h = layer.input_layernorm(x, s.compute_dtype)  # (batch, seq, n_embd)
-    q = layer.q_norm(layer.q_proj(h), s.compute_dtype)  # (batch, seq, n_q)
-    k = layer.k_norm(layer.k_proj(h), s.compute_dtype)  # (batch, seq, n_kv)
-    v = layer.v_proj(h)  # (batch, seq, n_kv)
-    q, k, v = (t.reshape(batch, seq, -1, s.head_dim) for t in (q, k, v))  # (.., heads, head_dim)
-    attended = inputs.attend(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
-    out = layer.o_proj(attended.output.reshape(batch, seq, -1))  # (batch, seq, n_embd)
-    x, routing = moe.expert_sublayer(layer, x + out.astype(jnp.float32), s)
+    attended = gqa.whole_normed_attention(layer, h, inputs, inputs.features, s.head_dim)
+    x, routing = moe.expert_sublayer(layer, x + attended.output.astype(jnp.float32), s)
     return LayerOutput(x, attended.cache, routing)
 
 
@@ -81,9 +72,7 @@ class Olmoe(gqa.Model):
         rms = gqa.rms_norms(c, rngs)
         self.layers = Layer(
             input_layernorm=rms(c.hidden_size),
-            **gqa.attention_projections(c, rngs),
-            q_norm=rms(c.n_q, "n_q"),
-            k_norm=rms(c.n_kv, "n_kv"),
+            **gqa.whole_normed_projections(c, rngs),
             post_attention_layernorm=rms(c.hidden_size),
             mlp=moe.expert_block(c, c.norm_topk_prob, rngs),
         )
@@ -127,12 +116,9 @@ def to_hf(model: dict[str, Any], model_type: str) -> dict[str, Any]:
 
 def tensors(model: dict[str, Any], experts: list[HFTensor]) -> list[HFTensor]:
     """The checkpoint's tensors around the ``experts``' (one layout of :mod:`~theseus.model.moe`)."""
-    e = model["hidden_size"]
     _, n_q, n_kv = gqa_hf.widths(model)
-    shapes: dict[str, tuple[int, ...]] = {"input_layernorm": (e,), "post_attention_layernorm": (e,)}
-    shapes |= {k: v for k, v in gqa_hf.projection_shapes(model).items() if k.startswith("self")}
-    shapes |= {"self_attn.q_norm": (n_q,), "self_attn.k_norm": (n_kv,)}
-    return gqa_hf.checkpoint_tensors(model, shapes, experts)
+    norms = {"self_attn.q_norm": (n_q,), "self_attn.k_norm": (n_kv,)}  # over all heads
+    return gqa_hf.checkpoint_tensors(model, moe.layer_shapes(model) | norms, experts)
 
 
 FAMILY = moe.family(

@@ -133,12 +133,9 @@ def to_hf(model: dict[str, Any], model_type: str) -> dict[str, Any]:
 
 def tensors(model: dict[str, Any], experts: list[HFTensor]) -> list[HFTensor]:
     """The checkpoint's tensors around the ``experts``' (one layout of :mod:`~theseus.model.moe`)."""
-    e = model["hidden_size"]
     head_dim = gqa_hf.widths(model)[0]
-    shapes: dict[str, tuple[int, ...]] = {"input_layernorm": (e,), "post_attention_layernorm": (e,)}
-    shapes |= {k: v for k, v in gqa_hf.projection_shapes(model).items() if k.startswith("self")}
-    shapes |= {"self_attn.q_norm": (head_dim,), "self_attn.k_norm": (head_dim,)}
-    return gqa_hf.checkpoint_tensors(model, shapes, experts)
+    norms = {"self_attn.q_norm": (head_dim,), "self_attn.k_norm": (head_dim,)}  # per head
+    return gqa_hf.checkpoint_tensors(model, moe.layer_shapes(model) | norms, experts)
 
 
 FAMILY = moe.family(

@@ -14,9 +14,10 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict, Unpack
 
 import numpy as np
 
@@ -69,14 +70,13 @@ class ChatTokenized:
 
     def describe(self) -> str:
         c = self.corpus
-        again = " (resumed)" if c.resumed else ""
         head = (
-            f"wrote {c.out_dir}{again}: {c.train_documents:,} + {c.validation_documents:,} "
-            f"conversations rendered with the chat template, {c.train_tokens:,} train + "
-            f"{c.validation_tokens:,} validation {c.token_dtype} tokens in {c.num_shards} "
-            f"shard(s), of which {self.train_trained_tokens:,} + "
-            f"{self.validation_trained_tokens:,} train (the loss mask beside each shard), in "
-            f"{c.seconds:.1f} s; the longest conversation has {self.longest_example:,} tokens"
+            c.masked(
+                f"{c.train_documents:,} + {c.validation_documents:,} conversations rendered with the "
+                "chat template",
+                f"{self.train_trained_tokens:,} + {self.validation_trained_tokens:,} train",
+            )
+            + f"; the longest conversation has {self.longest_example:,} tokens"
         )
         if self.packing is None:
             return head + (
@@ -114,67 +114,91 @@ def first_corpus_record(corpus: str | os.PathLike) -> object | None:
         return None
 
 
-def tokenize_chat(
-    corpus: str | os.PathLike,
-    out_dir: str | os.PathLike,
-    *,
-    tokenizer: str | os.PathLike,
-    chat_template: str | os.PathLike | None = None,
-    eos_token: str | None = None,
-    validation_fraction: float = 0.1,
-    seed: int = 0,
-    shard_tokens: int = DEFAULT_SHARD_TOKENS,
-    overwrite: bool = False,
-    seq_len: int | None = None,
-    workers: int | None = 1,
-) -> ChatTokenized:
-    """Tokenize the chat records of ``corpus`` with the tokenizer folder ``tokenizer`` (its chat
-    template, or the Jinja file ``chat_template``) into token and mask shards in ``out_dir``;
-    running it again on an interrupted folder goes on from its complete shards. With
-    ``seq_len``, the result also packs the train split as a run of that ``training.seq_len``
-    would (longer conversations truncated), for its packing efficiency. ``workers`` processes
-    render and encode (1: this process; None: one per core for corpora of several batches, as
-    ``theseus tokenize`` does). Worker processes start by importing the main module, so a
-    script that asks for them calls this under ``if __name__ == "__main__":``."""
-    start = time.perf_counter()
-    check_options(seq_len, workers, shard_tokens)
-    job = RecordsJob.open(
-        corpus,
-        out_dir,
-        Settings(tokenizer, chat_template, eos_token, validation_fraction, seed, shard_tokens),
-        {},
-        encode_batch,
-        overwrite,
-    )
-    if job.output.finished is not None:
-        manifest = read_json(job.output.out / TOKENIZED_RECORD, "manifest")
-        fields = {**job.output.finished, "seconds": time.perf_counter() - start}
-        return _result(TokenizedCorpus(**fields), manifest, seq_len)
-    job.write(workers, encode_batch)
-    manifest, fields = job.finish(f"chat records {str(corpus)!r}, {len(job.files)} file(s)")
-    seconds = time.perf_counter() - start
-    return _result(TokenizedCorpus(**fields, seconds=seconds), manifest, seq_len)
+class RecordsOptions(TypedDict, total=False):
+    """The optional keywords of :func:`tokenize_chat` and
+    :func:`~theseus.tokenization.chat.preference.tokenize_preference`, with :class:`Settings`'
+    meanings and defaults."""
 
-
-def check_options(seq_len: int | None, workers: int | None, shard_tokens: int) -> None:
-    if seq_len is not None:
-        check_int("seq_len", seq_len, minimum=1)
-    if workers is not None:
-        check_int("workers", workers, minimum=1)
-    check_int("shard_tokens", shard_tokens, minimum=1)
-
-
-@dataclass(frozen=True)
-class Settings:
-    """How records become a masked corpus: the model's tokenizer folder, its template and
-    end-of-text token, the split and the shard size."""
-
-    tokenizer: str | os.PathLike
     chat_template: str | os.PathLike | None
     eos_token: str | None
     validation_fraction: float
     seed: int
     shard_tokens: int
+    overwrite: bool
+    seq_len: int | None
+    workers: int | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    """How records become a masked corpus: the model's tokenizer folder, its chat template (the
+    folder's, or the Jinja file ``chat_template``) and end-of-text token (None: the folder's),
+    the split and the shard size; ``overwrite`` an existing corpus; ``seq_len``, the training
+    sequence length the result reports for (None: none); ``workers`` processes that render and
+    encode (1: this process; None: one per core for corpora of several batches)."""
+
+    tokenizer: str | os.PathLike
+    chat_template: str | os.PathLike | None = None
+    eos_token: str | None = None
+    validation_fraction: float = 0.1
+    seed: int = 0
+    shard_tokens: int = DEFAULT_SHARD_TOKENS
+    overwrite: bool = False
+    seq_len: int | None = None
+    workers: int | None = 1
+
+    def __post_init__(self) -> None:
+        if self.seq_len is not None:
+            check_int("seq_len", self.seq_len, minimum=1)
+        if self.workers is not None:
+            check_int("workers", self.workers, minimum=1)
+        check_int("shard_tokens", self.shard_tokens, minimum=1)
+
+
+def tokenize_chat(
+    corpus: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    tokenizer: str | os.PathLike,
+    **options: Unpack[RecordsOptions],
+) -> ChatTokenized:
+    """Tokenize the chat records of ``corpus`` with the tokenizer folder ``tokenizer`` (its chat
+    template, or the Jinja file ``chat_template``) into token and mask shards in ``out_dir``;
+    running it again on an interrupted folder goes on from its complete shards. With
+    ``seq_len``, the result also packs the train split as a run of that ``training.seq_len``
+    would (longer conversations truncated), for its packing efficiency. The other ``options``
+    as :class:`Settings`; ``theseus tokenize`` asks for ``workers=None``. Worker processes
+    start by importing the main module, so a script that asks for them calls this under
+    ``if __name__ == "__main__":``."""
+    given = Settings(tokenizer=tokenizer, **options)
+
+    def finish(job: RecordsJob, records: int) -> tuple[dict, dict]:
+        return job.finish(f"chat records {str(corpus)!r}, {len(job.files)} file(s)")
+
+    return _result(
+        *run_records_job(corpus, out_dir, given, {}, encode_batch, finish), given.seq_len
+    )
+
+
+def run_records_job(
+    corpus: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    given: Settings,
+    own: dict,
+    encode: Encode,
+    finish: Callable[[RecordsJob, int], tuple[dict, dict]],
+) -> tuple[TokenizedCorpus, dict]:
+    """Tokenize records (chat or preference, as ``encode`` encodes them) into ``out_dir`` unless
+    an earlier run finished it, ``finish(job, records read)`` writing the manifest: the corpus
+    figures (timed from here) and the manifest's record."""
+    start = time.perf_counter()
+    job = RecordsJob.open(corpus, out_dir, given, own, encode)
+    if job.output.finished is not None:
+        manifest = read_json(job.output.out / TOKENIZED_RECORD, "manifest")
+        fields = job.output.finished
+    else:
+        manifest, fields = finish(job, job.write(given.workers, encode))
+    return TokenizedCorpus(**fields, seconds=time.perf_counter() - start), manifest
 
 
 @dataclass(frozen=True)
@@ -198,7 +222,6 @@ class RecordsJob:
         given: Settings,
         own: dict,
         encode: Encode,
-        overwrite: bool,
     ) -> RecordsJob:
         """The job's files and encoder, its output folder prepared (fresh, resumed or
         finished), after ``encode`` ran on each file's first record (a bad one, or a missing
@@ -222,7 +245,7 @@ class RecordsJob:
             given.seed,
             given.shard_tokens,
         )
-        output = Output.prepare(out_dir, chosen, overwrite=overwrite)
+        output = Output.prepare(out_dir, chosen, overwrite=given.overwrite)
         return cls(corpus, files, source, encoder, output, given, own)
 
     @property

@@ -12,17 +12,18 @@ from __future__ import annotations
 
 import functools
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Unpack
 
 from theseus.data.preference import PREFERENCE_KIND, load_pairs
-from theseus.data.shards import SPLITS, TOKENIZED_RECORD, read_json
+from theseus.data.shards import SPLITS
 from theseus.tokenization.chat.corpus import (
     RecordsJob,
+    RecordsOptions,
     Settings,
-    check_options,
     first_corpus_record,
+    run_records_job,
 )
 from theseus.tokenization.chat.pairs import (
     LongPrompts,
@@ -30,7 +31,7 @@ from theseus.tokenization.chat.pairs import (
     encode_pair_batch,
     is_preference_record,
 )
-from theseus.tokenization.text import DEFAULT_SHARD_TOKENS, TokenizedCorpus
+from theseus.tokenization.text import TokenizedCorpus
 
 
 @dataclass(frozen=True)
@@ -46,16 +47,14 @@ class PreferenceTokenized:
     prompt_limit: int | None
 
     def describe(self) -> str:
-        c = self.corpus
-        again = " (resumed)" if c.resumed else ""
-        head = (
-            f"wrote {c.out_dir}{again}: {self.pairs['train']:,} + {self.pairs['validation']:,} "
-            f"preference pairs (a chosen and a rejected completion each), {c.train_tokens:,} "
-            f"train + {c.validation_tokens:,} validation {c.token_dtype} tokens in "
-            f"{c.num_shards} shard(s), of which {self.completion_tokens['train']:,} + "
-            f"{self.completion_tokens['validation']:,} completion tokens (the mask beside each "
-            f"shard), in {c.seconds:.1f} s; the longest pair has {self.longest_pair:,} tokens, "
-            f"the longest prompt {self.longest_prompt:,}"
+        pairs, completions = self.pairs, self.completion_tokens
+        head = self.corpus.masked(
+            f"{pairs['train']:,} + {pairs['validation']:,} preference pairs (a chosen and a "
+            "rejected completion each)",
+            f"{completions['train']:,} + {completions['validation']:,} completion tokens",
+        ) + (
+            f"; the longest pair has {self.longest_pair:,} tokens, the longest prompt "
+            f"{self.longest_prompt:,}"
         )
         if self.prompt_limit is None:
             return head + (
@@ -79,52 +78,32 @@ def tokenize_preference(
     out_dir: str | os.PathLike,
     *,
     tokenizer: str | os.PathLike,
-    chat_template: str | os.PathLike | None = None,
-    eos_token: str | None = None,
-    validation_fraction: float = 0.1,
-    seed: int = 0,
-    shard_tokens: int = DEFAULT_SHARD_TOKENS,
-    overwrite: bool = False,
-    seq_len: int | None = None,
     overlong: LongPrompts = "error",
-    workers: int | None = 1,
+    **options: Unpack[RecordsOptions],
 ) -> PreferenceTokenized:
     """Tokenize the preference records of ``corpus`` with the tokenizer folder ``tokenizer``
     (its chat template, or the Jinja file ``chat_template``) into a preference corpus in
     ``out_dir``; running it again on an interrupted folder goes on from its complete shards.
     With ``seq_len``, a pair whose prompt is longer than ``seq_len`` tokens stops it with an
     error naming the record, or is left out (``overlong="drop"``, counted in the manifest).
-    ``workers`` as for :func:`~theseus.tokenization.chat.corpus.tokenize_chat`."""
-    start = time.perf_counter()
-    check_options(seq_len, workers, shard_tokens)
+    The other ``options`` as for :func:`~theseus.tokenization.chat.corpus.tokenize_chat`."""
+    given = Settings(tokenizer=tokenizer, **options)
     if overlong not in ("error", "drop"):
         raise ValueError(f"--overlong is 'error' or 'drop', not {overlong!r}; choose one")
-    limit = PromptLimit(seq_len, overlong)
-    encode = functools.partial(encode_pair_batch, limit)
-    own = {"kind": PREFERENCE_KIND, "prompt_limit": seq_len, "overlong": overlong}
-    job = RecordsJob.open(
-        corpus,
-        out_dir,
-        Settings(tokenizer, chat_template, eos_token, validation_fraction, seed, shard_tokens),
-        own,
-        encode,
-        overwrite,
-    )
-    if job.output.finished is not None:
-        manifest = read_json(job.output.out / TOKENIZED_RECORD, "manifest")
-        fields = job.output.finished
-    else:
-        records = job.write(workers, encode)
+    encode = functools.partial(encode_pair_batch, PromptLimit(given.seq_len, overlong))
+    own = {"kind": PREFERENCE_KIND, "prompt_limit": given.seq_len, "overlong": overlong}
+
+    def finish(job: RecordsJob, records: int) -> tuple[dict, dict]:
         pairs = {name: job.output.summaries[name]["documents"] for name in SPLITS}
-        manifest, fields = job.finish(
+        return job.finish(
             f"preference records {str(corpus)!r}, {len(job.files)} file(s)",
             kind=PREFERENCE_KIND,
             pairs=pairs,
-            prompt_limit=seq_len,
+            prompt_limit=given.seq_len,
             dropped_pairs=records - sum(pairs.values()),
         )
-    seconds = time.perf_counter() - start
-    return _result(TokenizedCorpus(**fields, seconds=seconds), manifest)
+
+    return _result(*run_records_job(corpus, out_dir, given, own, encode, finish))
 
 
 def _result(corpus: TokenizedCorpus, manifest: dict) -> PreferenceTokenized:
