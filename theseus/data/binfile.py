@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from theseus.config import is_int
 from theseus.data.corpus import Corpus
 from theseus.data.split import tail_split
 
@@ -51,7 +52,7 @@ def write_tokens(
         )
     if vocab_size is None:
         vocab_size = int(tokens.max()) + 1
-    if not isinstance(vocab_size, int) or vocab_size <= int(tokens.max()):
+    if not is_int(vocab_size) or vocab_size <= int(tokens.max()):
         raise ValueError(
             f"vocab_size={vocab_size!r} must be an int above the largest token {tokens.max()}"
         )
@@ -69,13 +70,13 @@ def bin_corpus(
         vocab_size = _recorded_vocab_size(path, token_dtype, tokens.size)
     if vocab_size is None:
         vocab_size = int(tokens.max()) + 1
-    if not isinstance(vocab_size, int) or not 0 < vocab_size <= np.iinfo(np.int32).max:
+    if not is_int(vocab_size) or not 0 < vocab_size <= np.iinfo(np.int32).max:
         raise ValueError(f"vocab_size must be an int in [1, 2**31 - 1], got {vocab_size!r}")
     train, validation = tail_split(tokens, validation_fraction)
     return Corpus(
         train,
         validation,
-        vocab_size,
+        int(vocab_size),
         f"token file {str(path)!r}, {tokens.size} {token_dtype} tokens",
     )
 
