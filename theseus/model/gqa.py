@@ -19,9 +19,9 @@ from theseus.accounting.activations import DecoderShape
 from theseus.config import Section
 from theseus.model import windows as sliding
 from theseus.model.attention import AttentionOptions, Kernel
+from theseus.model.cached_decoder import CachedDecoder
 from theseus.model.decoder import (
     Attended,
-    CachedDecoder,
     DecoderModel,
     LayerInputs,
     Skeleton,

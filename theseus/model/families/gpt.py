@@ -17,8 +17,8 @@ from jax.typing import DTypeLike
 from theseus.accounting.activations import DecoderShape
 from theseus.config import Section
 from theseus.model.attention import AttentionOptions, Kernel
+from theseus.model.cached_decoder import CachedDecoder
 from theseus.model.decoder import (
-    CachedDecoder,
     DecoderModel,
     LayerInputs,
     LayerOutput,
