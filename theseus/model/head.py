@@ -7,8 +7,10 @@ softmax and their gradient: 47 GiB for Llama 3.1 8B at 32,768 tokens, more than 
 activations. :func:`target_logps` runs the head over ``chunk`` positions per step of a
 ``jax.lax.scan`` whose body is rematerialised (``jax.checkpoint``), so the forward and the
 backward pass each hold one chunk's logits (examples, chunk, vocab) at a time; the backward
-recomputes them from the normed stream, which is all the scan keeps. The numbers are the
-whole-sequence loss's (each position's log-softmax reads its own logits only).
+recomputes them from the normed stream, which is all the scan keeps (one more head matmul per
+token). A sequence of one chunk is computed directly: its logits are the forward's last op and
+the backward's first, so recomputing them would save nothing. The numbers are the whole
+sequence's (each position's log-softmax reads its own logits only).
 """
 
 from __future__ import annotations
@@ -61,23 +63,23 @@ def target_logps(
     """Float32 log-probabilities (batch, seq) of int ``targets`` (batch, seq) under the logits
     of the stream ``x`` (batch, seq, n_embd), ``chunk`` positions at a time (see the module
     docstring): the full chunks in a scan, the positions left over (fewer than ``chunk``) in
-    one more step of the same body."""
+    one more call of the same rematerialised body."""
     h = final_norm(x, compute_dtype)  # (batch, seq, n_embd)
     batch, seq, width = h.shape
 
-    @jax.checkpoint
     def chunk_logps(h_c: jax.Array, t_c: jax.Array) -> jax.Array:
         """(batch, c, n_embd) and (batch, c) in, (batch, c) out."""
         z = head_logits(h_c, table, softcap)  # (batch, c, vocab) float32
         return -optax.softmax_cross_entropy_with_integer_labels(z, t_c)
 
+    if seq <= chunk:  # the last op of the forward, the first of the backward: nothing to save
+        return chunk_logps(h, targets)
+    remat = jax.checkpoint(chunk_logps)
     full = seq // chunk * chunk
-    parts = []
-    if full:
-        hs = h[:, :full].reshape(batch, -1, chunk, width).swapaxes(0, 1)  # (n, batch, c, width)
-        ts = targets[:, :full].reshape(batch, -1, chunk).swapaxes(0, 1)  # (n, batch, c)
-        _, out = jax.lax.scan(lambda _, xs: (None, chunk_logps(*xs)), None, (hs, ts))
-        parts.append(out.swapaxes(0, 1).reshape(batch, full))
-    if full < seq:
-        parts.append(chunk_logps(h[:, full:], targets[:, full:]))
-    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+    hs = h[:, :full].reshape(batch, -1, chunk, width).swapaxes(0, 1)  # (n, batch, c, width)
+    ts = targets[:, :full].reshape(batch, -1, chunk).swapaxes(0, 1)  # (n, batch, c)
+    _, out = jax.lax.scan(lambda _, xs: (None, remat(*xs)), None, (hs, ts))
+    logps = out.swapaxes(0, 1).reshape(batch, full)  # (batch, full)
+    if full == seq:
+        return logps
+    return jnp.concatenate([logps, remat(h[:, full:], targets[:, full:])], axis=1)

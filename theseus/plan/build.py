@@ -233,7 +233,8 @@ def activations(
     if shape is None or batch_plan is None or totals is None:
         return None
     dtype_bytes = np.dtype(trainer.compute_dtype).itemsize
-    device = Device.of(batch_plan, policy.tp, dtype_bytes, jax.default_backend())
+    backend = jax.default_backend()
+    device = Device.of(batch_plan, policy.tp, dtype_bytes, backend, trainer.loss_chunk)
     gathered = 0  # FSDP gathers each layer's weights, in the compute dtype when castable,
     if policy.fsdp and batch_plan.replicas > 1:  # and reduce-scatters its float32 gradient
         cast = trainer.context.gather_dtype

@@ -4,7 +4,6 @@ into :class:`~theseus.training.trainer.BaseTrainer`. The registry makes one subc
 
 from __future__ import annotations
 
-from functools import cached_property
 from typing import ClassVar
 
 import jax
@@ -113,7 +112,7 @@ class FamilyTrainer(BaseTrainer):
             positions=segment_positions(inputs),
         )
 
-    @cached_property
+    @property
     def loss_chunk(self) -> int:
         """Positions per chunk of the loss: ``training.loss_chunk``, else
         :func:`~theseus.model.head.default_chunk` of the vocabulary and the examples per
