@@ -24,7 +24,7 @@ GEMMA = GEMMA_FAMILY.config_class(
     vocab_size=VOCAB,
     hidden_size=40,
     intermediate_size=48,
-    num_layers=2,
+    num_layers=1,
     num_heads=4,
     num_kv_heads=2,
     head_dim=8,
@@ -66,11 +66,12 @@ def test_chunked_loss_and_gradients_equal_the_whole_sequence():
 
 
 def step_shapes(chunk: int) -> list[list[int]]:
-    """The array shapes of a Llama train step (seq 31, vocabulary 211) compiled for one device
-    with ``training.loss_chunk=chunk``."""
+    """The array shapes of a 1-layer Llama's train step (seq 31, vocabulary 211) compiled for
+    one device with ``training.loss_chunk=chunk``."""
     config = apply_overrides(
         LlamaTrainer.config_class(model=EQUIVALENCE_LLAMA),
         [
+            "model.num_layers=1",
             f"model.vocab_size={VOCAB}",
             f"model.max_position_embeddings={SEQ}",
             f"training.seq_len={SEQ}",

@@ -15,8 +15,9 @@ What a training step holds beyond the model state, as XLA lays it out (measured 
   freed before the layers' backward, so the total counts the larger of the logits and the
   layer peak;
 - **other**: buffers outside the layer scan (the stream around it, the dense kernel's
-  loop-invariant mask), one layer's gathered weights and their whole float32 gradient under
-  FSDP, and the microbatch's float32 gradient before it is added to the accumulator.
+  loop-invariant mask), under FSDP one layer's gathered weights and the tensors gathered whole
+  where used (the token table, the head) with their whole float32 gradients, and the
+  microbatch's float32 gradient before it is added to the accumulator.
 
 The backend matters: XLA:CPU keeps the stacked compute-dtype (bfloat16) residuals in float32
 (:func:`residual_bytes`), so a plan made on CPU, as ``plan --compile`` compiles, counts them at 4
@@ -326,10 +327,10 @@ def activation_memory(
     gathered_layer_bytes: int,
 ) -> ActivationMemory:
     """One microbatch's activation memory per device. ``gradient_bytes``: the microbatch's
-    float32 gradient (as stored: the accumulator's size); ``gathered_layer_bytes``: the layer
-    the scan is running, its weights in the compute layout and the dtype they are gathered in
-    and their float32 gradient whole before it is reduce-scattered, when the step gathers them
-    per layer (FSDP; 0 otherwise)."""
+    float32 gradient (as stored: the accumulator's size); ``gathered_layer_bytes``: what the
+    step gathers under FSDP (0 otherwise), the layer the scan is running and the tensors
+    gathered whole where used (the token table, the head), each in the compute layout and the
+    dtype it is gathered in, with its float32 gradient whole before it is reduce-scattered."""
     other = outside_layers(shape, device) + gradient_bytes + gathered_layer_bytes
     return ActivationMemory(
         kernel=kernel.name,
