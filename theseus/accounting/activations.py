@@ -15,9 +15,10 @@ What a training step holds beyond the model state, as XLA lays it out (measured 
   freed before the layers' backward, so the total counts the larger of the logits and the
   layer peak;
 - **other**: buffers outside the layer scan (the stream around it, the dense kernel's
-  loop-invariant mask), under FSDP one layer's gathered weights and the tensors gathered whole
-  where used (the token table, the head) with their whole float32 gradients, and the
-  microbatch's float32 gradient before it is added to the accumulator.
+  loop-invariant mask), under FSDP one layer's gathered weights with their whole float32
+  gradient and the tensors gathered whole where used (the token table, the head; the head's
+  gradient is the loss's, the table's comes after the peak), and the microbatch's float32
+  gradient before it is added to the accumulator.
 
 The backend matters: XLA:CPU keeps the stacked compute-dtype (bfloat16) residuals in float32
 (:func:`residual_bytes`), so a plan made on CPU, as ``plan --compile`` compiles, counts them at 4
@@ -328,9 +329,9 @@ def activation_memory(
 ) -> ActivationMemory:
     """One microbatch's activation memory per device. ``gradient_bytes``: the microbatch's
     float32 gradient (as stored: the accumulator's size); ``gathered_layer_bytes``: what the
-    step gathers under FSDP (0 otherwise), the layer the scan is running and the tensors
-    gathered whole where used (the token table, the head), each in the compute layout and the
-    dtype it is gathered in, with its float32 gradient whole before it is reduce-scattered."""
+    step gathers under FSDP (0 otherwise), in the compute layout and the dtype it is gathered
+    in: the layer the scan is running, with its float32 gradient whole before it is
+    reduce-scattered, and the tensors gathered whole where used (the token table, the head)."""
     other = outside_layers(shape, device) + gradient_bytes + gathered_layer_bytes
     return ActivationMemory(
         kernel=kernel.name,

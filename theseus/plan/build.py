@@ -241,8 +241,8 @@ def activations(
     if policy.fsdp and batch_plan.replicas > 1:  # and reduce-scatters its float32 gradient;
         cast = trainer.context.gather_dtype  # the tables are gathered whole where used
         itemsize = FLOAT32 if cast is None else np.dtype(cast).itemsize
-        elements = shape.layer_weights // policy.tp + gathered_split(trainer, policy, mesh_shape)[2]
-        gathered = elements * (itemsize + FLOAT32)
+        whole = gathered_split(trainer, policy, mesh_shape)[2]
+        gathered = shape.layer_weights // policy.tp * (itemsize + FLOAT32) + whole * itemsize
     return activation_memory(
         shape,
         trainer.attention_kernel(),
