@@ -9,7 +9,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from support import EQUIVALENCE_LLAMA, FAMILIES, LlamaTrainer
+from support import (
+    EQUIVALENCE_LLAMA,
+    FAMILIES,
+    LlamaTrainer,
+    assert_same_numbers,
+    one_device_run,
+    policy_config,
+    run_steps,
+    shared_trainer,
+)
 
 from theseus.config import apply_overrides
 from theseus.model.head import default_chunk
@@ -63,6 +72,19 @@ def test_chunked_loss_and_gradients_equal_the_whole_sequence():
     for (path, value), expected in zip(flat, jax.tree.leaves(want_grads), strict=True):
         scale = float(jnp.abs(expected).max())
         np.testing.assert_allclose(value, expected, atol=1e-6 * scale, rtol=0, err_msg=str(path))
+
+
+def test_chunks_under_tp2_fsdp_and_accumulation_equal_one_device_whole():
+    """Chunks of 7 of the 24 positions (three and a remainder of 3) under tp=2 + FSDP with 2
+    microbatches: the numbers of one device computing the whole sequence at once (the suite's
+    tolerances), validation included."""
+    policy = ShardingPolicy(tp=2, fsdp=True)
+    trainer = shared_trainer(
+        policy_config(policy, 2, EQUIVALENCE_LLAMA, "training.loss_chunk=7"), policy
+    )
+    assert trainer.loss_chunk == 7 and trainer.batch_plan.accumulation_steps == 2
+    whole = policy_config(policy, 2, EQUIVALENCE_LLAMA)
+    assert_same_numbers(run_steps(trainer, validation=1), one_device_run(whole, validation=1))
 
 
 def step_shapes(chunk: int) -> list[list[int]]:
