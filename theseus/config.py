@@ -71,6 +71,13 @@ class TrainingConfig(Section):
         "gather, half the bytes under bfloat16; the same values, since the layer casts them "
         "anyway) or storage (float32); gradients reduce in float32 either way",
     )
+    loss_chunk: int | None = pydantic.Field(
+        None,
+        gt=0,
+        description="positions of a row whose logits the loss computes at once (the head and the "
+        "cross-entropy run a chunk at a time); None: the largest power of two whose float32 "
+        "logits per device fit in 256 MiB, the whole row when it is shorter",
+    )
     validation_interval: int = pydantic.Field(
         50, gt=0, description="run validation every this many steps (and at the last step)"
     )

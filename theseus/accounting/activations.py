@@ -9,12 +9,16 @@ What a training step holds beyond the model state, as XLA lays it out (measured 
 - **layer peak**: the transient peak of one layer's backward (its residuals as its matmuls read
   them, recomputed under ``full``/``dots``; attention's temporaries by kernel or the MLP's
   residuals, whichever is larger; the gradients flowing through it);
-- **logits**: the float32 logits, their softmax and gradient (vocabulary × tokens), often the
-  largest single term; freed before the layers' backward, so the total counts the larger of the
-  logits and the layer peak;
+- **logits**: the loss's buffers. The head and the cross-entropy run a chunk of positions at a
+  time (:func:`theseus.model.head.target_logps`): one chunk's float32 logits and their gradient
+  (vocabulary × examples × chunk) and the head's float32 gradient as the chunks add to it;
+  freed before the layers' backward, so the total counts the larger of the logits and the
+  layer peak;
 - **other**: buffers outside the layer scan (the stream around it, the dense kernel's
-  loop-invariant mask), one layer's gathered weights and their whole float32 gradient under
-  FSDP, and the microbatch's float32 gradient before it is added to the accumulator.
+  loop-invariant mask), under FSDP one layer's gathered weights with their whole float32
+  gradient and the tensors gathered whole where used (the token table, the head; the head's
+  gradient is the loss's, the table's comes after the peak), and the microbatch's float32
+  gradient before it is added to the accumulator.
 
 The backend matters: XLA:CPU keeps the stacked compute-dtype (bfloat16) residuals in float32
 (:func:`residual_bytes`), so a plan made on CPU, as ``plan --compile`` compiles, counts them at 4
@@ -101,11 +105,20 @@ class Device:
     tp: int
     dtype_bytes: int  # the compute dtype's
     residual_bytes: int | None = None
+    loss_chunk: int | None = None  # positions per chunk of the loss; None: the whole sequence
 
     @staticmethod
-    def of(batch: BatchPlan, tp: int, dtype_bytes: int, backend: str) -> Device:
+    def of(
+        batch: BatchPlan, tp: int, dtype_bytes: int, backend: str, loss_chunk: int | None = None
+    ) -> Device:
         stored = residual_bytes(backend, dtype_bytes)
-        return Device(batch.per_device_batch_size, batch.seq_len, tp, dtype_bytes, stored)
+        examples, seq_len = batch.per_device_batch_size, batch.seq_len
+        return Device(examples, seq_len, tp, dtype_bytes, stored, loss_chunk)
+
+    @property
+    def chunk(self) -> int:
+        """Positions whose logits the loss holds at once."""
+        return min(self.loss_chunk or self.seq_len, self.seq_len)
 
     @property
     def stored_bytes(self) -> int:
@@ -127,6 +140,7 @@ class ActivationMemory:
     remat: str = json_field("activation_checkpointing")
     examples: int = json_field("examples_per_device")
     seq_len: int = json_field("seq_len")
+    loss_chunk: int = json_field("loss_chunk")
     saved: int = json_field("saved_bytes")
     layer_peak: int = json_field("layer_peak_bytes")
     logits: int = json_field("logits_bytes")
@@ -288,9 +302,14 @@ def layer_peak(shape: DecoderShape, kernel: AttentionKernel, remat: str, device:
 
 
 def logits_bytes(shape: DecoderShape, device: Device) -> float:
-    """The loss's buffers: float32 logits, the softmax the loss keeps and the logits' gradient
-    (3 × vocabulary × tokens × 4 bytes; the vocabulary is whole on every TP device)."""
-    return 3 * device.tokens * shape.vocab_size * FLOAT32
+    """The loss's buffers at its backward's peak (the vocabulary is whole on every TP device):
+    one chunk's float32 logits and their gradient in the compute dtype (examples × chunk ×
+    vocabulary each), and the head's float32 gradient twice, its sum over the chunks and one
+    chunk's term (measured on compiled steps with a vocabulary of 32,000, one chunk and
+    several: docs/performance.md)."""
+    logits = device.examples * device.chunk * shape.vocab_size
+    head_gradient = shape.vocab_size * shape.width * FLOAT32
+    return logits * (FLOAT32 + device.dtype_bytes) + 2 * head_gradient
 
 
 def outside_layers(shape: DecoderShape, device: Device) -> float:
@@ -309,16 +328,17 @@ def activation_memory(
     gathered_layer_bytes: int,
 ) -> ActivationMemory:
     """One microbatch's activation memory per device. ``gradient_bytes``: the microbatch's
-    float32 gradient (as stored: the accumulator's size); ``gathered_layer_bytes``: the layer
-    the scan is running, its weights in the compute layout and the dtype they are gathered in
-    and their float32 gradient whole before it is reduce-scattered, when the step gathers them
-    per layer (FSDP; 0 otherwise)."""
+    float32 gradient (as stored: the accumulator's size); ``gathered_layer_bytes``: what the
+    step gathers under FSDP (0 otherwise), in the compute layout and the dtype it is gathered
+    in: the layer the scan is running, with its float32 gradient whole before it is
+    reduce-scattered, and the tensors gathered whole where used (the token table, the head)."""
     other = outside_layers(shape, device) + gradient_bytes + gathered_layer_bytes
     return ActivationMemory(
         kernel=kernel.name,
         remat=remat,
         examples=device.examples,
         seq_len=device.seq_len,
+        loss_chunk=device.chunk,
         saved=round(shape.num_layers * layer_saved(shape, kernel, remat, device)),
         layer_peak=round(layer_peak(shape, kernel, remat, device)),
         logits=round(logits_bytes(shape, device)),

@@ -1,7 +1,7 @@
 """The decode interface: what ``theseus generate`` needs from a model to sample with a KV cache.
 
 A trainer that can generate defines ``decoder()`` returning an object with this interface (GPT's
-is :class:`theseus.model.decoder.CachedDecoder`):
+is :class:`theseus.model.cached_decoder.CachedDecoder`):
 
 - ``context_len``: the most positions the model reads (GPT: ``block_size``); ``vocab_size``: the
   width of its logits.
@@ -18,9 +18,10 @@ is :class:`theseus.model.decoder.CachedDecoder`):
   not kept). Attention must read only cache positions ``<=`` each query's own, so entries past
   a row's position (older garbage) never matter.
 
-``params`` is the model's ``nnx.Param`` state (:class:`~theseus.model.decoder.CachedDecoder`
-merges it with the model's graphdef and reads typed weights), in the compute layout. Prefill calls the decoder once with the prompts right-padded to one length; each
-decode step calls it with one token per row.
+``params`` is the model's ``nnx.Param`` state (the
+:class:`~theseus.model.cached_decoder.CachedDecoder` merges it with the model's graphdef and
+reads typed weights), in the compute layout. Prefill calls the decoder once with the prompts
+right-padded to one length; each decode step calls it with one token per row.
 """
 
 from __future__ import annotations

@@ -4,19 +4,16 @@ A family describes its decoder with a :class:`Skeleton`: how tokens at positions
 float32 residual stream (``embed``), what each layer reads besides its weights that depends only
 on positions (``features``: rotary angles), and one layer (``layer``); its model gives its
 parameters as typed :class:`Weights` (the token table, the stacked layers of the family's layer
-type, the final norm, the head). :func:`run` runs it for training (layers through
-:func:`theseus.scan_layers`), :class:`CachedDecoder` for ``theseus generate``; a layer calls
-``inputs.attend(q, k, v)``, which attends within the sequence in training and writes the keys and
-values into the cache and attends over it in decoding, so each layer is written once; it returns
-what it wrote (:class:`Attended`), and the layer returns that with its new stream
+type, the final norm, the head). :func:`stream` runs it for training (layers through
+:func:`theseus.scan_layers`), then :func:`head` gives logits or, for a loss,
+:func:`theseus.model.head.target_logps` the targets' log-probabilities a chunk at a time;
+:class:`~theseus.model.cached_decoder.CachedDecoder` runs it for ``theseus generate``. A layer
+calls ``inputs.attend(q, k, v)``, which attends within the sequence in training and writes the
+keys and values into the cache and attends over it in decoding, so each layer is written once; it
+returns what it wrote (:class:`Attended`), and the layer returns that with its new stream
 (:class:`LayerOutput`). What differs between layers besides their weights (:class:`LayerData`:
 the attention window, the rotary frequencies) travels through the layer scan as data, so layers
 that slide and layers that read the whole context, with their own rotary bases, stay one scan.
-
-In decoding, the layers of one window share a cache (:mod:`theseus.model.kv_cache`): full-context
-layers keep every position, sliding layers a ring of their window (position ``p`` in slot ``p mod
-window``), and each group keeps the position of every slot as data, so the attention mask reads
-real key positions and an empty slot sits at ``EMPTY``, later than any query.
 """
 
 from __future__ import annotations
@@ -30,17 +27,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import DTypeLike
 
-from theseus.model.attention import (
-    NO_WINDOW,
-    AttentionMask,
-    AttentionOptions,
-    attention,
-    soft_cap,
-)
-from theseus.model.decode import ROWS, CacheArray
+from theseus.model.attention import NO_WINDOW, AttentionMask, AttentionOptions, attention
 from theseus.model.family import Context
-from theseus.model.kv_cache import EMPTY, CacheGroup, Ring, cache_groups
-from theseus.model.layers import dense, dropout, fold_in
+from theseus.model.head import logits, target_logps
+from theseus.model.layers import dropout, fold_in
 from theseus.model.lora import LoraSpec, add_adapters
 from theseus.model.parts import Norm, arrays, weights
 from theseus.sharding.layer_scan import scan_layers
@@ -119,6 +109,17 @@ class Outputs:
     a model without experts)."""
 
     logits: jax.Array
+    routing: Any = None
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class TargetLogps:
+    """What a forward pass scored against targets gives: float32 ``logps`` (batch, seq), each
+    target's log-probability (computed in chunks: :func:`theseus.model.head.target_logps`),
+    and the routing statistics as in :class:`Outputs`."""
+
+    logps: jax.Array
     routing: Any = None
 
 
@@ -261,20 +262,46 @@ class DecoderModel(nnx.Module):
         per-example ``keys`` ``(batch,)``, which it then needs. Packed rows give ``segments``
         (batch, seq), a query reading keys of its own segment only, and ``positions`` (batch,
         seq), which restart in each segment (default: 0, 1, ... along the row)."""
+        w, keys = arrays(self.weights()), self.dropout_keys(keys, deterministic)
+        return run(w, tokens, self.skeleton, keys, segments=segments, positions=positions)
+
+    def target_logps(
+        self,
+        tokens: jax.Array,
+        targets: jax.Array,
+        keys: jax.Array | None = None,
+        *,
+        chunk: int,
+        deterministic: bool = True,
+        segments: jax.Array | None = None,
+        positions: jax.Array | None = None,
+    ) -> TargetLogps:
+        """The :class:`TargetLogps` of int ``tokens`` against int ``targets`` (both (batch,
+        seq); the other arguments as :meth:`outputs` reads them): the head and the loss run
+        ``chunk`` positions at a time, so no logits (batch, seq, vocab) exist."""
+        w, sk = arrays(self.weights()), self.skeleton
+        keys = self.dropout_keys(keys, deterministic)
+        x, routing = stream(w, tokens, sk, keys, segments=segments, positions=positions)
+        table = w.table if w.head is None else w.head  # (vocab, n_embd)
+        args = (sk.compute_dtype, sk.logit_softcap, chunk)
+        return TargetLogps(target_logps(w.final_norm, table, x, targets, *args), routing)
+
+    def dropout_keys(self, keys: jax.Array | None, deterministic: bool) -> jax.Array | None:
+        """The per-example dropout ``keys`` a forward pass uses: None when it applies no
+        dropout (``deterministic``, or no dropout in the model)."""
         rate = self.skeleton.dropout
         if deterministic or rate == 0.0:
-            keys = None
-        elif keys is None:
+            return None
+        if keys is None:
             raise ValueError(
                 f"{type(self).__name__} with dropout {rate} called with deterministic=False "
                 "needs one key per example: pass keys (batch,), e.g. Keys.examples in a "
                 "trainer's loss"
             )
-        w = arrays(self.weights())
-        return run(w, tokens, self.skeleton, keys, segments=segments, positions=positions)
+        return keys
 
 
-def run(
+def stream(
     weights: Weights,
     tokens: jax.Array,
     skeleton: Skeleton,
@@ -282,8 +309,9 @@ def run(
     *,
     segments: jax.Array | None = None,
     positions: jax.Array | None = None,
-) -> Outputs:
-    """The :class:`Outputs` of int ``tokens`` (batch, seq) from ``weights``; with per-example
+) -> tuple[jax.Array, Any]:
+    """The float32 stream (batch, seq, n_embd) after the last layer, before the final norm, of
+    int ``tokens`` (batch, seq) from ``weights``, and the routing statistics; with per-example
     ``keys`` (batch,), dropout at ``skeleton.dropout`` (embedding: stream 0, layer ``i``: stream
     ``i + 1``); with ``segments`` and ``positions`` (batch, seq), attention within each segment
     and positions as given (packed rows). The routing statistics leave padding (segment 0) out."""
@@ -314,132 +342,25 @@ def run(
     num_layers = jax.tree.leaves(weights.layers)[0].shape[0]  # leaves (n_layer, ...)
     per_layer = (weights.layers, jnp.arange(num_layers), sk.per_layer.data(num_layers))
     carry = (x, sk.routing(sk.settings))
-    x, routing = scan_layers(one_layer, carry, per_layer, remat=sk.remat)
-    return Outputs(head(weights, x, sk), routing)
+    return scan_layers(one_layer, carry, per_layer, remat=sk.remat)
+
+
+def run(
+    weights: Weights,
+    tokens: jax.Array,
+    skeleton: Skeleton,
+    keys: jax.Array | None = None,
+    *,
+    segments: jax.Array | None = None,
+    positions: jax.Array | None = None,
+) -> Outputs:
+    """The :class:`Outputs` of int ``tokens`` (batch, seq): :func:`stream`, then :func:`head`."""
+    x, routing = stream(weights, tokens, skeleton, keys, segments=segments, positions=positions)
+    return Outputs(head(weights, x, skeleton), routing)
 
 
 def head(weights: Weights, x: jax.Array, skeleton: Skeleton) -> jax.Array:
     """Logits (batch, seq, vocab) float32 of the stream ``x``: the final norm, then the head;
     soft-capped when the skeleton says."""
-    h = weights.final_norm(x, skeleton.compute_dtype)  # (batch, seq, n_embd)
     table = weights.table if weights.head is None else weights.head  # (vocab, n_embd)
-    logits = dense(h, table, jnp.float32, transposed=True)  # (batch, seq, vocab)
-    return soft_cap(logits, skeleton.logit_softcap)
-
-
-@dataclass(frozen=True)
-class CachedDecoder:
-    """A family's decoder with a cache of keys and values (:class:`theseus.model.decode.Decoder`)
-    per :class:`CacheGroup`: ``k`` and ``v`` of shape (layers of the group, rows, length,
-    kv_width) in the compute dtype, named (``n_layer``, rows, ``names[0]``, ``names[1]``): rows
-    over ``batch``, the key/value heads as the family's plan splits their projections in
-    training; and ``positions`` (rows, length) int32, each slot's key position. ``graphdef``:
-    the model's graph, which reads the parameter dict as typed :class:`Weights`."""
-
-    skeleton: Skeleton
-    graphdef: nnx.GraphDef
-    vocab_size: int
-    num_layers: int
-    head_dim: int
-    kv_width: int
-    names: tuple[str | None, str]
-
-    @property
-    def context_len(self) -> int:
-        return self.skeleton.context.length
-
-    @property
-    def groups(self) -> tuple[CacheGroup, ...]:
-        return cache_groups(self.skeleton.per_layer.windows, self.num_layers)
-
-    def cache(self, num_rows: int, cache_len: int) -> dict[str, dict[str, CacheArray]]:
-        dtype = self.skeleton.compute_dtype
-        arrays = {}
-        for group in self.groups:
-            length = group.length(cache_len)
-            shape = (len(group.layers), num_rows, length, self.kv_width)
-            kv = CacheArray(shape, dtype, ("n_layer", ROWS, *self.names))
-            positions = CacheArray((num_rows, length), jnp.int32, (ROWS, None), fill=EMPTY)
-            arrays[group.name] = {"k": kv, "v": kv, "positions": positions}
-        return arrays
-
-    def __call__(
-        self,
-        params: Any,
-        cache: dict[str, dict[str, jax.Array]],
-        tokens: jax.Array,
-        positions: jax.Array,
-        lengths: jax.Array | None = None,
-    ) -> tuple[jax.Array, dict[str, dict[str, jax.Array]]]:
-        sk = self.skeleton
-        weights = arrays(nnx.merge(self.graphdef, params).weights())
-        rows, num_new = tokens.shape
-        query_positions = positions[:, None] + jnp.arange(num_new)  # (rows, n)
-        if lengths is None:
-            lengths = jnp.full((rows,), num_new, jnp.int32)
-        x = sk.embed(weights, tokens, query_positions, sk.settings)  # (rows, n, n_embd)
-        features = sk.features(query_positions, sk.settings)
-        groups = self.groups
-        rings = [Ring.of(g, cache[g.name]["positions"], query_positions, lengths) for g in groups]
-
-        def group_attention(group: int, q, k, v, index):
-            """Write ``k``, ``v`` (rows, n, kv_heads, head_dim) into layer ``index`` of
-            ``group``'s stacks and attend with queries ``q``: (output, the group's stacks)."""
-
-            def attend(stacks):
-                ring, read = rings[group], {}
-                for name, new in (("k", k), ("v", v)):
-                    stack = stacks[name]  # (layers of the group, rows, length, kv_width)
-                    written, read[name] = ring.write(stack[index], new.reshape(rows, num_new, -1))
-                    stacks = {**stacks, name: stack.at[index].set(written)}
-                keys, values = (
-                    read[name].reshape(rows, -1, k.shape[2], self.head_dim).astype(q.dtype)
-                    for name in ("k", "v")
-                )  # (rows, length or length + n, kv_heads, head_dim)
-                return sk.attend(q, keys, values, ring.mask), stacks
-
-            return attend
-
-        def layer_step(carry, inputs):
-            x, stacks = carry
-            layer, group, index, data = inputs
-
-            def attend(q, k, v, keep=None):
-                """Each group's stacks pass through a ``cond`` of their own (taken by this
-                layer's group, else handed on untouched), so no group's cache is copied."""
-                del keep  # no dropout in decoding
-                if len(groups) == 1:
-                    out, written = group_attention(0, q, k, v, index)(stacks[0])
-                    return Attended(out, (written,))
-                out, written = jnp.zeros_like(q), []
-                for g in range(len(groups)):
-
-                    def untouched(group_stacks):
-                        return jnp.zeros_like(q), group_stacks
-
-                    taken = group_attention(g, q, k, v, index)
-                    part, group_stacks = jax.lax.cond(group == g, taken, untouched, stacks[g])
-                    out, written = out + part, [*written, group_stacks]
-                return Attended(out, tuple(written))
-
-            layer_inputs = LayerInputs(attend, features, None, data)
-            out = sk.layer(layer, x, layer_inputs, sk.settings)
-            return (out.stream, out.cache), None
-
-        group_of, index_in_group = _layer_places(groups, self.num_layers)
-        stacks = tuple({"k": cache[g.name]["k"], "v": cache[g.name]["v"]} for g in groups)
-        data = sk.per_layer.data(self.num_layers)
-        per_layer = (weights.layers, group_of, index_in_group, data)
-        (x, stacks), _ = jax.lax.scan(layer_step, (x, stacks), per_layer)
-        written = {g.name: {**stacks[i], "positions": rings[i].after} for i, g in enumerate(groups)}
-        last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # (rows, 1, n_embd)
-        return head(weights, last, sk)[:, 0], written  # (rows, vocab)
-
-
-def _layer_places(groups: tuple[CacheGroup, ...], num_layers: int) -> tuple[jax.Array, jax.Array]:
-    """Each layer's group and its index within the group: int32 (n_layer,) each."""
-    group_of, index_in_group = [0] * num_layers, [0] * num_layers
-    for g, group in enumerate(groups):
-        for i, layer in enumerate(group.layers):
-            group_of[layer], index_in_group[layer] = g, i
-    return jnp.array(group_of, jnp.int32), jnp.array(index_in_group, jnp.int32)
+    return logits(weights.final_norm, table, x, skeleton.compute_dtype, skeleton.logit_softcap)

@@ -18,9 +18,9 @@ from flax import nnx
 from theseus.accounting.activations import DecoderShape
 from theseus.model import windows as sliding
 from theseus.model.attention import AttentionConfig
+from theseus.model.cached_decoder import CachedDecoder
 from theseus.model.decoder import (
     Attended,
-    CachedDecoder,
     DecoderModel,
     LayerInputs,
     Skeleton,

@@ -1,7 +1,7 @@
-"""The bounded KV cache of :class:`theseus.model.decoder.CachedDecoder`: layers grouped by their
-attention window (:class:`CacheGroup`), each group's cache a ring of its window (full-context
-layers: of every position) whose slots keep their key positions as data, and one call's writes
-into a ring (:class:`Ring`)."""
+"""The bounded KV cache of :class:`theseus.model.cached_decoder.CachedDecoder`: layers grouped
+by their attention window (:class:`CacheGroup`), each group's cache a ring of its window
+(full-context layers: of every position) whose slots keep their key positions as data, and one
+call's writes into a ring (:class:`Ring`)."""
 
 from __future__ import annotations
 

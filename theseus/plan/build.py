@@ -216,7 +216,7 @@ def _option(
         if layout_error is not None and layout_error != verdict.error:
             verdict = Verdict(False, verdict.error, layout_error)
     zero_model = closed_form(shapes, policy, mesh_shape[Axis.BATCH], totals)
-    acts = activations(shapes, policy, batch_plan, totals)
+    acts = activations(shapes, policy, batch_plan, totals, mesh_shape)
     option = PolicyOption(policy, mesh_shape, totals, verdict, rank, zero_model, acts)
     return option, batch_plan
 
@@ -226,19 +226,23 @@ def activations(
     policy: ShardingPolicy,
     batch_plan: BatchPlan | None,
     totals: MemoryTotals | None,
+    mesh_shape: dict[str, int],
 ) -> ActivationMemory | None:
-    """One microbatch's activation memory per device under ``policy`` (None when the trainer's
-    model is not a decoder the planner knows, or the batch or layouts do not work out)."""
+    """One microbatch's activation memory per device under ``policy`` on a mesh of
+    ``mesh_shape`` (None when the trainer's model is not a decoder the planner knows, or the
+    batch or layouts do not work out)."""
     shape = trainer.decoder_shape()
     if shape is None or batch_plan is None or totals is None:
         return None
     dtype_bytes = np.dtype(trainer.compute_dtype).itemsize
-    device = Device.of(batch_plan, policy.tp, dtype_bytes, jax.default_backend())
+    backend = jax.default_backend()
+    device = Device.of(batch_plan, policy.tp, dtype_bytes, backend, trainer.loss_chunk)
     gathered = 0  # FSDP gathers each layer's weights, in the compute dtype when castable,
-    if policy.fsdp and batch_plan.replicas > 1:  # and reduce-scatters its float32 gradient
-        cast = trainer.context.gather_dtype
+    if policy.fsdp and batch_plan.replicas > 1:  # and reduce-scatters its float32 gradient;
+        cast = trainer.context.gather_dtype  # the tables are gathered whole where used
         itemsize = FLOAT32 if cast is None else np.dtype(cast).itemsize
-        gathered = shape.layer_weights * (itemsize + FLOAT32) // policy.tp
+        whole = gathered_split(trainer, policy, mesh_shape)[2]
+        gathered = shape.layer_weights // policy.tp * (itemsize + FLOAT32) + whole * itemsize
     return activation_memory(
         shape,
         trainer.attention_kernel(),
@@ -249,13 +253,14 @@ def activations(
     )
 
 
-def gathering(
+def gathered_split(
     trainer: BaseTrainer, policy: ShardingPolicy, mesh_shape: dict[str, int]
-) -> str | None:
-    """How the step of ``policy`` gathers the parameters its storage layout splits over
-    ``batch`` (None when none are): per layer inside the model's layer scan
-    (:func:`theseus.scan_layers`), or all at once before the loss, with those temporary bytes."""
-    per_layer, whole, whole_bytes = 0, 0, 0
+) -> tuple[int, int, int]:
+    """What the step of ``policy`` gathers of the parameters its storage layout splits over
+    ``batch``: the number of stacked tensors it gathers one layer at a time, the number of
+    others, gathered whole where used (the token table, the head), and their elements per
+    device in the compute layout."""
+    per_layer, whole, whole_elements = 0, 0, 0
     for leaf in trainer.abstract_leaves:
         storage, compute = (
             partition_spec(leaf.names, trainer.plan.rules(policy, p))
@@ -267,7 +272,18 @@ def gathering(
             per_layer += 1
             continue
         whole += 1
-        whole_bytes += math.prod(shard_shape(leaf.shape, compute, mesh_shape)) * 4  # float32
+        whole_elements += math.prod(shard_shape(leaf.shape, compute, mesh_shape))
+    return per_layer, whole, whole_elements
+
+
+def gathering(
+    trainer: BaseTrainer, policy: ShardingPolicy, mesh_shape: dict[str, int]
+) -> str | None:
+    """How the step of ``policy`` gathers the parameters its storage layout splits over
+    ``batch`` (None when none are): per layer inside the model's layer scan
+    (:func:`theseus.scan_layers`), or all at once before the loss, with those temporary bytes."""
+    per_layer, whole, whole_elements = gathered_split(trainer, policy, mesh_shape)
+    whole_bytes = whole_elements * FLOAT32
     if not per_layer and not whole:
         return None
     whole_text = f"{format_bytes(whole_bytes)} ({whole_bytes:,} bytes)"

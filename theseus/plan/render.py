@@ -70,8 +70,9 @@ def _activations(p: Plan) -> list[str]:
         f"activations of {p.name}, one microbatch per device ({a.kernel} attention, recompute "
         f"{a.remat}): {format_bytes(a.total)} ({_num(a.total)} bytes) = kept for the backward "
         f"{format_bytes(a.saved)} + the larger of one layer's backward peak "
-        f"{format_bytes(a.layer_peak)} and the logits and loss {format_bytes(a.logits)} (freed "
-        f"before the layers' backward) + other {format_bytes(a.other)}"
+        f"{format_bytes(a.layer_peak)} and the logits and loss {format_bytes(a.logits)} (in "
+        f"chunks of {_num(a.loss_chunk)} positions; freed before the layers' backward) + other "
+        f"{format_bytes(a.other)}"
     ]
     if p.device_memory is not None:
         assert p.total is not None  # activations are estimated with the model state only

@@ -16,14 +16,14 @@ from theseus.accounting.preflight import check_context_length
 from theseus.data import Corpus
 from theseus.model.attention import DEFAULT_BLOCK, check_backend
 from theseus.model.decode import Decoder
-from theseus.model.decoder import DecoderModel, Outputs, no_routing
+from theseus.model.decoder import DecoderModel, TargetLogps, no_routing
 from theseus.model.family import Family
+from theseus.model.head import default_chunk
 from theseus.training.flops import flops_per_token
 from theseus.training.keys import Keys
 from theseus.training.losses import (
     TokenLoss,
     masked_token_loss,
-    next_token_loss,
     row_fields,
     segment_positions,
     target_weights,
@@ -56,9 +56,9 @@ class FamilyTrainer(BaseTrainer):
         return self.family.decoder(self.config.model, self.compute_dtype, self.graphdef)
 
     def loss(self, model: nnx.Module, tokens: jax.Array, keys: Keys, *, train: bool) -> jax.Array:
-        """Next-token loss; dropout (when the model has any) in training only."""
-        logits = model(tokens[:, :-1], keys.examples, deterministic=not train)
-        return next_token_loss(logits, tokens[:, 1:])
+        """Next-token loss (the head and the cross-entropy a chunk at a time:
+        :meth:`target_logps`); dropout (when the model has any) in training only."""
+        return -self.target_logps(model, tokens, keys, train=train).logps.mean()
 
     def token_loss(
         self, model: nnx.Module, rows: jax.Array, keys: Keys, *, train: bool
@@ -72,34 +72,53 @@ class FamilyTrainer(BaseTrainer):
         assert isinstance(model, DecoderModel), type(model)  # every family's model is one
         if rows.ndim == 2 and model.skeleton.routing is no_routing:
             return super().token_loss(model, rows, keys, train=train)  # loss(), as overridden
-        deterministic = not train
+        scored = self.target_logps(model, rows, keys, train=train)
         if rows.ndim == 2:
-            out = model.outputs(rows[:, :-1], keys.examples, deterministic=deterministic)
             count = rows.shape[0] * (rows.shape[1] - 1)
-            mean = next_token_loss(out.logits, rows[:, 1:])
+            mean = -scored.logps.mean()
             loss = TokenLoss(mean * count, jnp.asarray(count, jnp.int32))
         else:
-            tokens, mask, segments = row_fields(rows)  # each (examples, seq_len + 1)
-            out = self.segmented_outputs(model, rows, keys, train=train)
-            loss = masked_token_loss(out.logits, tokens[:, 1:], target_weights(mask, segments))
-        return with_routing(loss, out.routing if train else None)
+            _, mask, segments = row_fields(rows)  # each (examples, seq_len + 1)
+            loss = masked_token_loss(scored.logps, target_weights(mask, segments))
+        return with_routing(loss, scored.routing if train else None)
 
-    def segmented_outputs(
+    def target_logps(
         self, model: nnx.Module, rows: jax.Array, keys: Keys, *, train: bool
-    ) -> Outputs:
-        """The outputs (logits (examples, seq_len, vocab), routing) of segmented rows
-        (examples, fields, seq_len + 1): each example attends within its segment, at positions
-        restarted at 0."""
+    ) -> TargetLogps:
+        """Each next-token target's log-probability (examples, seq_len) and the routing
+        statistics, of plain token rows (examples, seq_len + 1) or of segmented rows
+        (examples, fields, seq_len + 1), where each example attends within its segment, at
+        positions restarted at 0. The head and the loss run :attr:`loss_chunk` positions at a
+        time (:func:`theseus.model.head.target_logps`)."""
         assert isinstance(model, DecoderModel), type(model)  # every family's model is one
+        deterministic = not train
+        if rows.ndim == 2:
+            return model.target_logps(
+                rows[:, :-1],
+                rows[:, 1:],
+                keys.examples,
+                chunk=self.loss_chunk,
+                deterministic=deterministic,
+            )
         tokens, _, segments = row_fields(rows)
         inputs = segments[:, :-1]  # (examples, seq_len)
-        return model.outputs(
+        return model.target_logps(
             tokens[:, :-1],
+            tokens[:, 1:],
             keys.examples,
-            deterministic=not train,
+            chunk=self.loss_chunk,
+            deterministic=deterministic,
             segments=inputs,
             positions=segment_positions(inputs),
         )
+
+    @property
+    def loss_chunk(self) -> int:
+        """Positions per chunk of the loss: ``training.loss_chunk``, else
+        :func:`~theseus.model.head.default_chunk` of the vocabulary and the examples per
+        device."""
+        vocab, examples = self.config.model.vocab_size, self.batch_plan.per_device_batch_size
+        return self.config.training.loss_chunk or default_chunk(vocab, examples)
 
     def default_seq_len(self) -> int:
         return self.family.context(self.config.model).length

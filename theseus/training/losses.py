@@ -117,12 +117,10 @@ def with_routing(loss: TokenLoss, sums: RouterSums | None) -> TokenLoss:
     return dataclasses.replace(loss, routing=routing)
 
 
-def masked_token_loss(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> TokenLoss:
-    """Cross-entropy of logits (examples, seq, vocab) against targets (examples, seq), summed
-    where ``weights`` (examples, seq; 0 or 1) is 1."""
-    per_token = optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype(jnp.float32), targets
-    )  # (examples, seq)
+def masked_token_loss(logps: jax.Array, weights: jax.Array) -> TokenLoss:
+    """Cross-entropy of the targets' log-probabilities ``logps`` (examples, seq), summed where
+    ``weights`` (examples, seq; 0 or 1) is 1."""
+    per_token = -logps  # (examples, seq)
     return TokenLoss(jnp.sum(per_token * weights), jnp.sum(weights, dtype=jnp.int32))
 
 

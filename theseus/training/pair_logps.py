@@ -1,5 +1,7 @@
 """Per-example completion log-probabilities of pair rows (:mod:`theseus.data.pairs`), by
-segment sums: no array beyond the model's logits grows with the vocabulary.
+segment sums of the targets' log-probabilities, which the model computes a chunk of positions at
+a time (:meth:`~theseus.training.family.FamilyTrainer.target_logps`): no array grows with the
+vocabulary beyond one chunk's logits.
 
 Segment ``s`` of a row sums the log-probabilities of its trained targets (token ``i + 1`` of
 input ``i`` where both are in ``s`` and the mask is 1: :func:`~theseus.training.losses.
@@ -11,7 +13,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import struct
 
 from theseus.data.packing import SEGMENTS
@@ -37,14 +38,11 @@ class SegmentLogps:
     tokens: jax.Array
 
 
-def completion_logps(logits: jax.Array, rows: jax.Array) -> SegmentLogps:
-    """Each segment's summed completion log-probability of ``logits`` (examples, seq_len, vocab)
-    over pair rows (examples, fields, seq_len + 1)."""
-    tokens, mask, segments = row_fields(rows)
+def completion_logps(token_logps: jax.Array, rows: jax.Array) -> SegmentLogps:
+    """Each segment's summed completion log-probability over pair rows (examples, fields,
+    seq_len + 1), from each target's log-probability ``token_logps`` (examples, seq_len)."""
+    _, mask, segments = row_fields(rows)
     weights = target_weights(mask, segments)  # (examples, seq_len)
-    token_logps = -optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype(jnp.float32), tokens[:, 1:]
-    )  # (examples, seq_len)
     num = rows.shape[-1] + 1  # every example holds at least one token
     inputs = segments[:, :-1]
     return SegmentLogps(

@@ -115,8 +115,8 @@ class PreferenceTrainer(FamilyTrainer):
         """Per row and segment, the reference's summed completion log-probabilities
         (examples, seq_len + 2), without gradient."""
         reference = self.reference_model(model)
-        logits = self.segmented_outputs(reference, rows, keys, train=False).logits
-        return jax.lax.stop_gradient(completion_logps(logits, rows).sums)
+        scored = self.target_logps(reference, rows, keys, train=False)
+        return jax.lax.stop_gradient(completion_logps(scored.logps, rows).sums)
 
     def token_loss(
         self, model: nnx.Module, rows: jax.Array, keys: Keys, *, train: bool
@@ -127,8 +127,8 @@ class PreferenceTrainer(FamilyTrainer):
         FLOP count's and the gather trace's) get the next-token loss."""
         if rows.ndim == 2:
             return super().token_loss(model, rows, keys, train=train)
-        out = self.segmented_outputs(model, rows, keys, train=train)
-        logps = completion_logps(out.logits, rows)
+        policy = self.target_logps(model, rows, keys, train=train)
+        logps = completion_logps(policy.logps, rows)
         pairs = row_pairs(logps, rows)
         preference = self.preference
         reference = None
@@ -144,7 +144,7 @@ class PreferenceTrainer(FamilyTrainer):
             scored.metric_sums(valid),
             jnp.sum(logps.tokens[:, 1:]).astype(jnp.int32),
         )
-        return with_routing(loss, out.routing if train else None)
+        return with_routing(loss, policy.routing if train else None)
 
     def zero_loss(self) -> TokenLoss:
         zero, none = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)

@@ -161,6 +161,12 @@ class BaseTrainer(abc.ABC):
         """The attention kernel the model's layers run, for the activation estimate."""
         return AttentionKernel("xla")
 
+    @property
+    def loss_chunk(self) -> int | None:
+        """Positions of a row whose logits the loss computes at once, for the activation
+        estimate (None: the whole sequence, as :meth:`loss` reads the model's logits)."""
+        return None
+
     def check_backend(self) -> None:
         """Reject, before a run writes anything, what this process's backend cannot run
         (nothing unless a subclass says otherwise)."""

@@ -16,8 +16,8 @@ from jax.typing import DTypeLike
 
 from theseus.accounting.activations import DecoderShape
 from theseus.model.attention import AttentionConfig
+from theseus.model.cached_decoder import CachedDecoder
 from theseus.model.decoder import (
-    CachedDecoder,
     DecoderModel,
     LayerInputs,
     LayerOutput,

@@ -1,0 +1,126 @@
+"""The loss computed a chunk of positions at a time (theseus.model.head.target_logps): the same
+log-probabilities, loss and gradients as the whole sequence's logits (a length that is no multiple
+of the chunk, a mask, Gemma's soft cap and tied head), and a compiled step that holds no
+(sequence, vocabulary) buffer."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from support import (
+    EQUIVALENCE_LLAMA,
+    FAMILIES,
+    LlamaTrainer,
+    assert_same_numbers,
+    one_device_run,
+    policy_config,
+    run_steps,
+    shared_trainer,
+)
+
+from theseus.config import apply_overrides
+from theseus.model.head import default_chunk
+from theseus.sharding.axis import ShardingPolicy
+from theseus.sharding.topology import Topology
+
+GEMMA_FAMILY = FAMILIES["gemma"].family
+# Prime dimensions apart from every other: 31 positions (no multiple of the chunk of 8), a
+# vocabulary of 211, a tied head and a final soft cap of 8.
+SEQ, VOCAB, CHUNK = 31, 211, 8
+GEMMA = GEMMA_FAMILY.config_class(
+    vocab_size=VOCAB,
+    hidden_size=40,
+    intermediate_size=48,
+    num_layers=1,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    max_position_embeddings=SEQ,
+    tie_word_embeddings=True,
+    final_logit_softcapping=8.0,
+)
+
+
+def whole_logps(model, tokens, targets):
+    """The targets' log-probabilities from the whole sequence's logits (batch, seq, vocab)."""
+    logits = model(tokens)  # (batch, seq, vocab) float32
+    return jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1)[..., 0]
+
+
+def test_chunked_loss_and_gradients_equal_the_whole_sequence():
+    model = GEMMA_FAMILY.model_class(GEMMA, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    rows = jnp.asarray(rng.integers(0, VOCAB, (3, SEQ + 1)), jnp.int32)
+    weights = jnp.asarray(rng.random((3, SEQ)) < 0.6, jnp.float32)  # (3, seq)
+    graphdef, params = nnx.split(model, nnx.Param)
+
+    def loss(params, scored):
+        logps = scored(nnx.merge(graphdef, params), rows[:, :-1], rows[:, 1:])  # (3, seq)
+        return -jnp.sum(logps * weights) / jnp.sum(weights), logps
+
+    def chunked(m, tokens, targets):
+        return m.target_logps(tokens, targets, chunk=CHUNK).logps
+
+    grads = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
+    (got, got_logps), got_grads = grads(params, chunked)
+    (want, want_logps), want_grads = grads(params, whole_logps)
+    np.testing.assert_allclose(got_logps, want_logps, rtol=1e-6)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    flat = jax.tree_util.tree_flatten_with_path(got_grads)[0]
+    for (path, value), expected in zip(flat, jax.tree.leaves(want_grads), strict=True):
+        scale = float(jnp.abs(expected).max())
+        np.testing.assert_allclose(value, expected, atol=1e-6 * scale, rtol=0, err_msg=str(path))
+
+
+def test_chunks_under_tp2_fsdp_and_accumulation_equal_one_device_whole():
+    """Chunks of 7 of the 24 positions (three and a remainder of 3) under tp=2 + FSDP with 2
+    microbatches: the numbers of one device computing the whole sequence at once (the suite's
+    tolerances), validation included."""
+    policy = ShardingPolicy(tp=2, fsdp=True)
+    trainer = shared_trainer(
+        policy_config(policy, 2, EQUIVALENCE_LLAMA, "training.loss_chunk=7"), policy
+    )
+    assert trainer.loss_chunk == 7 and trainer.batch_plan.accumulation_steps == 2
+    whole = policy_config(policy, 2, EQUIVALENCE_LLAMA)
+    assert_same_numbers(run_steps(trainer, validation=1), one_device_run(whole, validation=1))
+
+
+def step_shapes(chunk: int) -> list[list[int]]:
+    """The array shapes of a 1-layer Llama's train step (seq 31, vocabulary 211) compiled for
+    one device with ``training.loss_chunk=chunk``."""
+    config = apply_overrides(
+        LlamaTrainer.config_class(model=EQUIVALENCE_LLAMA),
+        [
+            "model.num_layers=1",
+            f"model.vocab_size={VOCAB}",
+            f"model.max_position_embeddings={SEQ}",
+            f"training.seq_len={SEQ}",
+            "training.batch_size=3",
+            "training.per_device_batch_size=3",
+            f"training.loss_chunk={chunk}",
+        ],
+    )
+    policy = ShardingPolicy()
+    trainer = LlamaTrainer(config, policy, Topology.new(policy, devices=jax.devices()[:1]))
+    text = trainer.compile().executable.as_text()
+    return [[int(d) for d in s.split(",") if d] for s in re.findall(r"\[([0-9,]+)\]", text)]
+
+
+def test_the_compiled_step_holds_no_sequence_by_vocabulary_buffer():
+    """Chunks of 8: no buffer has both the sequence's and the vocabulary's length; the whole
+    sequence as one chunk (the control) holds such buffers."""
+    chunked = [s for s in step_shapes(CHUNK) if SEQ in s and VOCAB in s]
+    whole = [s for s in step_shapes(SEQ) if SEQ in s and VOCAB in s]
+    assert not chunked, chunked[:3]
+    assert whole
+
+
+def test_the_default_chunk_bounds_a_chunk_of_logits():
+    """Llama 3.1 8B's vocabulary: 512 positions (256 MiB of float32 logits per example); the
+    test models' vocabularies: the whole of any sequence they read."""
+    assert default_chunk(128256, 1) == 512
+    assert default_chunk(128256, 2) == 256
+    assert default_chunk(256000, 1) == 256
+    assert default_chunk(256, 32) == 8192

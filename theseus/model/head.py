@@ -1,0 +1,85 @@
+"""The output head: the final norm and the projection to the vocabulary, as logits (decoding,
+inference) or as the log-probabilities of target tokens (every loss in training and
+evaluation), which are computed a chunk of positions at a time.
+
+A loss over the whole sequence at once holds float32 logits (examples, seq, vocab), their
+softmax and their gradient: 47 GiB for Llama 3.1 8B at 32,768 tokens, more than the layers'
+activations. :func:`target_logps` runs the head over ``chunk`` positions per step of a
+``jax.lax.scan`` whose body is rematerialised (``jax.checkpoint``), so the forward and the
+backward pass each hold one chunk's logits (examples, chunk, vocab) at a time; the backward
+recomputes them from the normed stream, which is all the scan keeps (one more head matmul per
+token). A sequence of one chunk is computed directly: its logits are the forward's last op and
+the backward's first, so recomputing them would save nothing. The numbers are the whole
+sequence's (each position's log-softmax reads its own logits only).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from theseus.model.attention import soft_cap
+from theseus.model.layers import dense
+
+#: What one chunk's float32 logits may take per device by default (:func:`default_chunk`).
+CHUNK_LOGITS_BYTES = 256 * 2**20
+
+
+def default_chunk(vocab_size: int, examples: int) -> int:
+    """Positions per chunk when ``training.loss_chunk`` is unset: the largest power of two
+    whose float32 logits for ``examples`` rows fit in :data:`CHUNK_LOGITS_BYTES` (at least 1):
+    512 for Llama 3.1 8B's 128,256 tokens and one example; a short sequence is one chunk."""
+    fits = max(1, CHUNK_LOGITS_BYTES // (4 * vocab_size * examples))
+    return 1 << (fits.bit_length() - 1)
+
+
+def head_logits(
+    h: jax.Array, table: jax.Array, softcap: float | None
+) -> jax.Array:  # (batch, seq, vocab)
+    """Float32 logits of the normed stream ``h`` (batch, seq, n_embd) through ``table``
+    (vocab, n_embd), soft-capped at ``softcap`` (None: uncapped)."""
+    return soft_cap(dense(h, table, jnp.float32, transposed=True), softcap)
+
+
+def logits(
+    final_norm: Any, table: jax.Array, x: jax.Array, compute_dtype: Any, softcap: float | None
+) -> jax.Array:
+    """Logits (batch, seq, vocab) float32 of the stream ``x``: ``final_norm``, then the head."""
+    return head_logits(final_norm(x, compute_dtype), table, softcap)
+
+
+def target_logps(
+    final_norm: Any,
+    table: jax.Array,
+    x: jax.Array,
+    targets: jax.Array,
+    compute_dtype: Any,
+    softcap: float | None,
+    chunk: int,
+) -> jax.Array:
+    """Float32 log-probabilities (batch, seq) of int ``targets`` (batch, seq) under the logits
+    of the stream ``x`` (batch, seq, n_embd), ``chunk`` positions at a time (see the module
+    docstring): the full chunks in a scan, the positions left over (fewer than ``chunk``) in
+    one more call of the same rematerialised body."""
+    h = final_norm(x, compute_dtype)  # (batch, seq, n_embd)
+    batch, seq, width = h.shape
+
+    def chunk_logps(h_c: jax.Array, t_c: jax.Array) -> jax.Array:
+        """(batch, c, n_embd) and (batch, c) in, (batch, c) out."""
+        z = head_logits(h_c, table, softcap)  # (batch, c, vocab) float32
+        return -optax.softmax_cross_entropy_with_integer_labels(z, t_c)
+
+    if seq <= chunk:  # the last op of the forward, the first of the backward: nothing to save
+        return chunk_logps(h, targets)
+    remat = jax.checkpoint(chunk_logps)
+    full = seq // chunk * chunk
+    hs = h[:, :full].reshape(batch, -1, chunk, width).swapaxes(0, 1)  # (n, batch, c, width)
+    ts = targets[:, :full].reshape(batch, -1, chunk).swapaxes(0, 1)  # (n, batch, c)
+    _, out = jax.lax.scan(lambda _, xs: (None, remat(*xs)), None, (hs, ts))
+    logps = out.swapaxes(0, 1).reshape(batch, full)  # (batch, full)
+    if full == seq:
+        return logps
+    return jnp.concatenate([logps, remat(h[:, full:], targets[:, full:])], axis=1)
