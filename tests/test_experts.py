@@ -3,6 +3,8 @@ expert on every token, weighted), and the capacity setting: at experts / top_k n
 and the output is dropless's; at 1.0 the choices beyond each expert's share are dropped, the
 earliest tokens first, and counted."""
 
+from dataclasses import replace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +20,8 @@ from theseus.model.experts import (
     route,
     within_capacity,
 )
-from theseus.model.parts import arrays
+from theseus.model.lora import delta
+from theseus.model.parts import Lora, arrays
 
 EXPERTS, TOP_K, WIDTH, MLP = 5, 2, 11, 7
 
@@ -36,7 +39,8 @@ def _tokens() -> jax.Array:
 def _dense(block: Experts, h: np.ndarray, weights: np.ndarray, experts: np.ndarray) -> np.ndarray:
     """Each token's chosen experts' SwiGLU outputs, weighted, by loops (float64)."""
     gate, up, down = (
-        np.asarray(w, np.float64) for w in (block.gate_proj, block.up_proj, block.down_proj)
+        np.asarray(w, np.float64)
+        for w in (block.gate_proj.weight, block.up_proj.weight, block.down_proj.weight)
     )
     out = np.zeros(h.shape)
     for t in range(h.shape[0]):
@@ -102,3 +106,28 @@ def test_padded_blocks_equal_the_grouped_matmul():
         # Gradients of a sum of squares reach ~570 here: 1e-3 is 2e-6 of the largest (float32
         # sums in another order; measured 1.8e-4 at most).
         np.testing.assert_allclose(got, want, atol=1e-3, rtol=1e-5)
+
+
+def test_expert_adapters_equal_their_merged_weights():
+    """Per-expert LoRA factors, applied in the grouped products of both formulations, give
+    what each expert's merged weight ``W + scale · b a`` gives."""
+    block, h = _block(), _tokens().reshape(-1, WIDTH)[:20]
+    sizes = jnp.array([3, 0, 9, 1, 7], jnp.int32)
+    keys = iter(jax.random.split(jax.random.key(5), 6))
+    adapted, merged = {}, {}
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        proj = getattr(block, name)
+        experts, d_out, d_in = proj.weight.shape
+        a = jax.random.normal(next(keys), (experts, 3, d_in)) * 0.3  # (experts, rank, d_in)
+        b = jax.random.normal(next(keys), (experts, d_out, 3)) * 0.3  # (experts, d_out, rank)
+        lora = Lora(a=a, b=b, scale=0.5)
+        adapted[name] = replace(proj, lora=lora)
+        merged[name] = replace(proj, weight=proj.weight + lora.scale * delta(lora, "oi"))
+    with_adapters, with_merged = replace(block, **adapted), replace(block, **merged)
+    for formulation in (_blocked, _ragged):
+        blocks = (with_adapters, with_merged, block)
+        got, want, base = jax.jit(
+            lambda bs, f=formulation: [f(h, b, sizes, jax.nn.silu) for b in bs]
+        )(blocks)
+        assert np.abs(got - base).max() > 1e-2
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)

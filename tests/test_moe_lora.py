@@ -1,7 +1,8 @@
-"""A LoRA chat fine-tune of an imported tiny Qwen3-MoE from the command line (adapters on the
-attention projections and the routers), under tp=2 + FSDP with the experts over shard: its
-validation loss falls, and its merged export loads in transformers with the run's logits.
-Needs the reference extra, like tests/test_moe_hf.py."""
+"""A LoRA chat fine-tune of an imported tiny Qwen3-MoE from the command line (adapters on every
+projection: attention, routers and each expert's gate, up and down), under tp=2 + FSDP with the
+experts over shard: its validation loss falls, and its merged export loads in transformers with
+the run's logits. peft cannot load the expert adapters into transformers 5's fused experts, so
+their peft export is refused. Needs the reference extra, like tests/test_moe_hf.py."""
 
 import json
 
@@ -34,6 +35,13 @@ def test_lora_chat_fine_tune_of_qwen3_moe_exports_merged(tmp_path):
     rows = read_metrics(run)
     assert rows[-1]["val_loss"] < rows[0]["val_loss"]
     assert all("aux_loss" in row and "expert_load" in row for row in rows)
+
+    stored = "".join(p.read_text() for p in run.glob("checkpoints/*/state/array_metadatas/*"))
+    for expert in ("gate_proj", "up_proj", "down_proj"):  # per-expert adapters were trained
+        assert f"params.layers.mlp.{expert}.lora_a" in stored
+    refused = invoke("export-hf", run, tmp_path / "adapters", "--adapters")
+    assert refused.exit_code == 2 and "layers/mlp/gate_proj" in refused.output
+    assert not (tmp_path / "adapters").exists()
 
     logits = theseus.logits(run, IDS)
     assert np.abs(logits - reference.logits).max() > 1e-3  # the adapters changed the model

@@ -96,10 +96,10 @@ def test_parameter_count_names_and_active_matmuls():
     chosen experts and the router, not all four experts."""
     trainer = shared_trainer(equivalence_config(4, MODEL), ShardingPolicy(tp=2, fsdp=True))
     names = {leaf.path: leaf.names for leaf in trainer.abstract_leaves}
-    assert names["layers/mlp/gate_proj"] == ("n_layer", "n_expert", "n_expert_mlp", "n_embd")
+    assert names["layers/mlp/gate_proj/weight"] == ("n_layer", "n_expert", "n_expert_mlp", "n_embd")
     assert names["layers/mlp/gate/weight"] == ("n_layer", "n_expert", "n_embd")
     assert trainer.num_params == FAMILY.num_params(MODEL)
-    assert "layers/mlp/down_proj" in trainer.per_layer_paths  # gathered one layer at a time
+    assert "layers/mlp/down_proj/weight" in trainer.per_layer_paths  # gathered one layer at a time
     fewer = MODEL.model_copy(update={"num_experts": 4})
     assert FAMILY.num_params(MODEL) - FAMILY.num_params(fewer) == 2 * 4 * 40 * (1 + 3 * 16)
     weights = FAMILY.matmuls(MODEL).layer_weights
