@@ -56,7 +56,7 @@ def test_step_records_the_load_balancing_loss():
     model = nnx.merge(trainer.graphdef, jax.device_get(state.params))
     batch = step_batch(trainer, 0)  # (1, 32, seq + 1)
     rows = jnp.asarray(jax.device_get(batch))[0]
-    out = model.outputs(rows[:, :-1])
+    out = nnx.jit(lambda m, ids: m.outputs(ids))(model, rows[:, :-1])  # op by op: seconds
     sums = out.routing
     want_aux = aux_loss(sums, sums.counts, sums.rows)
     _, metrics = trainer.train_step(state, batch)
@@ -150,7 +150,8 @@ def test_cli_run_records_routing_in_its_metrics_rows(tmp_path):
     defaults = FAMILY.config_class().model_dump()
     changed = {k: v for k, v in MODEL.model_dump().items() if v != defaults[k]}
     model = [f"model.{k}={v}" for k, v in changed.items()]
-    training = ["training.steps=2", "training.batch_size=8", "training.per_device_batch_size=1"]
+    training = ["training.steps=2", "training.batch_size=8", "training.per_device_batch_size=1",
+                "training.validation_batches=1"]  # fmt: skip
     flags = ("--job", "qwen3_moe/train/pretrain", "--tp", "2", "--experts", "shard")
     result = invoke("train", *flags, "--out", tmp_path / "run", *model, *training)
     assert result.exit_code == 0, result.output
