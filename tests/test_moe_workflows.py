@@ -1,8 +1,7 @@
 """The dense families' workflows on an imported tiny Qwen3-MoE: lm-evaluation-harness scores
 (``model="theseus"`` under tp=2 + FSDP with the experts over shard) equal the harness's Hugging
-Face backend on the folder, and ``theseus evaluate --tasks --experts shard`` prints them; ``theseus plan
---compile`` compiles the step with the experts placed and its collectives are the exchange the
-plan names (all-gathers, no all-to-all). Needs the eval and reference extras."""
+Face backend on the folder, and ``theseus evaluate --tasks --experts shard`` prints them. Needs the eval and reference
+extras."""
 
 import json
 import re
@@ -51,21 +50,5 @@ def test_harness_scores_of_a_moe_run_equal_transformers(harness):
     assert "experts=shard" in results["config"]["policy"]
     accuracy = reference["results"]["tiny_choice"]["acc,none"]
     assert results["results"]["tiny_choice"]["acc,none"] == pytest.approx(accuracy, rel=1e-5)
-    assert "|tiny_choice|" in result.stdout and f"{accuracy:.4f}" in result.stdout
-
-
-def test_plan_compile_of_a_moe_step_names_its_exchange():
-    """`theseus plan --compile` of Qwen3-MoE with experts over batch: the communication line
-    names all-gathers and no all-to-all, and the compiled step has exactly that."""
-    model = [
-        "model.num_layers=2", "model.hidden_size=48", "model.num_heads=4",
-        "model.num_kv_heads=2", "model.num_experts=8", "model.moe_intermediate_size=16",
-        "model.vocab_size=256",
-    ]  # fmt: skip
-    training = ["training.seq_len=16", "training.batch_size=8", "training.per_device_batch_size=2"]
-    flags = ("--devices", "8", "--tp", "2", "--experts", "batch", "--compile")
-    result = invoke("plan", "qwen3_moe/train/pretrain", *flags, *model, *training)
-    assert result.exit_code == 0, result.output
-    assert "experts split over batch" in result.stdout and "no all-to-all" in result.stdout
-    counts = dict(re.findall(r"^  (all-gather|all-to-all) +(\d+) ", result.stdout, re.MULTILINE))
-    assert int(counts["all-gather"]) > 0 and int(counts["all-to-all"]) == 0, result.stdout
+    printed = re.search(r"^\|tiny_choice\|.*\|acc +\|[^|]*\| *([0-9.]+)\|", result.stdout, re.M)
+    assert printed and float(printed.group(1)) == pytest.approx(accuracy, abs=1e-4), result.stdout

@@ -20,6 +20,8 @@ from support import (
 )
 
 from theseus.model.experts import aux_loss
+from theseus.plan import build as planner
+from theseus.plan.policies import communication
 from theseus.plot import read_metrics
 from theseus.sharding.axis import ShardingPolicy
 from theseus.sharding.layout import LayoutError
@@ -142,6 +144,21 @@ def test_plan_qwen3_30b_a3b_with_experts_placed_each_way(tmp_path):
         assert plan["policy"]["experts"] == placement
         totals[placement] = plan["totals"]["total_bytes"]  # ZeRO tp=8, per device
     assert totals["both"] < totals["batch"] < totals["shard"] < totals["none"], totals
+
+
+def test_compiled_plan_has_the_exchange_its_communication_line_names():
+    """`plan --compile` of experts over batch (tp=2 + FSDP): the line names all-gathers and no
+    all-to-all, and the compiled step runs all-gathers and no all-to-all."""
+    policy = ShardingPolicy(tp=2, fsdp=True, experts="batch")
+    config = policy_config(policy, 1, MODEL)
+    trainer_class = FAMILIES["qwen3_moe"].trainer_class
+    plan = planner.plan(
+        trainer_class, config, policy, 8, compile=True, alternatives=False, compare_remat=False
+    )
+    line = communication(plan.policy)
+    assert "experts split over batch" in line and "no all-to-all" in line
+    collectives = plan.compiled.collectives
+    assert collectives["all-gather"].count > 0 and collectives["all-to-all"].count == 0
 
 
 def test_cli_run_records_routing_in_its_metrics_rows(tmp_path):
