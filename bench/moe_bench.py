@@ -28,9 +28,9 @@ def one_hot_dense(block: Experts, h: jax.Array, activation) -> jax.Array:
     probs = jax.nn.softmax(logits, axis=-1)
     top, chosen = jax.lax.top_k(probs, block.top_k)
     gates = jnp.einsum("tk,tke->te", top, jax.nn.one_hot(chosen, probs.shape[-1]))
-    gate = jnp.einsum("td,eid->tei", h, block.gate_proj)  # (tokens, experts, mlp)
-    up = jnp.einsum("td,eid->tei", h, block.up_proj)
-    out = jnp.einsum("tei,edi->ted", activation(gate) * up, block.down_proj)
+    gate = jnp.einsum("td,eid->tei", h, block.gate_proj.weight)  # (tokens, experts, mlp)
+    up = jnp.einsum("td,eid->tei", h, block.up_proj.weight)
+    out = jnp.einsum("tei,edi->ted", activation(gate) * up, block.down_proj.weight)
     return jnp.einsum("ted,te->td", out, gates)  # (tokens, width)
 
 

@@ -3,6 +3,8 @@ expert on every token, weighted), and the capacity setting: at experts / top_k n
 and the output is dropless's; at 1.0 the choices beyond each expert's share are dropped, the
 earliest tokens first, and counted."""
 
+from dataclasses import replace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,9 +20,15 @@ from theseus.model.experts import (
     route,
     within_capacity,
 )
-from theseus.model.parts import arrays
+from theseus.model.lora import delta
+from theseus.model.parts import Lora, arrays
 
 EXPERTS, TOP_K, WIDTH, MLP = 5, 2, 11, 7
+# Compiled once each: run op by op, the blocks' gathers and scatters cost seconds apiece.
+_mixture = jax.jit(mixture, static_argnums=2)
+_route = jax.jit(route)
+_dropless = jax.jit(dropless, static_argnums=3)
+_within_capacity = jax.jit(within_capacity, static_argnums=(1, 2))
 
 
 def _block(capacity=None) -> Experts:
@@ -36,7 +44,8 @@ def _tokens() -> jax.Array:
 def _dense(block: Experts, h: np.ndarray, weights: np.ndarray, experts: np.ndarray) -> np.ndarray:
     """Each token's chosen experts' SwiGLU outputs, weighted, by loops (float64)."""
     gate, up, down = (
-        np.asarray(w, np.float64) for w in (block.gate_proj, block.up_proj, block.down_proj)
+        np.asarray(w, np.float64)
+        for w in (block.gate_proj.weight, block.up_proj.weight, block.down_proj.weight)
     )
     out = np.zeros(h.shape)
     for t in range(h.shape[0]):
@@ -49,7 +58,7 @@ def _dense(block: Experts, h: np.ndarray, weights: np.ndarray, experts: np.ndarr
 
 def test_dropless_equals_every_chosen_expert_computed_densely():
     block, h = _block(), _tokens()
-    out, routing = mixture(block, h, jax.nn.silu)
+    out, routing = _mixture(block, h, jax.nn.silu)
     flat = np.asarray(h, np.float64).reshape(-1, WIDTH)
     want = _dense(block, flat, np.asarray(routing.weights), np.asarray(routing.experts))
     np.testing.assert_allclose(np.asarray(out).reshape(-1, WIDTH), want, atol=1e-5)
@@ -58,8 +67,8 @@ def test_dropless_equals_every_chosen_expert_computed_densely():
 
 def test_capacity_of_experts_over_top_k_drops_nothing():
     h = _tokens()
-    dropless_out, _ = mixture(_block(), h, jax.nn.silu)
-    out, routing = mixture(_block(EXPERTS / TOP_K), h, jax.nn.silu)
+    dropless_out, _ = _mixture(_block(), h, jax.nn.silu)
+    out, routing = _mixture(_block(EXPERTS / TOP_K), h, jax.nn.silu)
     assert bool(routing.kept.all())
     np.testing.assert_allclose(out, dropless_out, atol=1e-6, rtol=0)
     sums = RouterSums.zeros(EXPERTS, 0.0).add(routing, None)
@@ -69,7 +78,7 @@ def test_capacity_of_experts_over_top_k_drops_nothing():
 def test_capacity_one_drops_beyond_each_experts_share_and_counts_it():
     block, h = _block(1.0), _tokens()
     tokens = h.reshape(-1, WIDTH)
-    routing = within_capacity(route(block, tokens), EXPERTS, 1.0)
+    routing = _within_capacity(_route(block, tokens), EXPERTS, 1.0)
     limit = int(np.ceil(tokens.shape[0] * TOP_K / EXPERTS))  # 16 choices per expert
     taken = np.zeros(EXPERTS, int)
     want_kept = np.zeros((tokens.shape[0], TOP_K), bool)
@@ -81,8 +90,8 @@ def test_capacity_one_drops_beyond_each_experts_share_and_counts_it():
     assert 0 < (~want_kept).sum() < want_kept.size
     sums = RouterSums.zeros(EXPERTS, 0.0).add(routing, None)
     assert float(sums.dropped) == (~want_kept).sum()
-    out = dropless(block, tokens, routing, jax.nn.silu)
-    kept_weights = np.where(want_kept, np.asarray(route(block, tokens).weights), 0.0)
+    out = _dropless(block, tokens, routing, jax.nn.silu)
+    kept_weights = np.where(want_kept, np.asarray(_route(block, tokens).weights), 0.0)
     want = _dense(block, np.asarray(tokens, np.float64), kept_weights, np.asarray(routing.experts))
     np.testing.assert_allclose(np.asarray(out), want, atol=1e-5)
 
@@ -92,13 +101,45 @@ def test_padded_blocks_equal_the_grouped_matmul():
     on CPU too, densely) give the same rows, with an empty expert and groups of every size."""
     block, h = _block(), _tokens().reshape(-1, WIDTH)
     sizes = jnp.array([0, 1, 33, 2, 42], jnp.int32)  # 78 rows, one group above BLOCK_ROWS
-    ragged = _ragged(h[:78], block, sizes, jax.nn.silu)
-    np.testing.assert_allclose(_blocked(h[:78], block, sizes, jax.nn.silu), ragged, atol=1e-5)
-    grads = [
-        jax.grad(lambda b, f=f: jnp.sum(f(h[:78], b, sizes, jax.nn.silu) ** 2))(block)
-        for f in (_blocked, _ragged)
-    ]
+
+    @jax.jit
+    def rows_and_grads(block):
+        def rows(b, f):
+            return f(h[:78], b, sizes, jax.nn.silu)
+
+        def grad(f):
+            return jax.grad(lambda b: jnp.sum(rows(b, f) ** 2))(block)
+
+        return [rows(block, f) for f in (_blocked, _ragged)], [grad(_blocked), grad(_ragged)]
+
+    (blocked, ragged), grads = rows_and_grads(block)
+    np.testing.assert_allclose(blocked, ragged, atol=1e-5)
     for got, want in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1]), strict=True):
         # Gradients of a sum of squares reach ~570 here: 1e-3 is 2e-6 of the largest (float32
         # sums in another order; measured 1.8e-4 at most).
         np.testing.assert_allclose(got, want, atol=1e-3, rtol=1e-5)
+
+
+def test_expert_adapters_equal_their_merged_weights():
+    """Per-expert LoRA factors, applied in the grouped products of both formulations, give
+    what each expert's merged weight ``W + scale · b a`` gives."""
+    block, h = _block(), _tokens().reshape(-1, WIDTH)[:20]
+    sizes = jnp.array([3, 0, 9, 1, 7], jnp.int32)
+    keys = iter(jax.random.split(jax.random.key(5), 6))
+    adapted, merged = {}, {}
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        proj = getattr(block, name)
+        experts, d_out, d_in = proj.weight.shape
+        a = jax.random.normal(next(keys), (experts, 3, d_in)) * 0.3  # (experts, rank, d_in)
+        b = jax.random.normal(next(keys), (experts, d_out, 3)) * 0.3  # (experts, d_out, rank)
+        lora = Lora(a=a, b=b, scale=0.5)
+        adapted[name] = replace(proj, lora=lora)
+        merged[name] = replace(proj, weight=proj.weight + lora.scale * delta(lora, "oi"))
+    with_adapters, with_merged = replace(block, **adapted), replace(block, **merged)
+    for formulation in (_blocked, _ragged):
+        blocks = (with_adapters, with_merged, block)
+        got, want, base = jax.jit(
+            lambda bs, f=formulation: [f(h, b, sizes, jax.nn.silu) for b in bs]
+        )(blocks)
+        assert np.abs(got - base).max() > 1e-2
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)

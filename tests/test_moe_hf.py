@@ -39,10 +39,16 @@ def _model(run):
 
 
 def _choices(model, ids: np.ndarray) -> list[np.ndarray]:
-    """Each layer's chosen experts (tokens, top_k), running the skeleton's layers one by one."""
-    sk, w = model.skeleton, arrays(model.weights())
+    """Each layer's chosen experts (tokens, top_k), running the skeleton's layers one by one
+    (compiled: op by op, the expert blocks cost seconds)."""
+    sk = model.skeleton
+    chosen = jax.jit(lambda w, ids: _layer_choices(sk, w, ids))(arrays(model.weights()), ids)
+    return [np.asarray(c) for c in chosen]
+
+
+def _layer_choices(sk, w, ids: jax.Array) -> list[jax.Array]:
     positions = jnp.arange(ids.shape[1])[None]
-    x = sk.embed(w, jnp.asarray(ids), positions, sk.settings)
+    x = sk.embed(w, ids, positions, sk.settings)
     features = sk.features(positions, sk.settings)
     num_layers = w.layers.input_layernorm.weight.shape[0]
     data = sk.per_layer.data(num_layers)
@@ -55,7 +61,7 @@ def _choices(model, ids: np.ndarray) -> list[np.ndarray]:
             return Attended(sk.attend(q, k, v, mask))
 
         out = sk.layer(layer, x, LayerInputs(attend, features, None, layer_data), sk.settings)
-        chosen.append(np.asarray(out.routing.experts))
+        chosen.append(out.routing.experts)
         x = out.stream
     return chosen
 
@@ -86,7 +92,7 @@ def test_moe_matches_transformers(moe):
         np.testing.assert_array_equal(np.sort(got, -1)[untied], np.sort(theirs, -1)[untied])
         compared += int(untied.sum())
     assert compared > 0
-    sums = model.outputs(jnp.asarray(IDS)).routing
+    sums = nnx.jit(lambda m, ids: m.outputs(ids))(model, jnp.asarray(IDS)).routing
     ours = float(aux_loss(sums, sums.counts, sums.rows))
     np.testing.assert_allclose(ours, float(out.aux_loss), rtol=1e-6)
 

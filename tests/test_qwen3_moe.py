@@ -20,6 +20,8 @@ from support import (
 )
 
 from theseus.model.experts import aux_loss
+from theseus.plan import build as planner
+from theseus.plan.policies import communication
 from theseus.plot import read_metrics
 from theseus.sharding.axis import ShardingPolicy
 from theseus.sharding.layout import LayoutError
@@ -56,7 +58,7 @@ def test_step_records_the_load_balancing_loss():
     model = nnx.merge(trainer.graphdef, jax.device_get(state.params))
     batch = step_batch(trainer, 0)  # (1, 32, seq + 1)
     rows = jnp.asarray(jax.device_get(batch))[0]
-    out = model.outputs(rows[:, :-1])
+    out = nnx.jit(lambda m, ids: m.outputs(ids))(model, rows[:, :-1])  # op by op: seconds
     sums = out.routing
     want_aux = aux_loss(sums, sums.counts, sums.rows)
     _, metrics = trainer.train_step(state, batch)
@@ -96,10 +98,10 @@ def test_parameter_count_names_and_active_matmuls():
     chosen experts and the router, not all four experts."""
     trainer = shared_trainer(equivalence_config(4, MODEL), ShardingPolicy(tp=2, fsdp=True))
     names = {leaf.path: leaf.names for leaf in trainer.abstract_leaves}
-    assert names["layers/mlp/gate_proj"] == ("n_layer", "n_expert", "n_expert_mlp", "n_embd")
+    assert names["layers/mlp/gate_proj/weight"] == ("n_layer", "n_expert", "n_expert_mlp", "n_embd")
     assert names["layers/mlp/gate/weight"] == ("n_layer", "n_expert", "n_embd")
     assert trainer.num_params == FAMILY.num_params(MODEL)
-    assert "layers/mlp/down_proj" in trainer.per_layer_paths  # gathered one layer at a time
+    assert "layers/mlp/down_proj/weight" in trainer.per_layer_paths  # gathered one layer at a time
     fewer = MODEL.model_copy(update={"num_experts": 4})
     assert FAMILY.num_params(MODEL) - FAMILY.num_params(fewer) == 2 * 4 * 40 * (1 + 3 * 16)
     weights = FAMILY.matmuls(MODEL).layer_weights
@@ -144,13 +146,29 @@ def test_plan_qwen3_30b_a3b_with_experts_placed_each_way(tmp_path):
     assert totals["both"] < totals["batch"] < totals["shard"] < totals["none"], totals
 
 
+def test_compiled_plan_has_the_exchange_its_communication_line_names():
+    """`plan --compile` of experts over batch (tp=2 + FSDP): the line names all-gathers and no
+    all-to-all, and the compiled step runs all-gathers and no all-to-all."""
+    policy = ShardingPolicy(tp=2, fsdp=True, experts="batch")
+    config = policy_config(policy, 1, MODEL)
+    trainer_class = FAMILIES["qwen3_moe"].trainer_class
+    plan = planner.plan(
+        trainer_class, config, policy, 8, compile=True, alternatives=False, compare_remat=False
+    )
+    line = communication(plan.policy)
+    assert "experts split over batch" in line and "no all-to-all" in line
+    collectives = plan.compiled.collectives
+    assert collectives["all-gather"].count > 0 and collectives["all-to-all"].count == 0
+
+
 def test_cli_run_records_routing_in_its_metrics_rows(tmp_path):
     """`theseus train --job qwen3_moe/train/pretrain --experts shard`: every row has the
     load-balancing loss, each expert's load (a dict by index) and the dropped fraction."""
     defaults = FAMILY.config_class().model_dump()
     changed = {k: v for k, v in MODEL.model_dump().items() if v != defaults[k]}
     model = [f"model.{k}={v}" for k, v in changed.items()]
-    training = ["training.steps=2", "training.batch_size=8", "training.per_device_batch_size=1"]
+    training = ["training.steps=2", "training.batch_size=8", "training.per_device_batch_size=1",
+                "training.validation_batches=1"]  # fmt: skip
     flags = ("--job", "qwen3_moe/train/pretrain", "--tp", "2", "--experts", "shard")
     result = invoke("train", *flags, "--out", tmp_path / "run", *model, *training)
     assert result.exit_code == 0, result.output

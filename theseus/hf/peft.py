@@ -36,7 +36,7 @@ def adapter_tensors(
             "Hugging Face model (HFSpec.peft_targets; GPT-2 fuses q, k and v into one c_attn). "
             "Export the merged weights (without --adapters)."
         )
-    found = []
+    found, exported = [], set()
     for tensor in tensors:
         module = tensor.name.split(".")[-2]
         if module not in targets:
@@ -45,6 +45,7 @@ def adapter_tensors(
         module_path, _, leaf = part.path.rpartition("/")
         if leaf != "weight" or not _has(params, f"{module_path}/lora_a"):
             continue
+        exported.add(module_path)
         stem = PEFT_PREFIX + tensor.name.removesuffix(".weight")
         rank = leaf_at(params, f"{module_path}/lora_a").shape[-2]
         d_out, d_in = tensor.shape
@@ -55,6 +56,26 @@ def adapter_tensors(
             found.append(
                 HFTensor(f"{stem}.{name}.weight", shape, (Part(path, part.layer, 0, shape[-1]),))
             )
+    left = sorted(set(_adapted(params)) - exported)
+    if left:
+        raise ValueError(
+            f"--adapters: this {family.name} run has adapters on {', '.join(left)}, which peft "
+            f"cannot load into the family's Hugging Face model: peft adapts its modules "
+            f"{', '.join(targets)} (a mixture of experts' router is no Linear module in "
+            "transformers 5, and its experts are 3-D parameters with gate and up fused, which "
+            "separate per-expert gate and up adapters do not map onto). Export the merged "
+            "weights (without --adapters), or fine-tune with finetune.lora_targets limited to "
+            "those modules."
+        )
+    return found
+
+
+def _adapted(params: dict, prefix: str = "") -> list[str]:
+    """The paths of the modules of ``params`` that hold adapters."""
+    found = [prefix.rstrip("/")] if "lora_a" in params else []
+    for key, node in params.items():
+        if isinstance(node, dict):
+            found += _adapted(node, f"{prefix}{key}/")
     return found
 
 

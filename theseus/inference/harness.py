@@ -132,7 +132,8 @@ def load_harness_model(
 class TheseusLM(TemplateLM):
     """The harness's language-model interface over a theseus run (see the module docstring).
 
-    ``run`` is the run directory; ``tp``, ``zero`` and ``fsdp`` change its layout; ``job`` and
+    ``run`` is the run directory; ``tp``, ``zero``, ``fsdp`` and ``experts`` (a mixture of
+    experts' placement: none, shard, batch or both) change its layout; ``job`` and
     ``base`` as :func:`theseus.inference.logits.load_run`; ``batch_size`` is the requests a batch
     holds (rounded up to a multiple of the replicas; default 4 a replica).
     """
@@ -143,11 +144,12 @@ class TheseusLM(TemplateLM):
         tp: int | None = None,
         zero: bool | None = None,
         fsdp: bool | None = None,
+        experts: str | None = None,
         job: str | None = None,
         base: str | Path | None = None,
         batch_size: int | None = None,
     ):
-        given = {"tp": tp, "zero": zero, "fsdp": fsdp}
+        given = {"tp": tp, "zero": zero, "fsdp": fsdp, "experts": experts}
         changes = {name: value for name, value in given.items() if value is not None}
         model = load_harness_model(run, policy_changes=changes, job=job, base=base)
         self._bind(model, batch_size)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -51,17 +50,23 @@ _GROUPED = jax.lax.RaggedDotDimensionNumbers(
 class Experts:
     """An expert block's weights, stacked along ``n_layer``: the router ``gate`` (experts,
     n_embd), and each expert's ``gate_proj`` and ``up_proj`` (experts, n_expert_mlp, n_embd) and
-    ``down_proj`` (experts, n_embd, n_expert_mlp), Hugging Face's layout; ``top_k`` experts per
+    ``down_proj`` (experts, n_embd, n_expert_mlp), Hugging Face's layout, each a
+    :class:`Projection` whose LoRA adapters are per expert too (``lora_a`` (experts, rank, d_in),
+    ``lora_b`` (experts, d_out, rank), applied in the grouped products); ``top_k`` experts per
     token, their weights renormalised when ``normalise``; each expert takes at most ``capacity``
     × its even share of a batch's choices (None: every choice, dropless)."""
 
     gate: Projection
-    gate_proj: Any
-    up_proj: Any
-    down_proj: Any
+    gate_proj: Projection
+    up_proj: Projection
+    down_proj: Projection
     top_k: int = static()
     normalise: bool = static()
     capacity: float | None = static(None)
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_proj.weight.shape[-3]
 
     @staticmethod
     def create(
@@ -82,10 +87,11 @@ class Experts:
         normal = nnx.initializers.normal(0.02)
         up_names = ("n_layer", N_EXPERT, N_EXPERT_MLP, "n_embd")
         shape = (num_layers, num_experts, mlp_width, width)
-        gate_proj, up_proj = (param(rngs, shape, up_names, normal) for _ in range(2))
+        gate_proj, up_proj = (Projection(weight=param(rngs, shape, up_names, normal))
+                              for _ in range(2))  # fmt: skip
         down_shape = (num_layers, num_experts, width, mlp_width)
         down_names = ("n_layer", N_EXPERT, "n_embd", N_EXPERT_MLP)
-        down_proj = param(rngs, down_shape, down_names, normal)
+        down_proj = Projection(weight=param(rngs, down_shape, down_names, normal))
         return Experts(
             gate=router,
             gate_proj=gate_proj,
@@ -122,13 +128,30 @@ def route(block: Experts, h: jax.Array) -> Routing:
     return Routing(probs=probs, experts=chosen, weights=top.astype(h.dtype), log_z=log_z)
 
 
-def _grouped(rows: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
-    """Each group of ``rows`` (n, d_in) times its expert's ``w`` (experts, d_out, d_in):
-    (n, d_out) in the rows' dtype, float32 accumulation; group ``e`` is ``sizes[e]`` rows."""
-    out = jax.lax.ragged_dot_general(
-        rows, w.astype(rows.dtype), sizes, _GROUPED, preferred_element_type=jnp.float32
-    )
+def _per_expert(
+    rows: jax.Array, proj: Projection, matmul: Callable[[jax.Array, jax.Array], jax.Array]
+) -> jax.Array:
+    """``rows`` (n, d_in), sorted by expert, through each expert's ``proj`` (weight (experts,
+    d_out, d_in)) with ``matmul(rows, weight)`` (float32 (n, d_out)): (n, d_out) in the rows'
+    dtype; the LoRA adapters' share, ``scale · (rows aᵀ) bᵀ`` per expert, added in float32
+    before the one rounding."""
+    out = matmul(rows, proj.weight)  # (n, d_out) float32
+    if proj.lora is not None:
+        low = matmul(rows, proj.lora.a).astype(rows.dtype)  # (n, rank)
+        out = out + matmul(low, proj.lora.b * proj.lora.scale)
     return out.astype(rows.dtype)
+
+
+def _grouped_matmul(sizes: jax.Array) -> Callable[[jax.Array, jax.Array], jax.Array]:
+    """Each group of rows (n, d_in) times its expert's weight (experts, d_out, d_in): (n,
+    d_out) float32; group ``e`` is ``sizes[e]`` rows."""
+
+    def matmul(rows: jax.Array, w: jax.Array) -> jax.Array:
+        return jax.lax.ragged_dot_general(
+            rows, w.astype(rows.dtype), sizes, _GROUPED, preferred_element_type=jnp.float32
+        )
+
+    return matmul
 
 
 #: Rows per block of the blocked formulation (XLA:CPU, which has no grouped matmul kernel).
@@ -156,11 +179,13 @@ def _blocked(
 
     def matmul(x: jax.Array, w: jax.Array) -> jax.Array:  # per block: (size, d_in) · w[owner]ᵀ
         w = w[owner].astype(x.dtype)  # (blocks, d_out, d_in)
-        out = jnp.einsum("bsi,boi->bso", x, w, preferred_element_type=jnp.float32)
-        return out.astype(x.dtype)
+        return jnp.einsum("bsi,boi->bso", x, w, preferred_element_type=jnp.float32)
 
-    hidden = activation(matmul(x, block.gate_proj)) * matmul(x, block.up_proj)
-    out = matmul(hidden, block.down_proj).reshape(num_blocks * size, -1)
+    def project(x: jax.Array, proj: Projection) -> jax.Array:
+        return _per_expert(x, proj, matmul)
+
+    hidden = activation(project(x, block.gate_proj)) * project(x, block.up_proj)
+    out = project(hidden, block.down_proj).reshape(num_blocks * size, -1)
     return out[slot]  # (n, n_embd), in the rows' order
 
 
@@ -168,10 +193,10 @@ def _ragged(
     rows: jax.Array, block: Experts, sizes: jax.Array, activation: Callable[[jax.Array], jax.Array]
 ) -> jax.Array:
     """The experts' gated MLPs on ``rows`` sorted by expert, on grouped matmuls."""
-    hidden = activation(_grouped(rows, block.gate_proj, sizes)) * _grouped(
-        rows, block.up_proj, sizes
-    )  # (n, n_expert_mlp)
-    return _grouped(hidden, block.down_proj, sizes)  # (n, n_embd)
+    matmul = _grouped_matmul(sizes)
+    gate, up = (_per_expert(rows, p, matmul) for p in (block.gate_proj, block.up_proj))
+    hidden = activation(gate) * up  # (n, n_expert_mlp)
+    return _per_expert(hidden, block.down_proj, matmul)  # (n, n_embd)
 
 
 def dropless(
@@ -185,7 +210,7 @@ def dropless(
     where the backend has a kernel for them; on CPU, where XLA expands one to a dense product
     over every group, in padded blocks of one expert (:func:`_blocked`)."""
     tokens, top_k = routing.experts.shape
-    num_experts = block.gate_proj.shape[0]
+    num_experts = block.num_experts
     choices = routing.experts.reshape(-1)  # (tokens · top_k,) in token order
     order = jnp.argsort(choices, stable=True)  # choices grouped by expert
     sizes = jnp.bincount(choices, length=num_experts).astype(jnp.int32)  # (experts,)
@@ -224,7 +249,7 @@ def mixture(
     tokens = h.reshape(-1, h.shape[-1])  # (batch · seq, n_embd)
     routing = route(block, tokens)
     if block.capacity is not None:
-        routing = within_capacity(routing, block.gate_proj.shape[0], block.capacity)
+        routing = within_capacity(routing, block.num_experts, block.capacity)
     return dropless(block, tokens, routing, activation).reshape(h.shape), routing
 
 

@@ -166,7 +166,7 @@ def expert_tensors(
         for expert in range(model["num_experts"]):
             for name, (ours, shape) in zip(names, shapes.items(), strict=True):
                 tensor = f"{prefix}.experts.{expert}.{name}.weight"
-                found.append(whole(tensor, shape, f"layers/mlp/{ours}", layer, expert))
+                found.append(whole(tensor, shape, f"layers/mlp/{ours}/weight", layer, expert))
     return found
 
 
@@ -184,12 +184,14 @@ def fused_expert_tensors(model: dict[str, Any]) -> list[HFTensor]:
         prefix = f"model.layers.{layer}.mlp"
         router = (num_experts, e)
         found.append(whole(f"{prefix}.gate.weight", router, "layers/mlp/gate/weight", layer))
-        gate, up = (Part(f"layers/mlp/{n}", layer, i * width, (i + 1) * width, axis=1)
+        gate, up = (Part(f"layers/mlp/{n}/weight", layer, i * width, (i + 1) * width, axis=1)
                     for i, n in enumerate(("gate_proj", "up_proj")))  # fmt: skip
         fused = (num_experts, 2 * width, e)
         found.append(HFTensor(f"{prefix}.experts.gate_up_proj", fused, (gate, up)))
         down = (num_experts, e, width)
-        found.append(whole(f"{prefix}.experts.down_proj", down, "layers/mlp/down_proj", layer))
+        found.append(
+            whole(f"{prefix}.experts.down_proj", down, "layers/mlp/down_proj/weight", layer)
+        )
     return found
 
 
@@ -201,8 +203,10 @@ def tensor_layouts(
     """An expert family's ``HFSpec`` tensor layouts from ``with_experts(model, expert
     tensors)`` (its whole checkpoint around the given expert tensors): one tensor per expert
     (``tensors``, what transformers writes and export writes) and transformers 5's fused
-    layout (read too)."""
+    layout (read too); and the modules peft can adapt: the attention projections (peft cannot
+    load per-expert gate and up adapters into transformers 5's fused expert parameters)."""
     return {
+        "peft_targets": gqa.PEFT_TARGETS[:4],
         "tensors": lambda model: with_experts(model, expert_tensors(model, block, names)),
         "other_layouts": (lambda model: with_experts(model, fused_expert_tensors(model)),),
     }
