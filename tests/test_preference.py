@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from hf_reference import VOCAB, Reference, byte_tokenizer, libraries, reference_logits
+from hf_reference import VOCAB, Reference, byte_tokenizer, libraries, saved_logits
 from support import FAMILIES, invoke, policy_id
 
 import theseus
@@ -364,6 +364,9 @@ PREF_MODEL = LlamaConfig(
     head_dim=8,
     max_position_embeddings=64,
 )
+MODEL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                "num_kv_heads", "head_dim", "max_position_embeddings")  # fmt: skip
+
 PREF_JOB = "llama/train/preference"
 SEQ_LEN = 31
 BATCH = 16  # rows: pairs under the padded layout
@@ -383,9 +386,25 @@ def _examples():
     return examples_of_pairs([pair() for _ in range(56)])
 
 
+MOE_JOB = "qwen3_moe/train/preference"
+MODELS = {
+    PREF_JOB: PREF_MODEL,
+    MOE_JOB: FAMILIES["qwen3_moe"].family.config_class(
+        **PREF_MODEL.model_dump(include=set(MODEL_FIELDS)), num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=16, router_aux_loss_coef=0.05,
+    ),
+}  # fmt: skip
+
+
 @functools.cache  # one compiled step per settings
-def _trainer(policy: ShardingPolicy, accumulation: int, *overrides: str, devices: int = 8):
-    cls = get_job(PREF_JOB).trainer_class
+def _trainer(
+    policy: ShardingPolicy,
+    accumulation: int,
+    *overrides: str,
+    devices: int = 8,
+    job: str = PREF_JOB,
+):
+    cls = get_job(job).trainer_class
     replicas = devices // policy.tp
     settings = [
         f"training.batch_size={BATCH}",
@@ -395,14 +414,14 @@ def _trainer(policy: ShardingPolicy, accumulation: int, *overrides: str, devices
         "optimization.warmup_steps=1",
         *overrides,
     ]
-    config = apply_overrides(cls.config_class(model=PREF_MODEL), settings)
+    config = apply_overrides(cls.config_class(model=MODELS[job]), settings)
     topology = Topology.new(policy, devices=jax.devices()[:devices])
     return cls(config, policy, topology)
 
 
 @dataclasses.dataclass(frozen=True)
 class PrefRun:
-    metrics: dict[str, np.ndarray]  # name -> (steps,)
+    metrics: dict[str, np.ndarray]  # name -> (steps,) (steps, experts) for expert_load
     params: Any
 
 
@@ -420,7 +439,7 @@ def _run(trainer, layout: str = "packed", steps: int = 3) -> PrefRun:
         )
         state, metrics = trainer.train_step(state, trainer.put_batch(_rows_of(batch), batch.shape))
         rows.append(jax.device_get(metrics))
-    stacked = {name: np.array([float(r[name]) for r in rows]) for name in rows[0]}
+    stacked = {name: np.array([np.asarray(r[name]) for r in rows]) for name in rows[0]}
     return PrefRun(stacked, jax.device_get(state.params))
 
 
@@ -488,8 +507,8 @@ def test_live_reference_equals_precomputed_under_lora():
     """LoRA: the reference is the base with the adapters off, recomputed each step (live) or
     once before training (precomputed): the same numbers within 1e-6 over steps that move the
     adapters away from it."""
-    live = _run(_lora_trainer("live"), steps=2)
-    precomputed = _run(_lora_trainer("precomputed"), steps=2)
+    live = _run(_lora_trainer("live"))  # 3 steps: the first at the warm-up's learning rate 0
+    precomputed = _run(_lora_trainer("precomputed"))
     _starts_at_ln2(live)
     assert live.metrics["rewards/margins"][-1] != 0  # the policy left the reference
     for name in COMPARED:
@@ -511,36 +530,31 @@ def _sft_twin(preference):
     return sft_class(config, preference.policy, preference.topology)
 
 
-@pytest.mark.parametrize("reference", ["live", "precomputed"])
-def test_preference_run_holds_no_second_model(reference):
-    """The model state of a preference run, planned (``theseus plan``) and compiled, is the
-    supervised run's: LoRA with the live reference (the base with the adapters off, the
-    costlier setting) holds a LoRA SFT run's state, a full fine-tune with the precomputed
-    reference a full SFT run's; no reference parameters either way. The compiled step's
-    arguments differ by the batch alone (4 fields a token, 3 for SFT)."""
-    preference = (
-        _lora_trainer("live") if reference == "live" else _trainer(ShardingPolicy(fsdp=True), 1)
-    )
-    sft = _sft_twin(preference)
+def test_preference_run_holds_no_second_model():
+    """The model state of a preference run, planned (``theseus plan``'s totals) and as the
+    trainer holds it, is the supervised run's of the same model and fine-tuning: LoRA with
+    the live reference (the base with the adapters off, the costlier setting) a LoRA SFT run's,
+    a full fine-tune with the precomputed reference a full SFT run's; no reference parameters
+    either way. LoRA's compiled steps take the same argument bytes but the batch (4 int32
+    fields a token, 3 for SFT) and alias the same."""
     shapes = lambda s: jax.tree.map(lambda x: (x.shape, x.dtype), s)  # noqa: E731
-    assert shapes(preference.abstract_state) == shapes(sft.abstract_state)
-    planned = [plan(type(t), t.config, t.policy, 8, alternatives=False) for t in (preference, sft)]
-    assert planned[0].totals == planned[1].totals == preference.memory()
-    assert planned[0].verdict.ok and planned[0].totals.params > 0
-    batch_plan = preference.batch_plan
+    lora = _lora_trainer("live")
+    for preference in (lora, _trainer(ShardingPolicy(fsdp=True), 1)):
+        sft = _sft_twin(preference)
+        assert shapes(preference.abstract_state) == shapes(sft.abstract_state)
+        planned = [
+            plan(type(t), t.config, t.policy, 8, alternatives=False) for t in (preference, sft)
+        ]
+        assert planned[0].totals == planned[1].totals == preference.memory()
+        assert planned[0].verdict.ok and planned[0].totals.params > 0
+    batch_plan = lora.batch_plan
     compiled = {}
-    for trainer, fields in ((preference, PAIR_FIELDS), (sft, 3)):
+    for trainer, fields in ((lora, PAIR_FIELDS), (_sft_twin(lora), 3)):
         shape = (batch_plan.accumulation_steps, batch_plan.global_batch_size
                  // batch_plan.accumulation_steps, fields, SEQ_LEN + 1)  # fmt: skip
         step = trainer.compile(shape)
-        batch = (
-            batch_plan.accumulation_steps
-            * batch_plan.per_device_batch_size
-            * fields
-            * (SEQ_LEN + 1)
-            * 4
-        )  # the device's int32 rows
-        compiled[fields] = (step.arguments - batch, step.aliased)
+        rows = batch_plan.accumulation_steps * batch_plan.per_device_batch_size
+        compiled[fields] = (step.arguments - rows * fields * (SEQ_LEN + 1) * 4, step.aliased)
     assert compiled[PAIR_FIELDS] == compiled[3]
 
 
@@ -577,10 +591,6 @@ def _job_args(corpus: Path, out: Path, *extra: str) -> list:
         "checkpointing.interval=2", "optimization.learning_rate=1e-3",
         "optimization.warmup_steps=1", *extra,
     ]  # fmt: skip
-
-
-MODEL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                "num_kv_heads", "head_dim", "max_position_embeddings")  # fmt: skip
 
 
 @functools.cache
@@ -659,58 +669,35 @@ def test_bad_settings_are_one_paragraph(settings, fragments, pair_corpus, tmp_pa
     assert not (tmp_path / "run").exists()
 
 
-def test_lora_dpo_from_an_imported_model_exports_its_logits(imported, pair_corpus, tmp_path):
-    """A LoRA DPO run ``--init-from`` an imported transformers model (its reference: the base
-    with the adapters off) moves away from it; its merged export loads in transformers with the
-    run's logits (1e-4)."""
-    torch, transformers = libraries().torch, libraries().transformers
-    reference, base = imported("llama")
-    run = tmp_path / "run"
-    args = [
-        "train", "--job", PREF_JOB, "--init-from", base, "--out", run,
-        f"data.path={pair_corpus}", f"training.seq_len={SEQ_LEN}", "training.batch_size=8",
-        "training.per_device_batch_size=1", "training.steps=3", "training.validation_batches=1",
-        "finetune.lora_rank=4", "optimization.learning_rate=1e-2", "optimization.warmup_steps=1",
-    ]  # fmt: skip
-    result = invoke(*args)
-    assert result.exit_code == 0, result.output
-    rows = read_metrics(run)
-    assert abs(rows[0]["loss"] - math.log(2)) <= 1e-5  # the adapters start at zero
-    assert rows[-1]["rewards/margins"] != 0
-    ids = np.random.default_rng(0).integers(0, PREF_MODEL.vocab_size, (2, 13))
-    logits = theseus.logits(run, ids)
-    assert np.abs(logits - reference_logits(reference.model, ids)).max() > 1e-4
-    merged = invoke("export-hf", run, tmp_path / "merged")
-    assert merged.exit_code == 0, merged.output
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path / "merged", dtype=torch.float32
-    ).eval()
-    np.testing.assert_allclose(reference_logits(model, ids), logits, atol=1e-4, rtol=0)
-
-
-def _completion_logps(run: Path, examples: MaskedExamples) -> np.ndarray:
-    """Each example's summed completion log-probability under ``run`` (its logits of the
-    examples' ids, padded on the right): (examples,) float64."""
-    spans = [(int(s), int(n)) for s, n in zip(examples.starts, examples.lengths, strict=True)]
-    ids = np.zeros((len(spans), max(n for _, n in spans)), np.int64)  # (examples, longest)
-    for row, (start, length) in enumerate(spans):
+def _padded_ids(examples: MaskedExamples) -> np.ndarray:
+    """The examples' ids, padded with 0 on the right: (examples, longest) int64."""
+    ids = np.zeros((examples.lengths.size, int(examples.lengths.max())), np.int64)
+    for row, (start, length) in enumerate(zip(examples.starts, examples.lengths, strict=True)):
         ids[row, :length] = examples.tokens[start : start + length]
-    logits = theseus.logits(run, ids).astype(np.float64)  # (examples, longest, vocab)
-    shifted = logits - logits.max(-1, keepdims=True)
+    return ids
+
+
+def _completion_logps(logits: np.ndarray, examples: MaskedExamples) -> np.ndarray:
+    """Each example's summed completion log-probability (examples,) float64 from the logits
+    (examples, longest, vocab) of its :func:`_padded_ids`."""
+    ids, scores = _padded_ids(examples), logits.astype(np.float64)
+    shifted = scores - scores.max(-1, keepdims=True)
     logps = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
-    out = np.zeros(len(spans))
-    for row, (start, length) in enumerate(spans):
+    out = np.zeros(ids.shape[0])
+    for row, (start, length) in enumerate(zip(examples.starts, examples.lengths, strict=True)):
         predicted = logps[row, np.arange(length - 1), ids[row, 1:length]]  # (length - 1,)
         out[row] = (predicted * examples.mask[start + 1 : start + length]).sum()
     return out
 
 
-def test_preference_run_from_a_chat_sft_run(pair_corpus, tmp_path):
-    """The pairs' examples without the manifest's preference kind are a chat corpus: the
-    preference job refuses it (it has no pairs) in one paragraph, exit 2, nothing written; a
-    chat SFT run (``llama/train/pretrain``) trains on it; a preference run ``--init-from`` that
-    run starts from its parameters: its stored reference log-probabilities are the SFT model's
-    (``theseus.logits`` of the SFT run, 1e-5 relative) and its DPO loss starts at ln 2."""
+def test_import_then_chat_sft_then_lora_dpo_exports_its_logits(imported, pair_corpus, tmp_path):
+    """A fine-tuner's path: a transformers model imported, a chat SFT run (``llama/train/
+    pretrain``) ``--init-from`` it, a LoRA DPO run ``--init-from`` that. The chat corpus is the
+    pairs' examples without the manifest's preference kind, which the preference job refuses
+    (no pairs) in one paragraph, exit 2, nothing written. The DPO run's reference is the SFT
+    model (the adapters off): its stored log-probabilities are the SFT run's (from its logits,
+    1e-5 relative) and its loss starts at ln 2; it moves away from it, and its merged export
+    loads in transformers with the run's logits (1e-4)."""
     chat = tmp_path / "chat"
     shutil.copytree(pair_corpus, chat)
     manifest = json.loads((chat / "tokens.json").read_text())
@@ -721,35 +708,40 @@ def test_preference_run_from_a_chat_sft_run(pair_corpus, tmp_path):
     assert result.output.startswith("error: ") and "Traceback" not in result.output
     assert "is a chat corpus, not a preference corpus" in result.output, result.output
     assert not (tmp_path / "refused").exists()
-    sft = tmp_path / "sft"
-    args = _job_args(chat, sft, "training.steps=2")
-    args[args.index(PREF_JOB)] = "llama/train/pretrain"
-    result = invoke(*args)
+    sft, run = tmp_path / "sft", tmp_path / "run"
+    training = [f"training.seq_len={SEQ_LEN}", "training.batch_size=8",
+                "training.per_device_batch_size=1", "training.validation_batches=1",
+                "optimization.warmup_steps=1"]  # fmt: skip
+    result = invoke("train", "--job", "llama/train/pretrain", "--init-from", imported("llama")[1],
+                    "--out", sft, f"data.path={chat}", *training, "training.steps=2")  # fmt: skip
     assert result.exit_code == 0, result.output
-    run = tmp_path / "run"
-    args = _job_args(pair_corpus, run, "training.steps=2", "--init-from", sft)
-    result = invoke(*[a for a in args if not str(a).startswith("model.")])
+    result = invoke("train", "--job", PREF_JOB, "--init-from", sft, "--out", run,
+                    f"data.path={pair_corpus}", *training, "training.steps=3",
+                    "finetune.lora_rank=4", "optimization.learning_rate=1e-2")  # fmt: skip
     assert result.exit_code == 0, result.output
-    assert abs(read_metrics(run)[0]["loss"] - math.log(2)) <= 1e-5
+    rows = read_metrics(run)
+    assert abs(rows[0]["loss"] - math.log(2)) <= 1e-5  # the adapters start at zero
+    assert rows[-1]["rewards/margins"] != 0
     with np.load(run / REFERENCE_FILE) as held:
         (key,) = [k for k in held.files if k.endswith("/train")]
         stored = held[key].reshape(-1)
-    want = _completion_logps(sft, _pair_splits()["train"])
-    np.testing.assert_allclose(stored, want, rtol=1e-5)
+    train = _pair_splits()["train"]
+    ids = _padded_ids(train)
+    before = theseus.logits(sft, ids)
+    np.testing.assert_allclose(stored, _completion_logps(before, train), rtol=1e-5)
+    logits = theseus.logits(run, ids)
+    assert np.abs(logits - before).max() > 1e-4
+    merged = invoke("export-hf", run, tmp_path / "merged")
+    assert merged.exit_code == 0, merged.output
+    np.testing.assert_allclose(saved_logits(tmp_path / "merged", ids), logits, atol=1e-4, rtol=0)
 
 
-def test_a_model_with_experts_adds_its_routing_loss(pair_corpus, tmp_path):
+def test_a_model_with_experts_adds_its_routing_loss():
     """``qwen3_moe/train/preference``: the step adds the load-balancing loss (weighted by the
-    pairs) and records it beside TRL's metrics; ``loss`` is the preference loss alone."""
-    run = tmp_path / "run"
-    experts = ["model.num_experts=4", "model.num_experts_per_tok=2",
-               "model.moe_intermediate_size=16", "model.router_aux_loss_coef=0.05"]  # fmt: skip
-    args = _job_args(pair_corpus, run, *experts, "training.steps=2")
-    args[args.index(PREF_JOB)] = "qwen3_moe/train/preference"
-    result = invoke(*args)
-    assert result.exit_code == 0, result.output
-    rows = read_metrics(run)
-    assert abs(rows[0]["loss"] - math.log(2)) <= 1e-5
-    for row in rows:
-        assert set(METRICS) <= set(row) and row["aux_loss"] > 0
-        assert abs(sum(row["expert_load"].values()) - 1) < 1e-5 and len(row["expert_load"]) == 4
+    pairs) and records it beside TRL's metrics; ``loss`` is the preference loss alone (ln 2 at
+    the reference, rewards 0)."""
+    run = _run(_trainer(ShardingPolicy(), 1, devices=1, job=MOE_JOB), steps=2)
+    _starts_at_ln2(run)
+    assert set(METRICS) <= set(run.metrics) and (run.metrics["aux_loss"] > 0).all()
+    load = run.metrics["expert_load"]  # (steps, experts)
+    assert load.shape == (2, 4) and np.abs(load.sum(1) - 1).max() < 1e-5
