@@ -1,95 +1,139 @@
-"""Does LoRA DPO learn? Pairs from the built-in corpus (the Python standard library's source, byte
-tokens): a prompt of 16 bytes, the chosen completion the next 24 bytes of the passage, the
-rejected one the same bytes shuffled. A small random Llama with LoRA adapters trains on packed
-pairs of the train split; the validation pairs' reward accuracy and margin are printed as it goes.
+"""Does LoRA DPO learn on an imported model? The user's path, command by command: a tiny random
+Llama made by transformers and saved as a Hugging Face folder (byte tokens and an end-of-text
+token), `theseus import-hf`; preference records from the built-in corpus (the Python standard
+library's source), 16 characters of an ASCII passage as the prompt, its next 24 as the chosen
+completion and the same characters shuffled as the rejected one, `theseus tokenize`d as TRL's
+DPOTrainer tokenizes text records; `theseus train --job llama/train/preference --init-from` the
+import with LoRA adapters (the reference: the base with the adapters off, precomputed); the
+validation pairs' reward accuracy and margin every 25 steps; `theseus export-hf` of the merged
+model, loaded in transformers and compared with the run's logits.
 
-    python bench/preference_learns.py [--steps 150] [--lora-rank 8]
+    python bench/preference_learns.py [--steps 150] [--lora-rank 8] [--work DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
-import jax
 import numpy as np
 
-from theseus.config import apply_overrides
-from theseus.data import load_corpus
-from theseus.data.pairs import PairSampler, examples_of_pairs
-from theseus.jobs import get_job
-from theseus.model.families.llama import LlamaConfig
-from theseus.sharding.axis import ShardingPolicy
-from theseus.sharding.topology import Topology
-from theseus.training.reference import split_reference
-
-MODEL = LlamaConfig(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    max_position_embeddings=128,
-)
-SEQ_LEN, ROWS = 127, 16
+PROMPT, COMPLETION = 16, 24  # characters (bytes: ASCII)
+EOS = "<|endoftext|>"
+SEQ_LEN, ROWS, VALIDATION_BATCHES = 127, 16, 8
 
 
-def passage_pairs(tokens: np.ndarray, count: int, seed: int):
-    """``count`` pairs: 16 bytes of a passage, then its next 24 (chosen) or those shuffled."""
+def theseus(*args: object) -> None:
+    """One ``theseus`` command in a process of its own (one CPU device)."""
+    command = [sys.executable, "-m", "theseus", *map(str, args)]
+    print("$", " ".join(command[2:]), flush=True)
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+
+
+def make_model(folder: Path):
+    """A random transformers Llama of 2 layers, width 64, over 256 byte tokens and ``EOS``,
+    saved with its tokenizer (byte-level BPE, no merges) in ``folder``."""
+    import tokenizers
+    import torch
+    import transformers
+
+    alphabet = sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = tokenizers.Tokenizer(
+        tokenizers.models.BPE({c: i for i, c in enumerate(alphabet)}, [])
+    )
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = tokenizers.decoders.ByteLevel()
+    tokenizer.add_special_tokens([EOS])  # id 256
+    config = transformers.LlamaConfig(
+        vocab_size=264, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+        eos_token_id=256, bos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    model.save_pretrained(folder)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS}))
+    return model
+
+
+def passage_records(text: bytes, count: int, seed: int) -> list[dict[str, str]]:
+    """``count`` preference records from non-overlapping ASCII passages of ``text``: a prompt
+    of ``PROMPT`` characters, then the next ``COMPLETION`` (chosen) or those shuffled."""
     rng = np.random.default_rng(seed)
-    made = []
-    for start in rng.integers(0, tokens.size - 40, count):
-        prompt, real = (
-            np.asarray(tokens[start : start + 16]),
-            np.asarray(tokens[start + 16 : start + 40]),
-        )
-        mask = np.r_[np.zeros(16), np.ones(24)]
-        made.append((np.r_[prompt, real], mask, np.r_[prompt, rng.permutation(real)], mask))
-    return examples_of_pairs(made)
+    span = PROMPT + COMPLETION
+    records: list[dict[str, str]] = []
+    for start in rng.permutation(len(text) // span) * span:
+        passage = text[start : start + span]
+        if max(passage) >= 128 or b"\r" in passage:
+            continue
+        prompt, real = passage[:PROMPT].decode(), passage[PROMPT:].decode()
+        shuffled = "".join(rng.permutation(list(real)))
+        if shuffled != real:
+            records.append({"prompt": prompt, "chosen": real, "rejected": shuffled})
+        if len(records) == count:
+            return records
+    raise ValueError(f"the corpus holds fewer than {count} ASCII passages")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--lora-rank", type=int, default=8)
+    parser.add_argument("--pairs", type=int, default=4352, help="records (6%% held out)")
+    parser.add_argument("--work", type=Path, default=None, help="a new folder for every artifact")
     args = parser.parse_args()
+    work = args.work or Path(tempfile.mkdtemp(prefix="preference-learns-"))
+    work.mkdir(parents=True, exist_ok=args.work is None)
+
+    import torch
+    import transformers
+
+    import theseus as api
+    from theseus.data import load_corpus
+    from theseus.plot import read_metrics
+
+    make_model(work / "hf")
+    theseus("import-hf", work / "hf", work / "imported")
     corpus = load_corpus(None)
-    cls = get_job("llama/train/preference").trainer_class
-    settings = [
+    records = passage_records(np.asarray(corpus.train, np.uint8).tobytes(), args.pairs, 0)
+    with open(work / "pairs.jsonl", "w") as out:
+        out.writelines(json.dumps(r) + "\n" for r in records)
+    theseus("tokenize", work / "pairs.jsonl", work / "tokens", "--tokenizer", work / "hf",
+            "--validation-fraction", 0.06)  # fmt: skip
+    theseus(
+        "train", "--job", "llama/train/preference", "--init-from", work / "imported",
+        "--out", work / "run", "--cpu-devices", 1, f"data.path={work / 'tokens'}",
+        f"finetune.lora_rank={args.lora_rank}", f"training.seq_len={SEQ_LEN}",
         f"training.batch_size={ROWS}", f"training.per_device_batch_size={ROWS}",
-        f"training.seq_len={SEQ_LEN}", f"training.steps={args.steps}",
-        f"finetune.lora_rank={args.lora_rank}", "optimization.learning_rate=3e-3",
+        f"training.steps={args.steps}", "training.validation_interval=25",
+        f"training.validation_batches={VALIDATION_BATCHES}", "optimization.learning_rate=3e-3",
         "optimization.warmup_steps=10",
-    ]  # fmt: skip
-    config = apply_overrides(cls.config_class(model=MODEL), settings)
-    policy = ShardingPolicy()
-    trainer = cls(config, policy, Topology.new(policy, devices=jax.devices()[:1]))
-    state = trainer.init_state()
-    train = PairSampler(passage_pairs(corpus.train, 4096, 0), SEQ_LEN, 0, "error", "packed", "t")
-    held = PairSampler(passage_pairs(corpus.validation, 256, 1), SEQ_LEN, 0, "error", "packed", "v")
-    train.reference = split_reference(trainer, train, state.params)
-    held.reference = split_reference(trainer, held, state.params)
-    rows = held.global_batch(0, 1, held.num_windows - held.num_windows % ROWS)
-    rows = rows.reshape(-1, ROWS, *rows.shape[2:])
-    validation = trainer.put_batch(lambda r: rows[:, r], rows.shape)
-
-    def report(step: int) -> None:
-        got = jax.device_get(trainer.validation_step(state.params, validation))
-        print(
-            f"step {step}: val_loss {got['loss']:.4f} val_rewards/accuracies "
-            f"{got['rewards/accuracies']:.3f} val_rewards/margins {got['rewards/margins']:.4f}",
-            flush=True,
-        )
-
-    report(0)
-    for step in range(1, args.steps + 1):
-        batch = train.global_batch((step - 1) * ROWS, 1, ROWS)
-        state, _ = trainer.train_step(
-            state, trainer.put_batch(lambda r, b=batch: b[:, r], batch.shape)
-        )
-        if step % 25 == 0 or step == args.steps:
-            report(step)
+    )  # fmt: skip
+    rows = read_metrics(work / "run")
+    print(f"step 1: loss {rows[0]['loss']:.4f} rewards/margins {rows[0]['rewards/margins']:.4f}")
+    for row in rows:
+        if "val_loss" in row:
+            print(
+                f"step {row['step']}: val_loss {row['val_loss']:.4f} val_rewards/accuracies "
+                f"{row['val_rewards/accuracies']:.3f} val_rewards/margins "
+                f"{row['val_rewards/margins']:.4f}"
+            )
+    theseus("export-hf", work / "run", work / "merged")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(
+        work / "merged", dtype=torch.float32
+    ).eval()
+    ids = np.random.default_rng(1).integers(0, 256, (2, 61))
+    ours = api.logits(work / "run", ids)
+    with torch.no_grad():
+        theirs = merged(torch.tensor(ids)).logits.numpy()
+    print(
+        f"merged export in transformers: max |logits - run's| = {np.abs(ours - theirs).max():.2e}"
+    )
 
 
 if __name__ == "__main__":

@@ -176,6 +176,14 @@ def reference_logits(model, ids: np.ndarray) -> np.ndarray:
         return model(torch.tensor(ids)).logits.float().numpy()
 
 
+def saved_logits(folder: Path, ids: np.ndarray) -> np.ndarray:
+    """The float32 logits of ``ids`` under the transformers model saved in ``folder`` (an
+    ``export-hf`` of a run, say)."""
+    lib = libraries()
+    model = lib.transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=lib.torch.float32)
+    return reference_logits(model.eval(), ids)
+
+
 def greedy_reference(model, prompt: list[int], new: int) -> list[int]:
     ids = list(prompt)
     for _ in range(new):

@@ -19,19 +19,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from hf_reference import VOCAB, Reference, byte_tokenizer, libraries, reference_logits
+from hf_reference import VOCAB, Reference, byte_tokenizer, libraries, saved_logits
 from support import FAMILIES, invoke, policy_id
 
 import theseus
 from theseus.config import apply_overrides
 from theseus.data.packing import MaskedExamples
-from theseus.data.pairs import PairSampler, examples_of_pairs
+from theseus.data.pairs import PAIR_FIELDS, PairSampler, examples_of_pairs
 from theseus.data.shards import FORMAT
 from theseus.hf.exporter import tensor_values
 from theseus.hf.importer import import_hf
 from theseus.inference.logits import load_run
 from theseus.jobs import families as registered_families
 from theseus.jobs import get_job
+from theseus.plan import plan
 from theseus.plot import read_metrics
 from theseus.sharding.axis import ShardingPolicy
 from theseus.sharding.topology import Topology
@@ -203,17 +204,29 @@ def test_dpo_at_the_reference_is_ln2():
     )
 
 
-@pytest.fixture(scope="module")
-def llama_reference(tmp_path_factory):
-    """A tiny random transformers Llama (float32) with TRL's fused head (as DPOTrainer adds it),
-    and the theseus run importing it."""
-    from trl.trainer.utils import add_fused_lm_head
+HF_KINDS = ["llama", "qwen2"]  # Qwen2: biases on q, k and v, a tied head
 
-    reference = Reference("llama", tmp_path_factory.mktemp("llama") / "hf")
-    add_fused_lm_head(reference.model, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
-    run = tmp_path_factory.mktemp("llama") / "run"
-    import_hf(reference.directory, run)
-    return reference, run
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """``imported(kind)``: a tiny random transformers model (float32, ``hf_reference.KINDS``)
+    with TRL's fused head (as DPOTrainer adds it), and the theseus run importing it; made once
+    per kind."""
+    made: dict[str, tuple[Reference, Path]] = {}
+
+    def get(kind: str) -> tuple[Reference, Path]:
+        from trl.trainer.utils import add_fused_lm_head
+
+        if kind not in made:
+            folder = tmp_path_factory.mktemp(kind)
+            reference = Reference(kind, folder / "hf")
+            outputs = ("log_probs", "entropy", "mean_logits", "is_top1")
+            add_fused_lm_head(reference.model, outputs=outputs)
+            import_hf(reference.directory, folder / "run")
+            made[kind] = reference, folder / "run"
+        return made[kind]
+
+    return get
 
 
 def _records(count: int, seed: int) -> list[dict[str, list[int]]]:
@@ -258,31 +271,37 @@ def _trl_logps(model, records) -> np.ndarray:
     return torch.stack([chosen, rejected], 1).double().numpy()
 
 
-@pytest.mark.parametrize("layout", ["packed", "padded"])
-def test_pair_logps_equal_trl(layout, llama_reference):
-    """Per-example chosen and rejected completion log-probabilities of pair rows (packed: several
-    pairs a row, segment ids and restarted positions) equal TRL's on its collator's padded batch
-    of the same records (float32, 1e-5 relative)."""
-    reference, run = llama_reference
+@pytest.mark.parametrize("kind", HF_KINDS)
+def test_pair_logps_equal_trl_packed_and_padded(kind, imported):
+    """Per-example chosen and rejected completion log-probabilities of pair rows, packed
+    (several pairs a row, segment ids and restarted positions) and padded (one pair a row),
+    equal TRL's on its collator's padded batch of the same records (float32, 1e-5 relative),
+    and each other (1e-5 relative)."""
+    reference, run = imported(kind)
     records = _records(11, seed=3)
     loaded = load_run(
         run, job="llama/train/preference", layout="storage", devices=jax.devices()[:1]
     )
-    sampler = PairSampler(examples_of_pairs(_pairs(records)), 63, 0, "error", layout, "test")
-    if layout == "packed":
-        assert sampler.num_windows < len(records)
-    got = split_reference(loaded.trainer, sampler, loaded.params).reshape(-1, 2)
-    np.testing.assert_allclose(got, _trl_logps(reference.model, records), rtol=1e-5)
+    got = {}
+    for layout in ("packed", "padded"):
+        sampler = PairSampler(examples_of_pairs(_pairs(records)), 63, 0, "error", layout, "t")
+        got[layout] = split_reference(loaded.trainer, sampler, loaded.params).reshape(-1, 2)
+        assert (sampler.num_windows < len(records)) == (layout == "packed")
+    np.testing.assert_allclose(got["packed"], got["padded"], rtol=1e-5)
+    want = _trl_logps(reference.model, records)
+    for layout, logps in got.items():
+        np.testing.assert_allclose(logps, want, rtol=1e-5, err_msg=layout)
 
 
-def test_dpo_gradients_equal_torch(llama_reference):
+@pytest.mark.parametrize("kind", HF_KINDS)
+def test_dpo_gradients_equal_torch(kind, imported):
     """The DPO loss's gradient of every tensor, packed pairs against a reference apart from the
     policy, equals torch's through TRL's DPOTrainer on its collator's batch (1e-4 relative, in
     norm, per tensor; theseus's gradients laid out as the exporter lays out weights)."""
     torch = libraries().torch
     from trl.trainer.dpo_trainer import DataCollatorForPreference, DPOTrainer
 
-    reference, run = llama_reference
+    reference, run = imported(kind)
     records = _records(6, seed=4)
     loaded = load_run(run, job=PREF_JOB, layout="storage", devices=jax.devices()[:1])
     trainer, params = loaded.trainer, loaded.params
@@ -323,10 +342,13 @@ def test_dpo_gradients_equal_torch(llama_reference):
     theirs = dict(model.named_parameters())
     family = registered_families()["llama"].family
     tensors = family.hf.tensors(trainer.config.model.model_dump(mode="json"))
+    compared = set()
     for name, blocks in tensor_values(grads, tensors, np.float32):
+        compared.add(name)
         ours, want = np.concatenate(list(blocks)), theirs[name].grad.double().numpy()
         error = np.linalg.norm(ours - want) / np.linalg.norm(want)
         assert error <= 1e-4, (name, error)
+    assert compared == set(theirs)  # every tensor (q/k/v biases among Qwen2's)
 
 
 # --- the trainer ---------------------------------------------------------------------------------
@@ -342,6 +364,9 @@ PREF_MODEL = LlamaConfig(
     head_dim=8,
     max_position_embeddings=64,
 )
+MODEL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                "num_kv_heads", "head_dim", "max_position_embeddings")  # fmt: skip
+
 PREF_JOB = "llama/train/preference"
 SEQ_LEN = 31
 BATCH = 16  # rows: pairs under the padded layout
@@ -361,9 +386,25 @@ def _examples():
     return examples_of_pairs([pair() for _ in range(56)])
 
 
+MOE_JOB = "qwen3_moe/train/preference"
+MODELS = {
+    PREF_JOB: PREF_MODEL,
+    MOE_JOB: FAMILIES["qwen3_moe"].family.config_class(
+        **PREF_MODEL.model_dump(include=set(MODEL_FIELDS)), num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=16, router_aux_loss_coef=0.05,
+    ),
+}  # fmt: skip
+
+
 @functools.cache  # one compiled step per settings
-def _trainer(policy: ShardingPolicy, accumulation: int, *overrides: str, devices: int = 8):
-    cls = get_job(PREF_JOB).trainer_class
+def _trainer(
+    policy: ShardingPolicy,
+    accumulation: int,
+    *overrides: str,
+    devices: int = 8,
+    job: str = PREF_JOB,
+):
+    cls = get_job(job).trainer_class
     replicas = devices // policy.tp
     settings = [
         f"training.batch_size={BATCH}",
@@ -373,14 +414,14 @@ def _trainer(policy: ShardingPolicy, accumulation: int, *overrides: str, devices
         "optimization.warmup_steps=1",
         *overrides,
     ]
-    config = apply_overrides(cls.config_class(model=PREF_MODEL), settings)
+    config = apply_overrides(cls.config_class(model=MODELS[job]), settings)
     topology = Topology.new(policy, devices=jax.devices()[:devices])
     return cls(config, policy, topology)
 
 
 @dataclasses.dataclass(frozen=True)
 class PrefRun:
-    metrics: dict[str, np.ndarray]  # name -> (steps,)
+    metrics: dict[str, np.ndarray]  # name -> (steps,) (steps, experts) for expert_load
     params: Any
 
 
@@ -398,7 +439,7 @@ def _run(trainer, layout: str = "packed", steps: int = 3) -> PrefRun:
         )
         state, metrics = trainer.train_step(state, trainer.put_batch(_rows_of(batch), batch.shape))
         rows.append(jax.device_get(metrics))
-    stacked = {name: np.array([float(r[name]) for r in rows]) for name in rows[0]}
+    stacked = {name: np.array([np.asarray(r[name]) for r in rows]) for name in rows[0]}
     return PrefRun(stacked, jax.device_get(state.params))
 
 
@@ -407,18 +448,24 @@ def _rows_of(batch):
 
 
 @functools.cache
-def _one_device(layout: str = "packed", *overrides: str) -> PrefRun:
-    return _run(_trainer(ShardingPolicy(), 1, *overrides, devices=1), layout)
+def _one_device() -> PrefRun:
+    return _run(_trainer(ShardingPolicy(), 1, devices=1))
 
 
-@pytest.mark.parametrize("layout", ["packed", "padded"])
-def test_dpo_starts_at_ln2_with_zero_rewards(layout):
+def _starts_at_ln2(run: PrefRun) -> None:
     """Step 0, the reference equal to the policy: the DPO loss is ln 2 and every reward 0."""
-    first = {name: values[0] for name, values in _one_device(layout).metrics.items()}
+    first = {name: values[0] for name, values in run.metrics.items()}
     assert abs(first["loss"] - math.log(2)) <= 1e-5
     for name in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
         assert abs(first[name]) <= 1e-5, (name, first[name])
     assert first["rewards/accuracies"] <= 0.5  # no reward above another
+
+
+def test_dpo_starts_at_ln2_with_zero_rewards_packed_and_padded():
+    """One device, packed and padded rows: the DPO loss starts at ln 2, every reward at 0 (the
+    other policies: test_layouts_and_accumulation_change_nothing)."""
+    _starts_at_ln2(_one_device())
+    _starts_at_ln2(_run(_trainer(ShardingPolicy(), 1, devices=1), "padded", steps=1))
 
 
 COMPARED = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
@@ -432,9 +479,13 @@ COMPARED = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "lo
 )
 def test_layouts_and_accumulation_change_nothing(policy):
     """tp=2, FSDP and tp=2 + FSDP with 4 microbatches equal one device: losses and rewards
-    within 1e-4 relative (1e-5 absolute, for rewards near 0), parameters within 1e-4."""
+    within 1e-4 relative (1e-5 absolute, for rewards near 0), parameters within 1e-4; step 0,
+    packed and padded, is ln 2 with zero rewards."""
     want = _one_device()
-    got = _run(_trainer(policy, 4 if policy.tp == 2 and policy.fsdp else 1))
+    trainer = _trainer(policy, 4 if policy.tp == 2 and policy.fsdp else 1)
+    got = _run(trainer)
+    _starts_at_ln2(got)
+    _starts_at_ln2(_run(trainer, "padded", steps=1))
     for name in COMPARED:
         np.testing.assert_allclose(
             got.metrics[name], want.metrics[name], rtol=1e-4, atol=1e-5, err_msg=name
@@ -456,8 +507,9 @@ def test_live_reference_equals_precomputed_under_lora():
     """LoRA: the reference is the base with the adapters off, recomputed each step (live) or
     once before training (precomputed): the same numbers within 1e-6 over steps that move the
     adapters away from it."""
-    live = _run(_lora_trainer("live"))
+    live = _run(_lora_trainer("live"))  # 3 steps: the first at the warm-up's learning rate 0
     precomputed = _run(_lora_trainer("precomputed"))
+    _starts_at_ln2(live)
     assert live.metrics["rewards/margins"][-1] != 0  # the policy left the reference
     for name in COMPARED:
         scale = 1e-6 * np.abs(precomputed.metrics["logps/chosen"]).max()  # sums' float noise
@@ -466,29 +518,44 @@ def test_live_reference_equals_precomputed_under_lora():
         )
 
 
-def test_lora_preference_run_holds_no_reference():
-    """A LoRA preference run's state, planned and compiled, is a LoRA SFT run's: no copy of
-    the model for the reference (live, the costlier setting)."""
-    preference = _lora_trainer("live")
+def _sft_twin(preference):
+    """The supervised (chat SFT) trainer of ``preference``'s model, training settings and
+    fine-tuning section, on the same mesh."""
     sft_class = get_job("llama/train/pretrain").trainer_class
-    sft_config = apply_overrides(
-        sft_class.config_class(model=PREF_MODEL),
-        [f"training.{k}={v}" for k, v in preference.config.training.model_dump().items()
-         if v is not None] + [LORA],
-    )  # fmt: skip
-    sft = sft_class(sft_config, preference.policy, preference.topology)
+    sections = ("training", "finetune")
+    settings = [f"{section}.{key}={value}" for section in sections
+                for key, value in getattr(preference.config, section).model_dump().items()
+                if value is not None]  # fmt: skip
+    config = apply_overrides(sft_class.config_class(model=PREF_MODEL), settings)
+    return sft_class(config, preference.policy, preference.topology)
+
+
+def test_preference_run_holds_no_second_model():
+    """The model state of a preference run, planned (``theseus plan``'s totals) and as the
+    trainer holds it, is the supervised run's of the same model and fine-tuning: LoRA with
+    the live reference (the base with the adapters off, the costlier setting) a LoRA SFT run's,
+    a full fine-tune with the precomputed reference a full SFT run's; no reference parameters
+    either way. LoRA's compiled steps take the same argument bytes but the batch (4 int32
+    fields a token, 3 for SFT) and alias the same."""
     shapes = lambda s: jax.tree.map(lambda x: (x.shape, x.dtype), s)  # noqa: E731
-    assert shapes(preference.abstract_state) == shapes(sft.abstract_state)
-    assert preference.memory() == sft.memory()
-    plan = preference.batch_plan
+    lora = _lora_trainer("live")
+    for preference in (lora, _trainer(ShardingPolicy(fsdp=True), 1)):
+        sft = _sft_twin(preference)
+        assert shapes(preference.abstract_state) == shapes(sft.abstract_state)
+        planned = [
+            plan(type(t), t.config, t.policy, 8, alternatives=False) for t in (preference, sft)
+        ]
+        assert planned[0].totals == planned[1].totals == preference.memory()
+        assert planned[0].verdict.ok and planned[0].totals.params > 0
+    batch_plan = lora.batch_plan
     compiled = {}
-    for trainer, fields in ((preference, 4), (sft, 3)):
-        shape = (plan.accumulation_steps, plan.global_batch_size // plan.accumulation_steps,
-                 fields, SEQ_LEN + 1)  # fmt: skip
+    for trainer, fields in ((lora, PAIR_FIELDS), (_sft_twin(lora), 3)):
+        shape = (batch_plan.accumulation_steps, batch_plan.global_batch_size
+                 // batch_plan.accumulation_steps, fields, SEQ_LEN + 1)  # fmt: skip
         step = trainer.compile(shape)
-        batch = plan.accumulation_steps * plan.per_device_batch_size * fields * (SEQ_LEN + 1) * 4
-        compiled[fields] = (step.arguments - batch, step.aliased)
-    assert compiled[4] == compiled[3]
+        rows = batch_plan.accumulation_steps * batch_plan.per_device_batch_size
+        compiled[fields] = (step.arguments - rows * fields * (SEQ_LEN + 1) * 4, step.aliased)
+    assert compiled[PAIR_FIELDS] == compiled[3]
 
 
 # --- the job, end to end -------------------------------------------------------------------------
@@ -526,21 +593,22 @@ def _job_args(corpus: Path, out: Path, *extra: str) -> list:
     ]  # fmt: skip
 
 
-MODEL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                "num_kv_heads", "head_dim", "max_position_embeddings")  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def pair_corpus(tmp_path_factory) -> Path:
+@functools.cache
+def _pair_splits() -> dict[str, MaskedExamples]:
+    """The test's pairs split: 40 train pairs, 16 validation pairs."""
     examples = _examples()
-    cut = 2 * 40  # 40 train pairs, 16 validation pairs
-    split = {
+    cut = 2 * 40
+    return {
         "train": MaskedExamples(examples.tokens[: examples.starts[cut]],
                                 examples.mask[: examples.starts[cut]], examples.lengths[:cut]),
         "validation": MaskedExamples(examples.tokens[examples.starts[cut]:],
                                      examples.mask[examples.starts[cut]:], examples.lengths[cut:]),
     }  # fmt: skip
-    return write_pair_corpus(tmp_path_factory.mktemp("pairs") / "corpus", split)
+
+
+@pytest.fixture(scope="module")
+def pair_corpus(tmp_path_factory) -> Path:
+    return write_pair_corpus(tmp_path_factory.mktemp("pairs") / "corpus", _pair_splits())
 
 
 def test_job_records_trl_metrics_and_resumes_bit_for_bit(pair_corpus, tmp_path):
@@ -601,63 +669,79 @@ def test_bad_settings_are_one_paragraph(settings, fragments, pair_corpus, tmp_pa
     assert not (tmp_path / "run").exists()
 
 
-def test_lora_dpo_from_an_imported_model_exports_its_logits(llama_reference, pair_corpus, tmp_path):
-    """A LoRA DPO run ``--init-from`` an imported transformers model (its reference: the base
-    with the adapters off) moves away from it; its merged export loads in transformers with the
-    run's logits (1e-4)."""
-    torch, transformers = libraries().torch, libraries().transformers
-    reference, imported = llama_reference
-    run = tmp_path / "run"
-    args = [
-        "train", "--job", PREF_JOB, "--init-from", imported, "--out", run,
-        f"data.path={pair_corpus}", f"training.seq_len={SEQ_LEN}", "training.batch_size=8",
-        "training.per_device_batch_size=1", "training.steps=3", "training.validation_batches=1",
-        "finetune.lora_rank=4", "optimization.learning_rate=1e-2", "optimization.warmup_steps=1",
-    ]  # fmt: skip
-    result = invoke(*args)
-    assert result.exit_code == 0, result.output
-    rows = read_metrics(run)
-    assert abs(rows[0]["loss"] - math.log(2)) <= 1e-5  # the adapters start at zero
-    assert rows[-1]["rewards/margins"] != 0
-    ids = np.random.default_rng(0).integers(0, PREF_MODEL.vocab_size, (2, 13))
-    logits = theseus.logits(run, ids)
-    assert np.abs(logits - reference_logits(reference.model, ids)).max() > 1e-4
-    merged = invoke("export-hf", run, tmp_path / "merged")
-    assert merged.exit_code == 0, merged.output
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path / "merged", dtype=torch.float32
-    ).eval()
-    np.testing.assert_allclose(reference_logits(model, ids), logits, atol=1e-4, rtol=0)
+def _padded_ids(examples: MaskedExamples) -> np.ndarray:
+    """The examples' ids, padded with 0 on the right: (examples, longest) int64."""
+    ids = np.zeros((examples.lengths.size, int(examples.lengths.max())), np.int64)
+    for row, (start, length) in enumerate(zip(examples.starts, examples.lengths, strict=True)):
+        ids[row, :length] = examples.tokens[start : start + length]
+    return ids
 
 
-def test_a_chat_corpus_is_refused(pair_corpus, tmp_path):
-    """The same examples without the manifest's preference kind are a chat corpus: the
-    preference job refuses it (it has no pairs) in one paragraph, exit 2, nothing written."""
+def _completion_logps(logits: np.ndarray, examples: MaskedExamples) -> np.ndarray:
+    """Each example's summed completion log-probability (examples,) float64 from the logits
+    (examples, longest, vocab) of its :func:`_padded_ids`."""
+    ids, scores = _padded_ids(examples), logits.astype(np.float64)
+    shifted = scores - scores.max(-1, keepdims=True)
+    logps = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    out = np.zeros(ids.shape[0])
+    for row, (start, length) in enumerate(zip(examples.starts, examples.lengths, strict=True)):
+        predicted = logps[row, np.arange(length - 1), ids[row, 1:length]]  # (length - 1,)
+        out[row] = (predicted * examples.mask[start + 1 : start + length]).sum()
+    return out
+
+
+def test_import_then_chat_sft_then_lora_dpo_exports_its_logits(imported, pair_corpus, tmp_path):
+    """A fine-tuner's path: a transformers model imported, a chat SFT run (``llama/train/
+    pretrain``) ``--init-from`` it, a LoRA DPO run ``--init-from`` that. The chat corpus is the
+    pairs' examples without the manifest's preference kind, which the preference job refuses
+    (no pairs) in one paragraph, exit 2, nothing written. The DPO run's reference is the SFT
+    model (the adapters off): its stored log-probabilities are the SFT run's (from its logits,
+    1e-5 relative) and its loss starts at ln 2; it moves away from it, and its merged export
+    loads in transformers with the run's logits (1e-4)."""
     chat = tmp_path / "chat"
     shutil.copytree(pair_corpus, chat)
     manifest = json.loads((chat / "tokens.json").read_text())
     del manifest["kind"]
     (chat / "tokens.json").write_text(json.dumps(manifest))
-    run = tmp_path / "run"
-    result = invoke(*_job_args(chat, run))
+    result = invoke(*_job_args(chat, tmp_path / "refused"))
     assert result.exit_code == 2, result.output
     assert result.output.startswith("error: ") and "Traceback" not in result.output
     assert "is a chat corpus, not a preference corpus" in result.output, result.output
-    assert not run.exists()
-
-
-def test_a_model_with_experts_adds_its_routing_loss(pair_corpus, tmp_path):
-    """``qwen3_moe/train/preference``: the step adds the load-balancing loss (weighted by the
-    pairs) and records it beside TRL's metrics; ``loss`` is the preference loss alone."""
-    run = tmp_path / "run"
-    experts = ["model.num_experts=4", "model.num_experts_per_tok=2",
-               "model.moe_intermediate_size=16", "model.router_aux_loss_coef=0.05"]  # fmt: skip
-    args = _job_args(pair_corpus, run, *experts)
-    args[args.index(PREF_JOB)] = "qwen3_moe/train/preference"
-    result = invoke(*args)
+    assert not (tmp_path / "refused").exists()
+    sft, run = tmp_path / "sft", tmp_path / "run"
+    training = [f"training.seq_len={SEQ_LEN}", "training.batch_size=8",
+                "training.per_device_batch_size=1", "training.validation_batches=1",
+                "optimization.warmup_steps=1"]  # fmt: skip
+    result = invoke("train", "--job", "llama/train/pretrain", "--init-from", imported("llama")[1],
+                    "--out", sft, f"data.path={chat}", *training, "training.steps=2")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    result = invoke("train", "--job", PREF_JOB, "--init-from", sft, "--out", run,
+                    f"data.path={pair_corpus}", *training, "training.steps=3",
+                    "finetune.lora_rank=4", "optimization.learning_rate=1e-2")  # fmt: skip
     assert result.exit_code == 0, result.output
     rows = read_metrics(run)
-    assert abs(rows[0]["loss"] - math.log(2)) <= 1e-5
-    for row in rows:
-        assert set(METRICS) <= set(row) and row["aux_loss"] > 0
-        assert abs(sum(row["expert_load"].values()) - 1) < 1e-5 and len(row["expert_load"]) == 4
+    assert abs(rows[0]["loss"] - math.log(2)) <= 1e-5  # the adapters start at zero
+    assert rows[-1]["rewards/margins"] != 0
+    with np.load(run / REFERENCE_FILE) as held:
+        (key,) = [k for k in held.files if k.endswith("/train")]
+        stored = held[key].reshape(-1)
+    train = _pair_splits()["train"]
+    ids = _padded_ids(train)
+    before = theseus.logits(sft, ids)
+    np.testing.assert_allclose(stored, _completion_logps(before, train), rtol=1e-5)
+    logits = theseus.logits(run, ids)
+    assert np.abs(logits - before).max() > 1e-4
+    merged = invoke("export-hf", run, tmp_path / "merged")
+    assert merged.exit_code == 0, merged.output
+    np.testing.assert_allclose(saved_logits(tmp_path / "merged", ids), logits, atol=1e-4, rtol=0)
+
+
+def test_a_model_with_experts_adds_its_routing_loss():
+    """``qwen3_moe/train/preference``: the step adds the load-balancing loss (weighted by the
+    pairs) and records it beside TRL's metrics; ``loss`` is the preference loss alone (ln 2 at
+    the reference, rewards 0)."""
+    run = _run(_trainer(ShardingPolicy(), 1, devices=1, job=MOE_JOB), steps=2)
+    _starts_at_ln2(run)
+    assert set(METRICS) <= set(run.metrics) and (run.metrics["aux_loss"] > 0).all()
+    load = run.metrics["expert_load"]  # (steps, experts)
+    assert load.shape == (2, 4) and np.abs(load.sum(1) - 1).max() < 1e-5

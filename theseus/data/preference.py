@@ -118,21 +118,6 @@ def pairs_of(examples: MaskedExamples, where: str) -> PreferencePairs:
     return PreferencePairs(examples)
 
 
-def check_prompts(pairs: PreferencePairs, seq_len: int, where: str) -> None:
-    """Refuse pairs whose prompt is longer than ``seq_len`` tokens: in a row of ``seq_len + 1``
-    tokens none of their completion tokens would be predicted."""
-    long = np.flatnonzero(pairs.prompt_lengths > seq_len)
-    if long.size:
-        first = int(long[0])
-        raise ValueError(
-            f"{where}: {long.size} of {len(pairs)} preference pairs have a prompt longer than "
-            f"training.seq_len = {seq_len} tokens (pair {first}'s has "
-            f"{int(pairs.prompt_lengths[first])}), so no completion token of theirs would "
-            "train; raise training.seq_len, or tokenize the records again with "
-            f"--seq-len {seq_len} --overlong drop to leave those pairs out"
-        )
-
-
 def _ones_per_example(mask: np.ndarray | ShardedTokens, lengths: np.ndarray) -> np.ndarray:
     """(examples,) int64: the ones of ``mask`` in each example, read ``_BLOCK`` at a time."""
     ends = np.cumsum(lengths)  # (examples,) where each example ends
