@@ -3,6 +3,7 @@ with SIGKILL and preempted with SIGTERM resumes and matches an uninterrupted run
 
 import hashlib
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -12,11 +13,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from support import TINY_GPT, invoke, subprocess_env, write_mixture
+from support import TINY_GPT, invoke, read_events, subprocess_env, write_mixture
 from typer.testing import CliRunner
 from wandb_records import read_run, run_files
 
 from theseus.plot import read_metrics
+from theseus.training.run.tensorboard import TensorBoardWriter
 from theseus.training.run.wandb_writer import wandb_row
 
 TINY = [*TINY_GPT, "training.steps=4"]
@@ -215,11 +217,33 @@ class RefusingWandbRun:
         self.exit_code = exit_code
 
 
-def test_wandb_failing_mid_run_never_stops_training(finished_run, tmp_path, monkeypatch):
-    """W&B refusing from step 2 on: one line names the cause, training ends with exit 0, every
-    row in metrics.jsonl and the checkpoints of the run without W&B; one line says which steps
-    W&B did not get, and a --resume (from step 2) logs them first; there W&B refuses two calls
-    and catches up at step 4 (one line each way), every step logged once, in order."""
+def fill_tensorboards_disk(monkeypatch, refused: range) -> None:
+    """TensorBoard's writes numbered in ``refused`` (from 1) meet a full disk: its event file's
+    descriptor points at /dev/full (ENOSPC from the kernel) while the real writer writes."""
+    write, calls = TensorBoardWriter.write, iter(range(1, 1_000_000))
+
+    def full_or_not(writer: TensorBoardWriter, row: dict) -> None:
+        events = writer._file.fileno()
+        kept = os.dup(events)
+        try:
+            if next(calls) in refused:
+                with open("/dev/full", "wb") as full:
+                    os.dup2(full.fileno(), events)
+            write(writer, row)
+        finally:
+            os.dup2(kept, events)
+            os.close(kept)
+
+    monkeypatch.setattr(TensorBoardWriter, "write", full_or_not)
+
+
+def test_dashboards_failing_mid_run_never_stop_training(finished_run, tmp_path, monkeypatch):
+    """W&B refusing from step 2 on and TensorBoard's disk full at steps 2 and 3: one line each
+    names the cause, training ends with exit 0, every row in metrics.jsonl and the checkpoints
+    of the run without them; TensorBoard catches up at step 4 (one line) and holds every step;
+    one line says which steps W&B did not get, and a --resume (from step 2) logs them first;
+    there W&B refuses two calls and catches up at step 4 (one line each way), every step logged
+    once, in order."""
     import wandb
 
     wandb_args = ["logging.wandb.project=p", "logging.wandb.mode=offline"]
@@ -231,15 +255,22 @@ def test_wandb_failing_mid_run_never_stops_training(finished_run, tmp_path, monk
 
     out = tmp_path / "down"
     fake(range(2, 1000))
-    result = invoke("train", "--out", out, *TINY, *wandb_args)
+    fill_tensorboards_disk(monkeypatch, range(2, 4))
+    result = invoke("train", "--out", out, *TINY, *wandb_args, "logging.tensorboard=true")
     assert result.exit_code == 0, result.output
+    assert "Traceback" not in result.output
     lines = result.output.splitlines()
-    failed = [line for line in lines if line.startswith("W&B failed")]
+    failed = [line for line in lines if " failed at step " in line]
     assert failed == [
-        "W&B failed at step 2 (ConnectionError: wandb.ai: Network is unreachable); training "
-        "goes on and every row is in metrics.jsonl; W&B gets the rows it missed if it works "
-        "again during the run"
+        f"{name} failed at step 2 ({cause}); training goes on and every row is in "
+        f"metrics.jsonl; {name} gets the rows it missed if it works again during the run"
+        for name, cause in [
+            ("TensorBoard", "OSError: [Errno 28] No space left on device"),
+            ("W&B", "ConnectionError: wandb.ai: Network is unreachable"),
+        ]
     ]
+    assert "TensorBoard works again at step 4: it caught up on the rows it missed" in lines
+    assert read_events(out / "tensorboard")["loss"].keys() == {1, 2, 3, 4}
     assert "W&B did not get steps 2-4 (metrics.jsonl holds every row)" in lines
     assert runs[-1].steps == [1] and runs[-1].exit_code == 0
     assert [row["step"] for row in read_metrics(out)] == [1, 2, 3, 4]
