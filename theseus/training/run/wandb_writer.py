@@ -110,7 +110,17 @@ class WandbWriter:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self.run.finish(exit_code=0 if exc_info[0] is None else 1)
+        """Finish the W&B run and end W&B's service with it: a service that died during the run
+        would otherwise fail W&B's own exit hook, a traceback after the run's last line."""
+        import wandb
+
+        try:
+            self.run.finish(exit_code=0 if exc_info[0] is None else 1)
+        finally:
+            try:
+                wandb.teardown()
+            except SystemExit as ended:  # W&B exits when its service ended with an error
+                raise RuntimeError(f"W&B's service ended with status {ended.code}") from None
 
 
 def open_wandb(config: Any, out_dir: Path, *, resume: bool) -> WandbWriter | None:
