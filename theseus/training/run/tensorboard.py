@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 
 TENSORBOARD_DIR = "tensorboard"
+MISSED_FILE = "missed.json"  # the first step TensorBoard missed, for --resume (dashboards.py)
 
 
 class TensorBoardWriter:
