@@ -3,6 +3,7 @@ with SIGKILL and preempted with SIGTERM resumes and matches an uninterrupted run
 
 import hashlib
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -12,11 +13,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from support import TINY_GPT, invoke, subprocess_env, write_mixture
+from support import TINY_GPT, invoke, read_events, subprocess_env, write_mixture
 from typer.testing import CliRunner
 from wandb_records import read_run, run_files
 
 from theseus.plot import read_metrics
+from theseus.training.run.tensorboard import TensorBoardWriter
 from theseus.training.run.wandb_writer import wandb_row
 
 TINY = [*TINY_GPT, "training.steps=4"]
@@ -215,11 +217,35 @@ class RefusingWandbRun:
         self.exit_code = exit_code
 
 
-def test_wandb_failing_mid_run_never_stops_training(finished_run, tmp_path, monkeypatch):
-    """W&B refusing from step 2 on: one line names the cause, training ends with exit 0, every
-    row in metrics.jsonl and the checkpoints of the run without W&B; one line says which steps
-    W&B did not get, and a --resume (from step 2) logs them first; there W&B refuses two calls
-    and catches up at step 4 (one line each way), every step logged once, in order."""
+def fill_tensorboards_disk(monkeypatch, *refused: range) -> None:
+    """The writes numbered in ``refused[i]`` (from 1) of the i-th TensorBoard writer made meet a
+    full disk: its event file's descriptor points at /dev/full (ENOSPC from the kernel) while the
+    real writer writes."""
+    write, counts = TensorBoardWriter.write, {}  # writer: (its index, its writes so far)
+
+    def full_or_not(writer: TensorBoardWriter, row: dict) -> None:
+        index, done = counts.get(writer, (len(counts), 0))
+        counts[writer] = (index, done + 1)
+        events = writer._file.fileno()
+        kept = os.dup(events)
+        try:
+            if done + 1 in refused[index]:
+                with open("/dev/full", "wb") as full:
+                    os.dup2(full.fileno(), events)
+            write(writer, row)
+        finally:
+            os.dup2(kept, events)
+            os.close(kept)
+
+    monkeypatch.setattr(TensorBoardWriter, "write", full_or_not)
+
+
+def test_dashboards_failing_mid_run_never_stop_training(finished_run, tmp_path, monkeypatch):
+    """W&B refusing from step 2 on and TensorBoard's disk full from step 2 on: one line each
+    names the cause, training ends with exit 0, every row in metrics.jsonl and the checkpoints
+    of the run without them; one line each says which steps it did not get, and a --resume (from
+    step 2) writes them first; there each refuses its first calls and catches up (one line each
+    way), W&B getting every step once, in order, and TensorBoard's files holding every step."""
     import wandb
 
     wandb_args = ["logging.wandb.project=p", "logging.wandb.mode=offline"]
@@ -229,31 +255,41 @@ def test_wandb_failing_mid_run_never_stops_training(finished_run, tmp_path, monk
         runs.append(RefusingWandbRun(refused))
         monkeypatch.setattr(wandb, "init", lambda **settings: runs[-1])
 
-    out = tmp_path / "down"
+    def said_failed(output: str, step: int) -> bool:
+        return [line for line in output.splitlines() if " failed at step " in line] == [
+            f"{name} failed at step {step} ({cause}); training goes on and every row is in "
+            f"metrics.jsonl; {name} gets the rows it missed if it works again during the run"
+            for name, cause in [
+                ("TensorBoard", "OSError: [Errno 28] No space left on device"),
+                ("W&B", "ConnectionError: wandb.ai: Network is unreachable"),
+            ]
+        ]
+
+    out, dashboards = tmp_path / "down", [*wandb_args, "logging.tensorboard=true"]
     fake(range(2, 1000))
-    result = invoke("train", "--out", out, *TINY, *wandb_args)
+    fill_tensorboards_disk(monkeypatch, range(2, 1000), range(1, 2))
+    result = invoke("train", "--out", out, *TINY, *dashboards)
     assert result.exit_code == 0, result.output
+    assert "Traceback" not in result.output and said_failed(result.output, 2)
     lines = result.output.splitlines()
-    failed = [line for line in lines if line.startswith("W&B failed")]
-    assert failed == [
-        "W&B failed at step 2 (ConnectionError: wandb.ai: Network is unreachable); training "
-        "goes on and every row is in metrics.jsonl; W&B gets the rows it missed if it works "
-        "again during the run"
-    ]
-    assert "W&B did not get steps 2-4 (metrics.jsonl holds every row)" in lines
+    for name in ("TensorBoard", "W&B"):
+        assert f"{name} did not get steps 2-4 (metrics.jsonl holds every row)" in lines
     assert runs[-1].steps == [1] and runs[-1].exit_code == 0
+    assert read_events(out / "tensorboard")["loss"].keys() == {1}
     assert [row["step"] for row in read_metrics(out)] == [1, 2, 3, 4]
     assert saved_steps(out) == saved_steps(finished_run) == [2, 4]
     for step in (2, 4):
         assert_same_arrays(*(run / "checkpoints" / str(step) for run in (out, finished_run)))
     shutil.rmtree(out / "checkpoints" / "4")
     fake(range(1, 3))  # refuses the first two calls
-    result = invoke("train", "--out", out, *TINY, *wandb_args, "--resume")
+    result = invoke("train", "--out", out, *TINY, *dashboards, "--resume")
     assert result.exit_code == 0, result.output
+    assert "Traceback" not in result.output and said_failed(result.output, 2)
     assert runs[-1].steps == [2, 3, 4]  # step 2 from metrics.jsonl, 3 and 4 trained again
+    assert read_events(out / "tensorboard")["loss"].keys() == {1, 2, 3, 4}
     assert "missed_from" not in json.loads((out / "wandb-run.json").read_text())
     lines = result.output.splitlines()
-    assert sum(line.startswith("W&B failed at step 2") for line in lines) == 1
+    assert "TensorBoard works again at step 3: it caught up on the rows it missed" in lines
     assert "W&B works again at step 4: it caught up on the rows it missed" in lines
 
 

@@ -6,16 +6,21 @@ on; the rows it missed are held, in order, and each later row first retries them
 that comes back within the run catches up (one line says so) with its steps still increasing, as
 W&B requires. Past :data:`MAX_HELD_ROWS` held rows the oldest are given up (said when it comes
 back); rows still held when the run ends are said in one line, and the dashboard's ``missed``
-callback is told the first of them (W&B keeps it, so that ``--resume`` logs them first).
+callback is told the first of them: :func:`keep_missed` keeps it in the dashboard's record (W&B's
+``wandb-run.json``, TensorBoard's ``tensorboard/missed.json``), and the next ``--resume`` writes the
+rows it missed from ``metrics.jsonl`` first (:func:`missed_rows`).
 """
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from theseus.distributed.join import main_process_logger
-from theseus.training.run.metrics import Tracker
+from theseus.training.run.metrics import Tracker, kept_rows
 
 logger = main_process_logger(__name__)
 
@@ -105,3 +110,36 @@ class GuardedDashboard:
                 f"{self.name} did not get {steps_text(first, last)} (metrics.jsonl holds every row)"
             )
             self.missed(first)
+
+
+def keep_missed(record: Path) -> Callable[[int], None]:
+    """What to do with the first step a dashboard missed when the run ends: keep it in its
+    ``record`` (a JSON object, ``missed_from``), for the next ``--resume``."""
+
+    def keep(step: int) -> None:
+        kept = json.loads(record.read_text()) if record.is_file() else {}
+        record.write_text(json.dumps({**kept, "missed_from": step}) + "\n")
+
+    return keep
+
+
+def missed_rows(record: Path, metrics: Path, first_step: int) -> list[dict[str, Any]]:
+    """The rows of ``metrics`` (``metrics.jsonl``) that a dashboard missed in an earlier segment
+    (from its record's ``missed_from`` to ``first_step - 1``; later ones the resumed run writes
+    as it trains them), forgotten from the record once read: a failure while writing them keeps
+    them again."""
+    kept = json.loads(record.read_text()) if record.is_file() else {}
+    if "missed_from" not in kept:
+        return []
+    record.write_text(json.dumps({k: v for k, v in kept.items() if k != "missed_from"}) + "\n")
+    rows = (json.loads(line) for line in kept_rows(metrics, first_step - 1))
+    return [_as_logged(row) for row in rows if row["step"] >= kept["missed_from"]]
+
+
+def _as_logged(row: dict[str, Any]) -> dict[str, Any]:
+    """A row read back from ``metrics.jsonl``, whose non-finite numbers are ``null``, as the run
+    logged it (NaN)."""
+    return {
+        key: _as_logged(value) if isinstance(value, dict) else math.nan if value is None else value
+        for key, value in row.items()
+    }

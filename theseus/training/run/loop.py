@@ -18,7 +18,7 @@ from theseus.data import MixtureSampler
 from theseus.distributed.join import describe_processes, is_main_process, main_process_logger
 from theseus.training.flops import count_flops
 from theseus.training.run.checkpointing import checkpoint_meta, saved_state
-from theseus.training.run.dashboards import GuardedDashboard
+from theseus.training.run.dashboards import GuardedDashboard, keep_missed, missed_rows
 from theseus.training.run.data import (
     Validation,
     batch_shape,
@@ -27,15 +27,15 @@ from theseus.training.run.data import (
     train_batch,
     validation_array,
 )
-from theseus.training.run.metrics import MetricsWriter
+from theseus.training.run.metrics import MetricsWriter, Tracker
 from theseus.training.run.mode import NEW_RUN, RunMode
 from theseus.training.run.preemption import PreemptionWatch
 from theseus.training.run.records import num_trained, write_run_record
 from theseus.training.run.start import StartingPoint, started
 from theseus.training.run.stops import NonFiniteGuard, Preempted
-from theseus.training.run.tensorboard import TensorBoardWriter
+from theseus.training.run.tensorboard import MISSED_FILE, TENSORBOARD_DIR, TensorBoardWriter
 from theseus.training.run.throughput import speedometer
-from theseus.training.run.wandb_writer import keep_missed, missed_rows, open_wandb, require_wandb
+from theseus.training.run.wandb_writer import RUN_ID_FILE, open_wandb, require_wandb
 from theseus.training.state import TrainState
 from theseus.training.summary import one_line_plan
 from theseus.training.trainer import BaseTrainer
@@ -132,13 +132,13 @@ def train(
             config.training.max_skipped_steps,
             lambda: _next_move(checkpointer),
         )
-        tensorboard = None
+        records: list[tuple[Tracker, str, Path]] = []  # a dashboard, its name, what it missed
         if config.logging.tensorboard and is_main_process():
             tensorboard = TensorBoardWriter(out_dir, config.model_dump(mode="json"))
-        wandb = open_wandb(config, out_dir, resume=mode.resume)
-        trackers = [GuardedDashboard(tensorboard, "TensorBoard")] if tensorboard else []
-        if wandb is not None:
-            trackers.append(GuardedDashboard(wandb, "W&B", missed=keep_missed(out_dir)))
+            records.append((tensorboard, "TensorBoard", out_dir / TENSORBOARD_DIR / MISSED_FILE))
+        if (wandb := open_wandb(config, out_dir, resume=mode.resume)) is not None:
+            records.append((wandb, "W&B", out_dir / RUN_ID_FILE))
+        trackers = [GuardedDashboard(t, name, missed=keep_missed(r)) for t, name, r in records]
         metrics = MetricsWriter(
             out_dir / "metrics.jsonl",
             trainer,
@@ -149,11 +149,11 @@ def train(
         )
         began = time.perf_counter()
         with contextlib.ExitStack() as closing, metrics:  # trackers close after the last row
-            for tracker in trackers:
+            for tracker, (_, _, record) in zip(trackers, records, strict=True):
                 closing.enter_context(tracker)
-            if wandb is not None and mode.resume:
-                for row in missed_rows(out_dir, start.first_step):  # what W&B missed before
-                    trackers[-1].write(row)
+                if mode.resume:  # what it missed in an earlier segment
+                    for row in missed_rows(record, out_dir / "metrics.jsonl", start.first_step):
+                        tracker.write(row)
             preemption = closing.enter_context(PreemptionWatch())
             _steps(
                 trainer,

@@ -22,6 +22,7 @@ RUN_FILES = (
     "tokenizer.json",
     "wandb-run.json",  # training/run/wandb_writer.py
     "wandb",
+    "tensorboard",  # training/run/tensorboard.py
 )
 
 

@@ -16,16 +16,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import secrets
 import string
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from theseus.config import WandbConfig
 from theseus.distributed.join import is_main_process
-from theseus.training.run.metrics import kept_rows
 
 WANDB_DIR = "wandb"
 RUN_ID_FILE = "wandb-run.json"
@@ -110,7 +107,17 @@ class WandbWriter:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self.run.finish(exit_code=0 if exc_info[0] is None else 1)
+        """Finish the W&B run and end W&B's service with it: a service that died during the run
+        would otherwise fail W&B's own exit hook, a traceback after the run's last line."""
+        import wandb
+
+        try:
+            self.run.finish(exit_code=0 if exc_info[0] is None else 1)
+        finally:
+            try:
+                wandb.teardown()
+            except SystemExit as ended:  # W&B exits when its service ended with an error
+                raise RuntimeError(f"W&B's service ended with status {ended.code}") from None
 
 
 def open_wandb(config: Any, out_dir: Path, *, resume: bool) -> WandbWriter | None:
@@ -137,36 +144,3 @@ def open_wandb(config: Any, out_dir: Path, *, resume: bool) -> WandbWriter | Non
             "run": json.loads((out_dir / "run.json").read_text()),
         },
     )
-
-
-def keep_missed(out_dir: Path) -> Callable[[int], None]:
-    """What to do with the first step W&B missed when the run ends: keep it in the run's W&B
-    record (``missed_from``), for the next ``--resume``."""
-
-    def keep(step: int) -> None:
-        path = out_dir / RUN_ID_FILE
-        path.write_text(json.dumps({**json.loads(path.read_text()), "missed_from": step}) + "\n")
-
-    return keep
-
-
-def missed_rows(out_dir: Path, first_step: int) -> list[dict[str, Any]]:
-    """The rows of ``metrics.jsonl`` that W&B missed in an earlier segment (from its
-    ``missed_from`` to ``first_step - 1``; later ones the resumed run logs as it trains them),
-    forgotten from the record once read: a failure while logging them keeps them again."""
-    path = out_dir / RUN_ID_FILE
-    record = json.loads(path.read_text()) if path.is_file() else {}
-    if "missed_from" not in record:
-        return []
-    path.write_text(json.dumps({k: v for k, v in record.items() if k != "missed_from"}) + "\n")
-    rows = (json.loads(line) for line in kept_rows(out_dir / "metrics.jsonl", first_step - 1))
-    return [_as_logged(row) for row in rows if row["step"] >= record["missed_from"]]
-
-
-def _as_logged(row: dict[str, Any]) -> dict[str, Any]:
-    """A row read back from ``metrics.jsonl``, whose non-finite numbers are ``null``, as the run
-    logged it (NaN)."""
-    return {
-        key: _as_logged(value) if isinstance(value, dict) else math.nan if value is None else value
-        for key, value in row.items()
-    }
