@@ -88,9 +88,9 @@ SHARED_GROUPS = {
     "test_moe_lora": "huggingface",
 }
 FIRST = (
-    "test_readme",
     "test_multiprocess",
     "test_trainer",
+    "test_readme",
     "huggingface",
     "test_cli",
     "test_gather_dtype",

@@ -5,11 +5,13 @@ block that cannot run as written on a test machine has a stand-in in ``STAND_INS
 reason; a published ``config.json`` a command reads is written into the folder first
 (``HF_CONFIGS``)."""
 
+import contextlib
 import json
 import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -130,39 +132,96 @@ def theseus_command() -> str:
     return str(script) if script.exists() else f"{sys.executable} -m theseus"
 
 
-def run_in(folder: Path, language: str, code: str) -> None:
+# `theseus` in a block: a command that passes `--cpu-devices N` runs in the server of N devices
+# when there is one, any other in the server of one device (tests/cli_server.py); a command no
+# server takes starts its own process.
+THESEUS = """theseus() {
+  local server=one previous=
+  for argument in "$@"; do
+    if [ "$previous" = --cpu-devices ]; then server="cpu$argument"; fi
+    previous=$argument
+  done
+  if [ ! -p "$SERVERS/$server.in" ]; then COMMAND "$@"; return; fi
+  printf '%s\\0' "$@" > "$SERVERS/$server.args"
+  echo > "$SERVERS/$server.in"
+  local status
+  read -r status < "$SERVERS/$server.out"
+  cat "$SERVERS/$server.stdout"
+  cat "$SERVERS/$server.stderr" >&2
+  return "$status"
+}
+"""
+SERVED_DEVICES = (None, 8)  # the counts the README's commands use
+
+
+def run_in(folder: Path, servers: Path, language: str, code: str) -> None:
     env = subprocess_env()
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+    env["SERVERS"] = str(servers)
     if language == "python":
         command = [sys.executable, "-c", code]
     else:
-        prelude = (
-            f'theseus() {{ {theseus_command()} "$@"; }}\npython3() {{ "{sys.executable}" "$@"; }}\n'
-        )
+        prelude = THESEUS.replace("COMMAND", theseus_command())
+        prelude += f'python3() {{ "{sys.executable}" "$@"; }}\n'
         command = ["bash", "-euo", "pipefail", "-c", prelude + code]
     done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, f"failed:\n{code}\n{done.stdout}\n{done.stderr}"
 
 
-@pytest.mark.slow
-def test_every_readme_command_runs(tmp_path):
-    for folder, config in HF_CONFIGS.items():
-        (tmp_path / folder).mkdir()
-        (tmp_path / folder / "config.json").write_text(json.dumps(config))
+@contextlib.contextmanager
+def cli_servers(folder: Path, servers: Path) -> Iterator[None]:
+    """A server of each device count in SERVED_DEVICES, working in ``folder``, for the block's
+    `theseus` commands (tests/cli_server.py); ended when the test ends, passed or not."""
+    script = Path(__file__).with_name("cli_server.py")
+    started = []
+    try:
+        for devices in SERVED_DEVICES:
+            name = "one" if devices is None else f"cpu{devices}"
+            extra = [] if devices is None else [str(devices)]
+            server = subprocess.Popen(
+                [sys.executable, str(script), str(servers), name, *extra],
+                cwd=folder, env=subprocess_env(), stdout=subprocess.PIPE, text=True,
+            )  # fmt: skip
+            started.append((name, server))
+            assert server.stdout is not None and server.stdout.readline() == "ready\n"
+        yield
+        for name, server in started:
+            (servers / f"{name}.in").open("w").close()  # the end of its requests
+            assert server.wait(timeout=60) == 0
+    finally:
+        for _, server in started:  # waited for: their CPU counts in the suite's
+            server.kill()
+            server.wait()
+
+
+def run_readme(folder: Path, servers: Path) -> None:
+    """Every block and inline command, in the README's order, in ``folder``."""
+    for name, config in HF_CONFIGS.items():
+        (folder / name).mkdir()
+        (folder / name / "config.json").write_text(json.dumps(config))
     for language, code in blocks():
         named = re.match(r"# file: (\S+)\n", code)
         if language == "python" and named:
-            (tmp_path / named.group(1)).write_text(code)
+            (folder / named.group(1)).write_text(code)
         elif first_line(code) in STAND_INS:
             stand_in, _why = STAND_INS[first_line(code)]
             if stand_in:
-                run_in(tmp_path, "bash", stand_in)
+                run_in(folder, servers, "bash", stand_in)
         else:
-            run_in(tmp_path, language, code)
+            run_in(folder, servers, language, code)
     for command in inline_commands():
-        run_in(tmp_path, "bash", command)
+        run_in(folder, servers, "bash", command)
 
-    runs = tmp_path / "runs"
+
+@pytest.mark.slow
+def test_every_readme_command_runs(tmp_path):
+    folder, servers = tmp_path / "readme", tmp_path / "servers"
+    folder.mkdir()
+    servers.mkdir()
+    with cli_servers(folder, servers):
+        run_readme(folder, servers)
+
+    runs = folder / "runs"
     assert len((runs / "default/metrics.jsonl").read_text().splitlines()) == 2
     assert (runs / "chain/00-gpt-train-pretrain/loss.png").is_file()
     assert (runs / "chain/01-gpt-evaluate/eval.json").is_file()
@@ -173,5 +232,5 @@ def test_every_readme_command_runs(tmp_path):
     assert (runs / "bpe/tokenizer.json").is_file()
     assert (runs / "imported/run.json").is_file()
     assert (runs / "lora/run.json").is_file()
-    assert (tmp_path / "hf/merged/config.json").is_file()
-    assert (tmp_path / "plan.json").stat().st_size > 0
+    assert (folder / "hf/merged/config.json").is_file()
+    assert (folder / "plan.json").stat().st_size > 0
