@@ -150,6 +150,17 @@ POLICIES = [
     ShardingPolicy(tp=8, zero=False),
 ]
 
+# A family's matrix: the policies whose step runs the family's own sharded code. DP splits only the
+# batch; plain ZeRO computes in DP's layout and updates in FSDP's partition; tp=2 without FSDP
+# computes in tp=2 + FSDP's layout with the weights already whole. Their steps hold no family
+# program the four below lack, and GPT's full matrix (tests/test_trainer.py) proves them.
+FAMILY_POLICIES = [
+    ShardingPolicy(tp=1, fsdp=True),
+    ShardingPolicy(tp=2, fsdp=True),
+    ShardingPolicy(tp=4, fsdp=True),
+    ShardingPolicy(tp=8, zero=False),
+]
+
 
 def policy_id(policy: ShardingPolicy) -> str:
     remat = (

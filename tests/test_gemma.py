@@ -10,7 +10,7 @@ import pytest
 from support import (
     EQUIVALENCE_LLAMA,
     FAMILIES,
-    POLICIES,
+    FAMILY_POLICIES,
     assert_compute_dtype_gathers,
     assert_flops_match_xla,
     assert_same_numbers,
@@ -46,14 +46,10 @@ MODEL = GemmaConfig(
 )
 
 
-# The shared matrix but plain ZeRO, and the two recompute policies (a layer's window and rotary
-# frequencies are recomputed with it). Plain ZeRO's step holds no Gemma program that others lack:
-# its compute layout is DP's (tp only), its update layout FSDP's (ZeRO's partition), and what is
-# left, gathering the update into replicated storage, touches no family code (GPT's matrix,
-# tests/test_trainer.py, holds it).
-PLAIN_ZERO = ShardingPolicy(tp=1)
+# The family matrix (tests/support.py) and the two recompute policies (a layer's window and rotary
+# frequencies are recomputed with it).
 GEMMA_POLICIES = [
-    *(policy for policy in POLICIES if policy != PLAIN_ZERO),
+    *FAMILY_POLICIES,
     ShardingPolicy(fsdp=True, activation_checkpointing="full"),
     ShardingPolicy(tp=2, fsdp=True, activation_checkpointing="dots"),
 ]

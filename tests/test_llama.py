@@ -6,9 +6,9 @@ import json
 import pytest
 from support import (
     EQUIVALENCE_LLAMA,
+    FAMILY_POLICIES,
     LLAMA31_8B_CONFIG,
     LLAMA_FAMILY,
-    POLICIES,
     GPTTrainer,
     GPTTrainerConfig,
     LlamaTrainer,
@@ -35,7 +35,7 @@ def config(per_device_batch_size: int):
     return equivalence_config(per_device_batch_size, MODEL)
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=policy_id)
+@pytest.mark.parametrize("policy", FAMILY_POLICIES, ids=policy_id)
 def test_policy_matches_one_device(policy):
     """Losses within 1e-5 relative over three steps and parameters within 1e-4 (the suite's
     tolerances), and the loss goes down, with 4 microbatches per step. (Accumulation is the

@@ -8,7 +8,7 @@ import pytest
 from support import (
     EQUIVALENCE_LLAMA,
     FAMILIES,
-    POLICIES,
+    FAMILY_POLICIES,
     assert_flops_match_xla,
     assert_same_numbers,
     equivalence_config,
@@ -31,7 +31,7 @@ MODEL = OLMO2_FAMILY.config_class(
 )
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=policy_id)
+@pytest.mark.parametrize("policy", FAMILY_POLICIES, ids=policy_id)
 def test_policy_matches_one_device(policy):
     """Every policy: losses within 1e-5 relative over three steps, parameters within 1e-4 (the suite's
     tolerances), 4 microbatches a step; the q/k norms' statistics sum over the TP split."""
