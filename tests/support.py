@@ -22,6 +22,7 @@ from typer.testing import CliRunner, Result
 from theseus.cli.app import app
 from theseus.config import apply_overrides
 from theseus.data import Sampler, load_corpus, validation_batches
+from theseus.data.packing import MASK, SEGMENTS, document_rows
 from theseus.jobs import families
 from theseus.sharding.axis import ShardingPolicy
 from theseus.sharding.topology import Topology, UnderMesh
@@ -256,6 +257,33 @@ def step_batch(trainer: BaseTrainer, index: int) -> jax.Array:
     rows = Sampler(builtin_corpus().train, plan.seq_len, seed=0).global_batch(
         index * plan.global_batch_size, plan.accumulation_steps, plan.examples_per_microbatch
     )  # (accumulation, examples, seq_len + 1)
+    return trainer.put_batch(lambda r: rows[:, r], rows.shape)
+
+
+def uneven_batch(
+    trainer: BaseTrainer, index: int, cuts: Callable[[int, int, int], np.ndarray]
+) -> jax.Array:
+    """Step ``index``'s built-in windows as segmented rows whose trained tokens differ wildly
+    between examples (hence between microbatches and replicas): example ``j`` of the global
+    batch starts a new segment at each token index of ``cuts(index, j, width)`` (sorted, in
+    ``(0, width)``), pads its last ``j % 4 * 3`` tokens, and trains none, a few or most of its
+    targets as ``j % 5`` says."""
+    plan = trainer.batch_plan
+    windows = Sampler(builtin_corpus().train, plan.seq_len, seed=0).global_batch(
+        index * plan.global_batch_size, plan.accumulation_steps, plan.examples_per_microbatch
+    )  # (accumulation, examples, seq_len + 1)
+    flat = windows.reshape(-1, windows.shape[-1])  # (global batch, seq_len + 1)
+    rows = document_rows(flat, eos_id=None)  # (global batch, 3, seq_len + 1)
+    width = flat.shape[1]
+    for j in range(flat.shape[0]):
+        boundaries = cuts(index, j, width)  # (segments - 1,)
+        rows[j, SEGMENTS] = 1 + np.searchsorted(boundaries, np.arange(width), side="right")
+        density = (0.0, 0.05, 0.3, 0.9, 1.0)[j % 5]
+        rows[j, MASK] = np.random.default_rng([index, j]).random(width) < density
+        pad = j % 4 * 3
+        if pad:
+            rows[j, :, width - pad :] = 0
+    rows = rows.reshape(*windows.shape[:2], *rows.shape[1:])
     return trainer.put_batch(lambda r: rows[:, r], rows.shape)
 
 

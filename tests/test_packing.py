@@ -18,15 +18,14 @@ from support import (
     GPT_FAMILY,
     LLAMA_FAMILY,
     TINY_GPT,
-    Sampler,
     assert_same_numbers,
-    builtin_corpus,
     invoke,
     one_device_run,
     policy_config,
     policy_id,
     run_steps,
     shared_trainer,
+    uneven_batch,
 )
 
 from theseus.data.packing import (
@@ -45,6 +44,7 @@ from theseus.sharding.axis import ShardingPolicy
 from theseus.training.losses import segment_positions, target_weights
 
 ROW = 32  # row tokens (seq_len + 1)
+SMALL_BLOCKS = ("model.attention_block_q=5", "model.attention_block_k=7")
 
 
 def examples(count: int, seed: int = 0, longest: int = 40) -> MaskedExamples:
@@ -199,38 +199,29 @@ def support_model(family: str):
     return gemma.model_class, config
 
 
+def even_cuts(index: int, j: int, width: int) -> np.ndarray:
+    """Example ``j`` cut into ``1 + j % 3`` segments of about equal length."""
+    return np.linspace(0, width, 2 + j % 3).astype(int)[1:-1]
+
+
 def masked_batch(trainer, index: int) -> jax.Array:
-    """Step ``index``'s built-in windows as segmented rows whose trained tokens differ wildly
-    between examples (hence between microbatches and replicas): example ``j`` of the global
-    batch is cut into ``1 + j % 3`` segments, pads its last ``j % 4 * 3`` tokens, and trains
-    none, a few or most of its targets as ``j % 5`` says."""
-    plan = trainer.batch_plan
-    windows = Sampler(builtin_corpus().train, plan.seq_len, seed=0).global_batch(
-        index * plan.global_batch_size, plan.accumulation_steps, plan.examples_per_microbatch
-    )  # (accumulation, examples, seq_len + 1)
-    flat = windows.reshape(-1, windows.shape[-1])  # (global batch, seq_len + 1)
-    rows = document_rows(flat, eos_id=None)  # (global batch, 3, seq_len + 1)
-    width = flat.shape[1]
-    for j in range(flat.shape[0]):
-        cuts = np.linspace(0, width, 2 + j % 3).astype(int)[1:-1]
-        rows[j, SEGMENTS] = 1 + np.searchsorted(cuts, np.arange(width), side="right")
-        density = (0.0, 0.05, 0.3, 0.9, 1.0)[j % 5]
-        rows[j, MASK] = np.random.default_rng([index, j]).random(width) < density
-        pad = j % 4 * 3
-        if pad:
-            rows[j, :, width - pad :] = 0
-    rows = rows.reshape(*windows.shape[:2], *rows.shape[1:])
-    return trainer.put_batch(lambda r: rows[:, r], rows.shape)
+    """Step ``index``'s segmented rows of :func:`support.uneven_batch`, cut by ``even_cuts``."""
+    return uneven_batch(trainer, index, even_cuts)
 
 
-@pytest.mark.parametrize("accumulation", [1, 4])
+@pytest.mark.parametrize("accumulation, dropout", [(1, 0.1), (4, 0.0)])
 @pytest.mark.parametrize(
     "policy",
     [ShardingPolicy(tp=2), ShardingPolicy(tp=1, fsdp=True), ShardingPolicy(tp=2, fsdp=True)],
     ids=policy_id,
 )
-def test_uneven_trained_tokens_give_the_one_device_numbers(policy, accumulation):
-    config = policy_config(policy, accumulation)
+def test_uneven_trained_tokens_give_the_one_device_numbers(policy, accumulation, dropout):
+    """With dropout (on the probabilities it runs the written-out attention) and without it,
+    where the CPU's blockwise kernel runs in blocks of 5 queries and 7 keys: several of each in a
+    24-token row, segments and padding starting inside blocks, so its loop bounds differ by
+    block and by row."""
+    model = EQUIVALENCE_MODEL.model_copy(update={"dropout": dropout})
+    config = policy_config(policy, accumulation, model, *SMALL_BLOCKS)
     got = run_steps(shared_trainer(config, policy), batches=masked_batch)
     assert_same_numbers(got, one_device_run(config, batches=masked_batch))
 
