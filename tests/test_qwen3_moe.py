@@ -104,8 +104,8 @@ def test_parameter_count_names_and_active_matmuls():
     assert "layers/mlp/down_proj/weight" in trainer.per_layer_paths  # gathered one layer at a time
     fewer = MODEL.model_copy(update={"num_experts": 4})
     assert FAMILY.num_params(MODEL) - FAMILY.num_params(fewer) == 2 * 4 * 40 * (1 + 3 * 16)
-    weights = FAMILY.matmuls(MODEL).layer_weights
-    assert weights[4:] == ((40, 8), (40, 32), (40, 32), (32, 40))
+    weights = FAMILY.matmuls(MODEL).other_weights  # each layer's MLP: the router, two experts
+    assert weights == ((40, 8), (40, 32), (40, 32), (32, 40)) * 2
 
 
 def test_an_expert_count_the_mesh_cannot_divide_is_refused():
