@@ -146,6 +146,17 @@ def test_plan_qwen3_30b_a3b_with_experts_placed_each_way(tmp_path):
     assert totals["both"] < totals["batch"] < totals["shard"] < totals["none"], totals
 
 
+def test_a_config_whose_layers_have_no_experts_is_refused(tmp_path):
+    """decoder_sparse_step 2 with every odd layer in mlp_only_layers leaves no expert layer:
+    `plan --hf` exits 2 naming both keys and the fix."""
+    only = list(range(1, 48, 2))
+    hf = QWEN3_30B_A3B | {"decoder_sparse_step": 2, "mlp_only_layers": only}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    result = invoke("plan", "--hf", tmp_path, "--devices", "8")
+    assert result.exit_code == 2
+    assert "no layer has experts" in result.output and "list fewer mlp_only_layers" in result.output
+
+
 def test_compiled_plan_has_the_exchange_its_communication_line_names():
     """`plan --compile` of experts over batch (tp=2 + FSDP): the line names all-gathers and no
     all-to-all, and the compiled step runs all-gathers and no all-to-all."""

@@ -51,6 +51,8 @@ class Qwen3MoeConfig(MoEConfig):
 
     @property
     def stacks(self) -> Stacks:
+        """Layer ``i`` has experts unless in ``mlp_only_layers`` or ``(i + 1) %
+        decoder_sparse_step != 0`` (transformers' Qwen3MoeDecoderLayer)."""
         step, dense = self.decoder_sparse_step, set(self.mlp_only_layers)
         return Stacks(tuple(i not in dense and (i + 1) % step == 0 for i in range(self.num_layers)))
 
@@ -120,7 +122,8 @@ class Qwen3Moe(gqa.Model):
     ``layers/``: the norms, ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``q_norm``,
     ``k_norm`` and the expert block ``mlp`` (``gate/weight`` the router, ``gate_proj``,
     ``up_proj``, ``down_proj`` (n_layer, n_expert, ...)); a :class:`DenseLayer` has
-    ``gate_proj``, ``up_proj`` and ``down_proj`` in place of ``mlp``. Layers of both types: ``layers/runs/<run>/`` in place of ``layers/``."""
+    ``gate_proj``, ``up_proj`` and ``down_proj`` in place of ``mlp``. Layers of both types:
+    ``layers/runs/<run>/`` in place of ``layers/``."""
 
     skeleton_of = staticmethod(skeleton)
 
