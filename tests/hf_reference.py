@@ -118,20 +118,32 @@ KINDS = {
 }
 # Mixtures of experts (tests/test_moe_hf.py): 4 experts, 2 per token, each 24 wide (split 8 ways
 # by tp=2 + FSDP on 8 devices), renormalised (Qwen3-MoE's norm_topk_prob).
+QWEN3_MOE = dict(
+    head_dim=16,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=24,
+    norm_topk_prob=True,
+    router_aux_loss_coef=0.02,
+)
 MOE_KINDS = {
-    "qwen3_moe": (
-        lambda t: t.Qwen3MoeConfig(
-            **COMMON,
-            head_dim=16,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=24,
-            norm_topk_prob=True,
-            router_aux_loss_coef=0.02,
-        ),
-        "5.x",
-        "float32",
-    ),
+    "qwen3_moe": (lambda t: t.Qwen3MoeConfig(**COMMON, **QWEN3_MOE), "5.x", "float32"),
+    # Qwen3-MoE with dense layers: every second layer has experts (decoder_sparse_step 2), and
+    # layer 1 none (mlp_only_layers): 4 layers dense, dense, dense, experts; then 3 layers
+    # dense, experts, dense (runs of one type each, scanned in turn).
+    **{
+        kind: (
+            lambda t, layers=layers, only=only: t.Qwen3MoeConfig(
+                **{**COMMON, "num_hidden_layers": layers},
+                **QWEN3_MOE,
+                decoder_sparse_step=2,
+                mlp_only_layers=only,
+            ),
+            "5.x",
+            "float32",
+        )
+        for kind, layers, only in (("qwen3_moe_dense_1", 4, [1]), ("qwen3_moe_sparse_2", 3, []))
+    },
     # OLMoE: q/k norms over all heads, the chosen probabilities as they are (no renormalising).
     "olmoe": (
         lambda t: t.OlmoeConfig(

@@ -4,6 +4,7 @@ the experts each token selects, the load-balancing loss and greedy generation; e
 bit; a tensor the model does not read refused. Skips without the reference extra
 (tests/hf_reference.py)."""
 
+import json
 import shutil
 
 import jax
@@ -12,13 +13,14 @@ import numpy as np
 import pytest
 from flax import nnx
 from hf_reference import IDS, MOE_KINDS, Reference, greedy_reference, libraries, reference_logits
+from support import invoke
 
 import theseus
 from theseus.hf.exporter import export_hf
 from theseus.hf.importer import import_hf
 from theseus.inference.logits import load_run
 from theseus.model.attention import AttentionMask
-from theseus.model.decoder import Attended, LayerInputs
+from theseus.model.decoder import Attended, LayerInputs, layer_runs, run_length
 from theseus.model.experts import aux_loss
 from theseus.model.parts import arrays
 
@@ -50,24 +52,30 @@ def _layer_choices(sk, w, ids: jax.Array) -> list[jax.Array]:
     positions = jnp.arange(ids.shape[1])[None]
     x = sk.embed(w, ids, positions, sk.settings)
     features = sk.features(positions, sk.settings)
-    num_layers = w.layers.input_layernorm.weight.shape[0]
-    data = sk.per_layer.data(num_layers)
+    layers = [
+        jax.tree.map(lambda a, i=i: a[i], run)
+        for run in layer_runs(w.layers)
+        for i in range(run_length(run))
+    ]  # each layer's weights, in layer order (runs of one type each)
+    data = sk.per_layer.data(len(layers))
     chosen = []
-    for index in range(num_layers):
-        layer, layer_data = jax.tree.map(lambda a, i=index: a[i], (w.layers, data))
+    for index, layer in enumerate(layers):
+        layer_data = jax.tree.map(lambda a, i=index: a[i], data)
         mask = AttentionMask(positions, positions, None, None, window=layer_data.window)
 
         def attend(q, k, v, keep=None, mask=mask):
             return Attended(sk.attend(q, k, v, mask))
 
         out = sk.layer(layer, x, LayerInputs(attend, features, None, layer_data), sk.settings)
-        chosen.append(out.routing.experts)
+        if out.routing is not None:  # a layer with experts
+            chosen.append(out.routing.experts)
         x = out.stream
     return chosen
 
 
 def test_moe_matches_transformers(moe):
-    """Logits within 2e-5 of the largest logit on one device and under tp=2 + FSDP; the experts
+    """Logits within 2e-5 of the largest logit on one device and under tp=2 + FSDP with experts
+    over shard; the experts
     of every untied token equal transformers'; the load-balancing loss within 1e-6 relative."""
     reference, run = moe
     torch = libraries().torch
@@ -75,7 +83,7 @@ def test_moe_matches_transformers(moe):
     scale = 2e-5 * np.abs(want).max()
     one = theseus.logits(run, IDS, devices=jax.devices()[:1])
     np.testing.assert_allclose(one, want, atol=scale, rtol=0)
-    sharded = theseus.logits(run, IDS, policy_changes={"tp": 2, "fsdp": True})
+    sharded = theseus.logits(run, IDS, policy_changes={"tp": 2, "fsdp": True, "experts": "shard"})
     np.testing.assert_allclose(sharded, want, atol=scale, rtol=0)
 
     with torch.no_grad():
@@ -159,3 +167,22 @@ def test_the_fused_layout_imports_to_the_same_run(moe, tmp_path):
     )
     for got, want in zip(jax.tree.leaves(fused), jax.tree.leaves(per_expert), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_plan_counts_the_parameters_transformers_has(moe):
+    """`theseus plan --hf` of the folder counts transformers' parameters (dense layers' MLPs
+    and expert layers' blocks alike); under FSDP every layer's weights, each run's, are gathered
+    one layer at a time in the layer scan."""
+    reference, run = moe
+    result = invoke("plan", "--hf", reference.directory, "--devices", "8", "--tp", "2", "--json")
+    assert result.exit_code == 0, result.output
+    want = sum(p.numel() for p in reference.model.parameters())
+    assert json.loads(result.output)["num_params"] == want
+    policy = {"tp": 2, "fsdp": True, "experts": "shard"}
+    trainer = load_run(run, policy_changes=policy).trainer
+    projections = {
+        leaf.path
+        for leaf in trainer.abstract_leaves
+        if leaf.path.startswith("layers/") and leaf.path.endswith("proj/weight")
+    }  # every run's, e.g. layers/runs/0/q_proj/weight
+    assert projections and projections <= trainer.per_layer_paths

@@ -104,8 +104,8 @@ def test_parameter_count_names_and_active_matmuls():
     assert "layers/mlp/down_proj/weight" in trainer.per_layer_paths  # gathered one layer at a time
     fewer = MODEL.model_copy(update={"num_experts": 4})
     assert FAMILY.num_params(MODEL) - FAMILY.num_params(fewer) == 2 * 4 * 40 * (1 + 3 * 16)
-    weights = FAMILY.matmuls(MODEL).layer_weights
-    assert weights[4:] == ((40, 8), (40, 32), (40, 32), (32, 40))
+    weights = FAMILY.matmuls(MODEL).other_weights  # each layer's MLP: the router, two experts
+    assert weights == ((40, 8), (40, 32), (40, 32), (32, 40)) * 2
 
 
 def test_an_expert_count_the_mesh_cannot_divide_is_refused():
@@ -144,6 +144,17 @@ def test_plan_qwen3_30b_a3b_with_experts_placed_each_way(tmp_path):
         assert plan["policy"]["experts"] == placement
         totals[placement] = plan["totals"]["total_bytes"]  # ZeRO tp=8, per device
     assert totals["both"] < totals["batch"] < totals["shard"] < totals["none"], totals
+
+
+def test_a_config_whose_layers_have_no_experts_is_refused(tmp_path):
+    """decoder_sparse_step 2 with every odd layer in mlp_only_layers leaves no expert layer:
+    `plan --hf` exits 2 naming both keys and the fix."""
+    only = list(range(1, 48, 2))
+    hf = QWEN3_30B_A3B | {"decoder_sparse_step": 2, "mlp_only_layers": only}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    result = invoke("plan", "--hf", tmp_path, "--devices", "8")
+    assert result.exit_code == 2
+    assert "no layer has experts" in result.output and "list fewer mlp_only_layers" in result.output
 
 
 def test_compiled_plan_has_the_exchange_its_communication_line_names():

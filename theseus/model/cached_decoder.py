@@ -17,7 +17,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from theseus.model.decode import ROWS, CacheArray
-from theseus.model.decoder import Attended, LayerInputs, Skeleton, head
+from theseus.model.decoder import (
+    Attended,
+    LayerInputs,
+    Skeleton,
+    head,
+    layer_runs,
+    layer_slice,
+    run_length,
+)
 from theseus.model.kv_cache import EMPTY, CacheGroup, Ring, cache_groups
 from theseus.model.parts import arrays
 
@@ -121,11 +129,14 @@ class CachedDecoder:
             out = sk.layer(layer, x, layer_inputs, sk.settings)
             return (out.stream, out.cache), None
 
-        group_of, index_in_group = _layer_places(groups, self.num_layers)
+        places = (*_layer_places(groups, self.num_layers), sk.per_layer.data(self.num_layers))
         stacks = tuple({"k": cache[g.name]["k"], "v": cache[g.name]["v"]} for g in groups)
-        data = sk.per_layer.data(self.num_layers)
-        per_layer = (weights.layers, group_of, index_in_group, data)
-        (x, stacks), _ = jax.lax.scan(layer_step, (x, stacks), per_layer)
+        start = 0
+        for run in layer_runs(weights.layers):  # each run of one layer type its own scan
+            stop = start + run_length(run)
+            per_layer = (run, *layer_slice(places, start, stop))
+            (x, stacks), _ = jax.lax.scan(layer_step, (x, stacks), per_layer)
+            start = stop
         written = {g.name: {**stacks[i], "positions": rings[i].after} for i, g in enumerate(groups)}
         last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # (rows, 1, n_embd)
         return head(weights, last, sk)[:, 0], written  # (rows, vocab)

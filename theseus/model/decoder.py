@@ -51,6 +51,40 @@ class Weights:
 
 
 @weights
+class Runs:
+    """A decoder's layers in runs of consecutive layers of one type (a model whose layers are
+    not all alike: Qwen3-MoE's dense layers between expert layers): ``runs`` maps each run's
+    index (``"0"``, ``"1"``, ...) to its layers, stacked along ``n_layer``; each run is one
+    layer scan. A model whose layers are all alike holds its stacked layer type itself."""
+
+    runs: dict[str, Any]
+
+
+def stack_runs(runs: list[Any]) -> Any:
+    """A decoder's ``layers`` from its runs (each a stacked layer type), in layer order: the
+    one run itself, else :class:`Runs`."""
+    return runs[0] if len(runs) == 1 else Runs(runs={str(i): run for i, run in enumerate(runs)})
+
+
+def layer_runs(layers: Any) -> tuple[Any, ...]:
+    """The runs of a decoder's ``layers`` (:class:`Runs`, or one stacked layer type: one run),
+    in layer order."""
+    if isinstance(layers, Runs):
+        return tuple(layers.runs[str(i)] for i in range(len(layers.runs)))
+    return (layers,)
+
+
+def run_length(run: Any) -> int:
+    """The number of layers of a run (its leaves are stacked along ``n_layer``)."""
+    return jax.tree.leaves(run)[0].shape[0]
+
+
+def layer_slice(tree: Any, start: int, stop: int) -> Any:
+    """Layers ``[start, stop)`` of a layer-indexed ``tree`` (leaves (n_layer, ...))."""
+    return jax.tree.map(lambda a: a[start:stop], tree)
+
+
+@weights
 class LayerData:
     """What differs between layers besides their weights, layer-indexed so it travels through
     the layer scan: each layer's attention ``window`` int32 (n_layer,) (:data:`NO_WINDOW`: the
@@ -339,10 +373,14 @@ def stream(
         routed = out.routing is not None
         return out.stream, routing.add(out.routing, counted) if routed else routing
 
-    num_layers = jax.tree.leaves(weights.layers)[0].shape[0]  # leaves (n_layer, ...)
-    per_layer = (weights.layers, jnp.arange(num_layers), sk.per_layer.data(num_layers))
-    carry = (x, sk.routing(sk.settings))
-    return scan_layers(one_layer, carry, per_layer, remat=sk.remat)
+    runs = layer_runs(weights.layers)
+    data = sk.per_layer.data(sum(run_length(run) for run in runs))
+    carry, start = (x, sk.routing(sk.settings)), 0
+    for run in runs:  # each run of one layer type its own scan, in layer order
+        stop = start + run_length(run)
+        per_layer = (run, jnp.arange(start, stop), layer_slice(data, start, stop))
+        carry, start = scan_layers(one_layer, carry, per_layer, remat=sk.remat), stop
+    return carry
 
 
 def run(

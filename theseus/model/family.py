@@ -59,6 +59,40 @@ def whole(
     return HFTensor(name, shape, (Part(path, layer, 0, shape[-1], expert),))
 
 
+@dataclass(frozen=True)
+class Stacks:
+    """How a decoder's layers are stacked: each layer's kind (``kinds``, e.g. whether it has
+    experts); consecutive layers of one kind are one run, stacked along ``n_layer``. One run
+    is the stack ``layers/`` itself; more are ``layers/runs/<run>/``
+    (:class:`theseus.model.decoder.Runs`)."""
+
+    kinds: tuple[bool, ...]
+
+    @property
+    def runs(self) -> tuple[tuple[bool, int], ...]:
+        """Each run's kind and length, in layer order."""
+        runs: list[tuple[bool, int]] = []
+        for kind in self.kinds:
+            same = bool(runs) and runs[-1][0] == kind
+            runs = [*runs[:-1], (kind, runs[-1][1] + 1)] if same else [*runs, (kind, 1)]
+        return tuple(runs)
+
+    def place(self, layer: int) -> tuple[str, int]:
+        """Layer ``layer``'s stack path and index in it."""
+        if len(self.runs) == 1:
+            return "layers", layer
+        start = 0
+        for run, (_, length) in enumerate(self.runs):
+            if layer < start + length:
+                return f"layers/runs/{run}", layer - start
+            start += length
+        raise IndexError(f"layer {layer} of {len(self.kinds)}")
+
+    def layers(self, kind: bool) -> tuple[int, ...]:
+        """The layers of ``kind``."""
+        return tuple(i for i, k in enumerate(self.kinds) if k == kind)
+
+
 @dataclass(frozen=True, eq=False)
 class HFSpec:
     """A family's Hugging Face mapping.
@@ -105,12 +139,14 @@ class HFSpec:
 class Matmuls:
     """The matmul shapes of a decoder, for its FLOPs: each layer's weights that multiply
     activations ``(d_in, d_out)``, the output head's, and the width of attention's ``q kᵀ`` and
-    ``probs v`` (all query heads)."""
+    ``probs v`` (all query heads); ``other_weights``: those of layers unlike the rest, counted
+    once each (Qwen3-MoE's dense and expert MLPs when its layers are mixed)."""
 
     num_layers: int
     layer_weights: tuple[tuple[int, int], ...]
     head: tuple[int, int]
     attention_width: int
+    other_weights: tuple[tuple[int, int], ...] = ()
 
 
 def dense_matmuls(shape: DecoderShape) -> Matmuls:

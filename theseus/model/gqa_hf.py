@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from theseus.model.family import HFTensor, whole
+from theseus.model.family import HFTensor, Stacks, whole
 
 
 def check_key(hf: dict[str, Any], key: str, supported: Any, default: Any, where: str) -> None:
@@ -76,19 +76,35 @@ def projection_shapes(model: dict[str, Any]) -> dict[str, tuple[int, int]]:
 
 
 def checkpoint_tensors(
-    model: dict[str, Any], layer_weights: dict[str, tuple[int, ...]], extra: Iterable[HFTensor] = ()
+    model: dict[str, Any],
+    layer_weights: dict[str, tuple[int, ...]],
+    extra: Iterable[HFTensor] = (),
+    stacks: Stacks | None = None,
 ) -> list[HFTensor]:
     """The checkpoint's tensors: the token table, each layer's ``layer_weights`` (module name
-    under ``model.layers.N.`` to shape; theseus path ``layers/<last name>/weight``), ``extra``
-    tensors, the final norm and the untied head."""
+    under ``model.layers.N.`` to shape; theseus path ``<stack>/<last name>/weight``, the
+    layer's stack in ``stacks``, default one: ``layers/``), ``extra`` tensors, the final norm
+    and the untied head."""
     e, vocab = model["hidden_size"], model["vocab_size"]
     found = [whole("model.embed_tokens.weight", (vocab, e), "embed_tokens")]
-    for layer in range(model["num_layers"]):
-        for module, shape in layer_weights.items():
-            path = f"layers/{module.split('.')[-1]}/weight"
-            found.append(whole(f"model.layers.{layer}.{module}.weight", shape, path, layer))
+    stacks = stacks or Stacks((True,) * model["num_layers"])
+    found.extend(layer_tensors(layer_weights, stacks, range(model["num_layers"])))
     found.extend(extra)
     found.append(whole("model.norm.weight", (e,), "norm/weight"))
     if not model["tie_word_embeddings"]:
         found.append(whole("lm_head.weight", (vocab, e), "lm_head"))
+    return found
+
+
+def layer_tensors(
+    layer_weights: Mapping[str, tuple[int, ...]], stacks: Stacks, layers: Iterable[int]
+) -> list[HFTensor]:
+    """The ``layer_weights`` (module name under ``model.layers.N.`` to shape) of each of
+    ``layers``, each at ``<its stack>/<last name>/weight``."""
+    found = []
+    for layer in layers:
+        stack, index = stacks.place(layer)
+        for module, shape in layer_weights.items():
+            path = f"{stack}/{module.split('.')[-1]}/weight"
+            found.append(whole(f"model.layers.{layer}.{module}.weight", shape, path, index))
     return found

@@ -20,7 +20,7 @@ from theseus.accounting.activations import DecoderShape
 from theseus.model import experts, gqa, gqa_hf
 from theseus.model.decoder import Skeleton
 from theseus.model.experts import N_EXPERT_MLP, Experts, RouterSums, Routing
-from theseus.model.family import Family, HFTensor, Matmuls, Part, whole
+from theseus.model.family import Family, HFTensor, Matmuls, Part, Stacks, whole
 from theseus.model.gqa import GQA_PLAN, Settings, WindowedConfig, field
 from theseus.sharding.axis import N_EXPERT, Axis, ShardingPlan
 
@@ -48,6 +48,12 @@ class MoEConfig(WindowedConfig):
         None, "each expert takes at most this × its even share of a batch's choices (None: "
         "dropless); experts / num_experts_per_tok drops nothing", gt=0,
     )  # fmt: skip
+
+    @property
+    def stacks(self) -> Stacks:
+        """Which layers have experts (kind True) and so how they are stacked: every layer
+        (a family whose layers mix dense and expert MLPs says otherwise)."""
+        return Stacks((True,) * self.num_layers)
 
     @pydantic.model_validator(mode="after")
     def _top_k_fits(self) -> MoEConfig:
@@ -93,23 +99,37 @@ def expert_block(c: MoEConfig, normalise: bool, rngs: nnx.Rngs) -> Experts:
 
 
 def expert_params(c: MoEConfig) -> int:
-    """The parameters of every layer's expert block."""
-    return experts.num_params(c.num_layers, c.num_experts, c.hidden_size, c.moe_intermediate_size)
+    """The parameters of the expert blocks of the layers that have them (``c.stacks``) and the
+    gated MLPs of those that do not."""
+    num_expert_layers, num_dense = len(c.stacks.layers(True)), len(c.stacks.layers(False))
+    dims = (c.num_experts, c.hidden_size, c.moe_intermediate_size)
+    return experts.num_params(num_expert_layers, *dims) + num_dense * 3 * c.hidden_size * (
+        c.intermediate_size
+    )
 
 
 def matmuls(c: MoEConfig) -> Matmuls:
-    """The matmuls a token runs through (active parameters): q, k, v, o, the router and its
-    ``num_experts_per_tok`` experts' three matrices, the head."""
-    e, active = c.hidden_size, c.num_experts_per_tok * c.moe_intermediate_size
+    """The matmuls a token runs through (active parameters): q, k, v, o, in an expert layer
+    the router and its ``num_experts_per_tok`` experts' three matrices (in a dense layer its
+    gated MLP's), the head."""
+    e, active, mlp = (
+        c.hidden_size,
+        c.num_experts_per_tok * c.moe_intermediate_size,
+        c.intermediate_size,
+    )
     attention = ((e, c.n_q), (e, c.n_kv), (e, c.n_kv), (c.n_q, e))
-    weights = (*attention, (e, c.num_experts), (e, active), (e, active), (active, e))
-    return Matmuls(c.num_layers, weights, (e, c.vocab_size), c.n_q)
+    routed = ((e, c.num_experts), (e, active), (e, active), (active, e))
+    dense = ((e, mlp), (e, mlp), (mlp, e))
+    mlps = tuple(w for kind in c.stacks.kinds for w in (routed if kind else dense))
+    return Matmuls(c.num_layers, attention, (e, c.vocab_size), c.n_q, mlps)
 
 
 def decoder_shape(c: MoEConfig) -> DecoderShape:
-    """The activations' dimensions: a gated MLP as wide as a token's chosen experts together."""
-    active = c.num_experts_per_tok * c.moe_intermediate_size
-    return replace(gqa.decoder_shape(c), mlp_width=active)
+    """The activations' dimensions: a gated MLP as wide as a token's chosen experts together,
+    or as a dense layer's MLP where that is wider."""
+    widths = [c.num_experts_per_tok * c.moe_intermediate_size]
+    widths += [c.intermediate_size for _ in c.stacks.layers(False)]
+    return replace(gqa.decoder_shape(c), mlp_width=max(widths))
 
 
 def family(**kwargs: Any) -> Family:
@@ -148,49 +168,58 @@ def layer_shapes(model: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return shapes | {k: v for k, v in attention if k.startswith("self_attn.")}
 
 
+def every_layer(model: dict[str, Any]) -> Stacks:
+    """The stacks of a model section whose every layer has experts: one."""
+    return Stacks((True,) * model["num_layers"])
+
+
 def expert_tensors(
     model: dict[str, Any],
+    stacks: Stacks,
     block: str = "mlp",
     names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
 ) -> list[HFTensor]:
-    """Each layer's router ``{block}.gate.weight`` (experts, n_embd) and, one tensor per expert
-    (as transformers writes them), ``{block}.experts.N.<name>.weight`` of the gate, up and down
-    matrices under their ``names`` (Mixtral's: w1, w3, w2)."""
+    """Each expert layer's (``stacks``' layers of kind True) router ``{block}.gate.weight``
+    (experts, n_embd) and, one tensor per expert (as transformers writes them),
+    ``{block}.experts.N.<name>.weight`` of the gate, up and down matrices under their
+    ``names`` (Mixtral's: w1, w3, w2)."""
     e, width = model["hidden_size"], model["moe_intermediate_size"]
     shapes = {"gate_proj": (width, e), "up_proj": (width, e), "down_proj": (e, width)}
     found = []
-    for layer in range(model["num_layers"]):
-        prefix = f"model.layers.{layer}.{block}"
+    for layer in stacks.layers(True):
+        prefix, (stack, index) = f"model.layers.{layer}.{block}", stacks.place(layer)
         router = (model["num_experts"], e)
-        found.append(whole(f"{prefix}.gate.weight", router, "layers/mlp/gate/weight", layer))
+        found.append(whole(f"{prefix}.gate.weight", router, f"{stack}/mlp/gate/weight", index))
         for expert in range(model["num_experts"]):
             for name, (ours, shape) in zip(names, shapes.items(), strict=True):
                 tensor = f"{prefix}.experts.{expert}.{name}.weight"
-                found.append(whole(tensor, shape, f"layers/mlp/{ours}/weight", layer, expert))
+                path = f"{stack}/mlp/{ours}/weight"
+                found.append(whole(tensor, shape, path, index, expert))
     return found
 
 
-def fused_expert_tensors(model: dict[str, Any]) -> list[HFTensor]:
-    """transformers 5's fused layout (its modules' own names, every family's): each layer's
-    router ``mlp.gate.weight``, ``mlp.experts.gate_up_proj`` (experts, 2 · width, n_embd: the
-    gate's rows, then the up matrix's) and ``mlp.experts.down_proj`` (experts, n_embd, width)."""
+def fused_expert_tensors(model: dict[str, Any], stacks: Stacks) -> list[HFTensor]:
+    """transformers 5's fused layout (its modules' own names, every family's): each expert
+    layer's router ``mlp.gate.weight``, ``mlp.experts.gate_up_proj`` (experts, 2 · width,
+    n_embd: the gate's rows, then the up matrix's) and ``mlp.experts.down_proj`` (experts,
+    n_embd, width)."""
     e, width, num_experts = (
         model["hidden_size"],
         model["moe_intermediate_size"],
         model["num_experts"],
     )
     found = []
-    for layer in range(model["num_layers"]):
-        prefix = f"model.layers.{layer}.mlp"
+    for layer in stacks.layers(True):
+        prefix, (stack, index) = f"model.layers.{layer}.mlp", stacks.place(layer)
         router = (num_experts, e)
-        found.append(whole(f"{prefix}.gate.weight", router, "layers/mlp/gate/weight", layer))
-        gate, up = (Part(f"layers/mlp/{n}/weight", layer, i * width, (i + 1) * width, axis=1)
+        found.append(whole(f"{prefix}.gate.weight", router, f"{stack}/mlp/gate/weight", index))
+        gate, up = (Part(f"{stack}/mlp/{n}/weight", index, i * width, (i + 1) * width, axis=1)
                     for i, n in enumerate(("gate_proj", "up_proj")))  # fmt: skip
         fused = (num_experts, 2 * width, e)
         found.append(HFTensor(f"{prefix}.experts.gate_up_proj", fused, (gate, up)))
         down = (num_experts, e, width)
         found.append(
-            whole(f"{prefix}.experts.down_proj", down, "layers/mlp/down_proj/weight", layer)
+            whole(f"{prefix}.experts.down_proj", down, f"{stack}/mlp/down_proj/weight", index)
         )
     return found
 
@@ -199,16 +228,22 @@ def tensor_layouts(
     with_experts: Callable[[dict[str, Any], list[HFTensor]], list[HFTensor]],
     block: str = "mlp",
     names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+    stacks: Callable[[dict[str, Any]], Stacks] = every_layer,
 ) -> dict[str, Any]:
     """An expert family's ``HFSpec`` tensor layouts from ``with_experts(model, expert
-    tensors)`` (its whole checkpoint around the given expert tensors): one tensor per expert
+    tensors)`` (its whole checkpoint around the given expert tensors; ``stacks(model)``: which
+    layers have experts, and where each layer is stacked): one tensor per expert
     (``tensors``, what transformers writes and export writes) and transformers 5's fused
     layout (read too); and the modules peft can adapt: the attention projections (peft cannot
     load per-expert gate and up adapters into transformers 5's fused expert parameters)."""
     return {
         "peft_targets": gqa.PEFT_TARGETS[:4],
-        "tensors": lambda model: with_experts(model, expert_tensors(model, block, names)),
-        "other_layouts": (lambda model: with_experts(model, fused_expert_tensors(model)),),
+        "tensors": lambda model: with_experts(
+            model, expert_tensors(model, stacks(model), block, names)
+        ),
+        "other_layouts": (
+            lambda model: with_experts(model, fused_expert_tensors(model, stacks(model))),
+        ),
     }
 
 

@@ -25,6 +25,7 @@ from jax.tree_util import GetAttrKey
 from jax.typing import DTypeLike
 
 from theseus.model.layers import dense, layer_norm, rms_norm
+from theseus.sharding.layout import path_str
 
 Names = tuple[str | None, ...]
 Layout = Literal["io", "oi"]
@@ -220,7 +221,7 @@ def replace_projections(
     def swap(attribute: str, keys: tuple, node: Any) -> Any:
         if not isinstance(node, Projection):
             return node
-        return new((attribute, *(key.name for key in keys)), node)
+        return new((attribute, *(path_str([key]) for key in keys)), node)  # fields, run keys
 
     def stop(x: Any) -> bool:
         return isinstance(x, Projection | nnx.Variable)

@@ -119,7 +119,8 @@ def flops_per_token(matmuls: Matmuls, *, seq_len: int) -> int:
     """
     m = matmuls
     per_layer = sum(d_in * d_out for d_in, d_out in m.layer_weights)
-    weights = m.num_layers * per_layer + m.head[0] * m.head[1]
+    others = sum(d_in * d_out for d_in, d_out in m.other_weights)
+    weights = m.num_layers * per_layer + others + m.head[0] * m.head[1]
     return 6 * weights + 12 * m.num_layers * seq_len * m.attention_width
 
 
