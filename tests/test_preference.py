@@ -23,6 +23,7 @@ from hf_reference import VOCAB, Reference, byte_tokenizer, libraries, saved_logi
 from support import FAMILIES, invoke, policy_id
 
 import theseus
+from theseus.checkpoint.checkpointer import Checkpointer
 from theseus.config import apply_overrides
 from theseus.data.packing import MaskedExamples
 from theseus.data.pairs import PAIR_FIELDS, PairSampler, examples_of_pairs
@@ -39,6 +40,7 @@ from theseus.sharding.topology import Topology
 from theseus.training.keys import validation_keys
 from theseus.training.preference import METRICS, PairLogps, PreferenceConfig, pair_losses
 from theseus.training.reference import REFERENCE_FILE, split_reference
+from theseus.training.run.checkpointing import checkpoint_meta, restore_reference, restore_target
 from theseus.training.state import reference_of
 
 PAIRS = 5
@@ -525,13 +527,25 @@ def test_live_reference_equals_precomputed_under_lora():
     _live_equals_precomputed(live, precomputed)
 
 
-def test_live_reference_equals_precomputed_under_full_finetuning():
+def test_live_reference_equals_precomputed_under_full_finetuning(tmp_path):
     """Full fine-tuning: the live reference is a frozen copy of the starting parameters, held in
     the state beside the trained ones; its log-probabilities each step equal the precomputed
-    ones within 1e-6 while the policy moves away, and step 0 is ln 2 with zero rewards."""
+    ones within 1e-6 while the policy moves away, and step 0 is ln 2 with zero rewards. A
+    checkpoint holds the copy: restored (resume, evaluate), it is the saved one bit for bit."""
     trainer = _trainer(ShardingPolicy(), 1, "preference.reference=live", devices=1)
     live, precomputed = _run(trainer), _one_device()
     _live_equals_precomputed(live, precomputed)
+    state = trainer.init_state(seed=1)
+    state = dataclasses.replace(state, reference=jax.tree.map(lambda p: p + 1, state.params))
+    with Checkpointer(tmp_path, async_save=False) as checkpointer:
+        checkpointer.save(state, checkpoint_meta(trainer, step=1, data_position=0))
+        resumed = checkpointer.restore_state(None, restore_target(trainer)).state
+        evaluated = restore_reference(trainer, checkpointer, 1)
+    for copy in (reference_of(resumed), evaluated):
+        for got, want in zip(
+            jax.tree.leaves(copy), jax.tree.leaves(reference_of(state)), strict=True
+        ):
+            np.testing.assert_array_equal(got, want)
 
 
 def _sft_twin(preference):
