@@ -23,6 +23,7 @@ from hf_reference import VOCAB, Reference, byte_tokenizer, libraries, saved_logi
 from support import FAMILIES, invoke, policy_id, trl_module
 
 import theseus
+from theseus.checkpoint.checkpointer import Checkpointer
 from theseus.config import apply_overrides
 from theseus.data.packing import MaskedExamples
 from theseus.data.pairs import PAIR_FIELDS, PairSampler, examples_of_pairs
@@ -39,6 +40,8 @@ from theseus.sharding.topology import Topology
 from theseus.training.keys import validation_keys
 from theseus.training.preference import METRICS, PairLogps, PreferenceConfig, pair_losses
 from theseus.training.reference import REFERENCE_FILE, split_reference
+from theseus.training.run.checkpointing import checkpoint_meta, restore_reference, restore_target
+from theseus.training.state import reference_of
 
 PAIRS = 5
 RNG = np.random.default_rng(7)
@@ -504,12 +507,9 @@ def _lora_trainer(reference: str):
     return _trainer(ShardingPolicy(fsdp=True), 1, LORA, f"preference.reference={reference}")
 
 
-def test_live_reference_equals_precomputed_under_lora():
-    """LoRA: the reference is the base with the adapters off, recomputed each step (live) or
-    once before training (precomputed): the same numbers within 1e-6 over steps that move the
-    adapters away from it."""
-    live = _run(_lora_trainer("live"))  # 3 steps: the first at the warm-up's learning rate 0
-    precomputed = _run(_lora_trainer("precomputed"))
+def _live_equals_precomputed(live: PrefRun, precomputed: PrefRun) -> None:
+    """The live run starts at ln 2 with zero rewards, leaves its reference, and every step's
+    figures equal the precomputed run's within 1e-6."""
     _starts_at_ln2(live)
     assert live.metrics["rewards/margins"][-1] != 0  # the policy left the reference
     for name in COMPARED:
@@ -517,6 +517,36 @@ def test_live_reference_equals_precomputed_under_lora():
         np.testing.assert_allclose(
             live.metrics[name], precomputed.metrics[name], rtol=1e-6, atol=scale, err_msg=name
         )
+
+
+def test_live_reference_equals_precomputed_under_lora():
+    """LoRA: the reference is the base with the adapters off, recomputed each step (live) or
+    once before training (precomputed): the same numbers within 1e-6 over steps that move the
+    adapters away from it."""
+    live = _run(_lora_trainer("live"))  # 3 steps: the first at the warm-up's learning rate 0
+    precomputed = _run(_lora_trainer("precomputed"))
+    _live_equals_precomputed(live, precomputed)
+
+
+def test_live_reference_equals_precomputed_under_full_finetuning(tmp_path):
+    """Full fine-tuning: the live reference is a frozen copy of the starting parameters, held in
+    the state beside the trained ones; its log-probabilities each step equal the precomputed
+    ones within 1e-6 while the policy moves away, and step 0 is ln 2 with zero rewards. A
+    checkpoint holds the copy: restored (resume, evaluate), it is the saved one bit for bit."""
+    trainer = _trainer(ShardingPolicy(), 1, "preference.reference=live", devices=1)
+    live, precomputed = _run(trainer), _one_device()
+    _live_equals_precomputed(live, precomputed)
+    state = trainer.init_state(seed=1)
+    state = dataclasses.replace(state, reference=jax.tree.map(lambda p: p + 1, state.params))
+    with Checkpointer(tmp_path, async_save=False) as checkpointer:
+        checkpointer.save(state, checkpoint_meta(trainer, step=1, data_position=0))
+        resumed = checkpointer.restore_state(None, restore_target(trainer)).state
+        evaluated = restore_reference(trainer, checkpointer, 1)
+    for copy in (reference_of(resumed), evaluated):
+        for got, want in zip(
+            jax.tree.leaves(copy), jax.tree.leaves(reference_of(state)), strict=True
+        ):
+            np.testing.assert_array_equal(got, want)
 
 
 def _sft_twin(preference):
@@ -536,7 +566,7 @@ def test_preference_run_holds_no_second_model():
     trainer holds it, is the supervised run's of the same model and fine-tuning: LoRA with
     the live reference (the base with the adapters off, the costlier setting) a LoRA SFT run's,
     a full fine-tune with the precomputed reference a full SFT run's; no reference parameters
-    either way. LoRA's compiled steps take the same argument bytes but the batch (4 int32
+    either way. A full fine-tune with the live reference holds one parameter copy more. LoRA's compiled steps take the same argument bytes but the batch (4 int32
     fields a token, 3 for SFT) and alias the same."""
     shapes = lambda s: jax.tree.map(lambda x: (x.shape, x.dtype), s)  # noqa: E731
     lora = _lora_trainer("live")
@@ -548,6 +578,16 @@ def test_preference_run_holds_no_second_model():
         ]
         assert planned[0].totals == planned[1].totals == preference.memory()
         assert planned[0].verdict.ok and planned[0].totals.params > 0
+    # Full fine-tuning with the live reference: one frozen copy of the parameters more, created
+    # in their storage layout (FSDP: sharded), and the plan counts it.
+    live = _trainer(ShardingPolicy(fsdp=True), 1, "preference.reference=live")
+    full = _trainer(ShardingPolicy(fsdp=True), 1)
+    assert shapes(reference_of(live.abstract_state)) == shapes(live.abstract_state.params)
+    assert reference_of(live.state_layout) == live.layouts.storage
+    planned = [plan(type(t), t.config, t.policy, 8, alternatives=False) for t in (live, full)]
+    copy = full.memory().params
+    assert planned[0].totals == live.memory()
+    assert planned[0].totals == dataclasses.replace(planned[1].totals, params=2 * copy)
     batch_plan = lora.batch_plan
     compiled = {}
     for trainer, fields in ((lora, PAIR_FIELDS), (_sft_twin(lora), 3)):
@@ -656,7 +696,6 @@ def test_job_records_trl_metrics_and_resumes_bit_for_bit(pair_corpus, tmp_path):
     [
         (["preference.beta=0"], ["preference.beta=0", "positive"]),
         (["preference.loss=simpo", "preference.reference=live"], ["reference-free"]),
-        (["preference.reference=live"], ["second copy", "finetune.lora_rank"]),
         (["data.overlong=truncate"], ["data.overlong=truncate", "pairs"]),
         (["training.seq_len=15"], ["longer than a row", "data.overlong=drop"]),
     ],

@@ -23,8 +23,9 @@ from theseus.sharding.layout import is_sharding
 @dataclass(frozen=True)
 class MemoryTotals:
     """Per-device bytes of the model state of one policy (activations not included):
-    parameters as stored, the float32 gradient accumulator (parameter-shaped, in the storage
-    layout; it lives only inside the step) and the optimizer state."""
+    parameters as stored (and their frozen reference copy where the state holds one), the
+    float32 gradient accumulator (parameter-shaped, in the storage layout; it lives only inside
+    the step) and the optimizer state."""
 
     params: int = json_field("params_bytes")
     grad_accumulator: int = json_field("grad_accumulator_bytes")

@@ -279,6 +279,11 @@ class Checkpointer:
         parameters, and only they are read and checked (the optimizer state never is)."""
         return self._restore(step, target, entry=PARAMS)
 
+    def restore_entry(self, step: int, target: Any, entry: str) -> Restored:
+        """:meth:`restore_state` of the state's ``entry`` alone, of ``step``: ``target``
+        describes that entry, and only it is read and checked."""
+        return self._restore(step, target, entry=entry)
+
     def _restore(self, step: int | None, target: Any, *, entry: str | None) -> Restored:
         """Restore ``state[entry]`` (``None``: the whole state) of ``step``, or of the newest
         good step with ``None``."""

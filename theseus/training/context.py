@@ -37,10 +37,17 @@ class Loss(Protocol):
 
 
 class RowsLoss(Protocol):
-    """The :class:`TokenLoss` (summed, and its trained-token count) of a model on rows."""
+    """The :class:`TokenLoss` (summed, and its trained-token count) of a model on rows;
+    ``reference``: the model built from the state's reference copy, where it holds one."""
 
     def __call__(
-        self, model: nnx.Module, rows: jax.Array, keys: Keys, *, train: bool
+        self,
+        model: nnx.Module,
+        rows: jax.Array,
+        keys: Keys,
+        *,
+        train: bool,
+        reference: nnx.Module | None = None,
     ) -> TokenLoss: ...
 
 

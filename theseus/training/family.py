@@ -61,7 +61,13 @@ class FamilyTrainer(BaseTrainer):
         return -self.target_logps(model, tokens, keys, train=train).logps.mean()
 
     def token_loss(
-        self, model: nnx.Module, rows: jax.Array, keys: Keys, *, train: bool
+        self,
+        model: nnx.Module,
+        rows: jax.Array,
+        keys: Keys,
+        *,
+        train: bool,
+        reference: nnx.Module | None = None,
     ) -> TokenLoss:
         """Plain token rows: :meth:`loss` (which a subclass may override) times its targets, or,
         for a model with experts, the mean next-token loss of its outputs. Segmented rows
@@ -70,6 +76,7 @@ class FamilyTrainer(BaseTrainer):
         (:mod:`theseus.training.losses`). In training, a model with experts adds its
         load-balancing loss (:func:`~theseus.training.losses.with_routing`)."""
         assert isinstance(model, DecoderModel), type(model)  # every family's model is one
+        assert reference is None, "a next-token loss has no reference model"
         if rows.ndim == 2 and model.skeleton.routing is no_routing:
             return super().token_loss(model, rows, keys, train=train)  # loss(), as overridden
         scored = self.target_logps(model, rows, keys, train=train)

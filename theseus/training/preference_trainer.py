@@ -8,8 +8,9 @@ global batch (a sum and a count, as next-token losses are a sum over tokens and 
 no layout, accumulation or packing changes it. The reference is the model the run starts from;
 for a LoRA run the same parameters with the adapters switched off, so no second copy is held.
 ``precomputed`` (the default) computes it once before training
-(:mod:`theseus.training.reference`), ``live`` in every step (LoRA only: a full fine-tuning run
-would need a second copy of the model).
+(:mod:`theseus.training.reference`), ``live`` in every step: from the base with the adapters off
+(LoRA), or from a frozen copy of the starting parameters that the state holds beside the
+trained ones (full fine-tuning: the one setting that holds a second copy).
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ from theseus.training.pair_logps import (
     stored_reference,
 )
 from theseus.training.preference import METRICS, PreferenceConfig, pair_losses
-from theseus.training.trainer import TrainerConfig
 
 
 class PreferenceSection(PreferenceConfig):
@@ -53,21 +53,15 @@ class PreferenceTrainer(FamilyTrainer):
     """A family's trainer on preference pairs (subclassed per family:
     :func:`preference_trainer_class`)."""
 
-    def __init__(self, config: TrainerConfig, policy, topology=None):
-        preference = config.preference  # type: ignore[attr-defined]
-        if preference.reference_mode == "live" and config.finetune.lora_rank == 0:
-            raise ValueError(
-                "preference.reference=live recomputes the reference every step from the base "
-                "model with the LoRA adapters switched off, but this run trains every "
-                "parameter (finetune.lora_rank=0): it would need a second copy of the model. "
-                "Use preference.reference=precomputed (the default), or LoRA "
-                "(finetune.lora_rank=8, say)."
-            )
-        super().__init__(config, policy, topology)
-
     @property
     def preference(self) -> PreferenceSection:
         return self.config.preference  # type: ignore[attr-defined]
+
+    @property
+    def holds_reference(self) -> bool:
+        """The live reference of a full fine-tuning run is a frozen copy of the starting
+        parameters in the state (a LoRA run's is the base with the adapters off: no copy)."""
+        return self.preference.reference_mode == "live" and self.config.finetune.lora_rank == 0
 
     def rows_of(self, mixture: Mixture) -> Mixture:
         """The mixture's masked sources as pair rows (no reference yet)."""
@@ -83,8 +77,9 @@ class PreferenceTrainer(FamilyTrainer):
     def for_evaluation(self, mixture: Mixture, params: Any, run_dir: Path) -> Mixture:
         """The pair rows of ``theseus evaluate``: the reference the run stored when the data is
         the run's own, else (other pairs) computed from ``params`` with the adapters off, which
-        is the reference of a LoRA run; a full fine-tuning run's reference is no longer held."""
-        if self.preference.reference_mode is None:
+        is the reference of a LoRA run; a full fine-tuning run's reference is no longer held,
+        unless its checkpoints hold the live reference's copy (then the rows need none)."""
+        if self.preference.reference_mode is None or self.holds_reference:
             return mixture
         references = reference.stored(mixture, run_dir)
         if references is None and self.config.finetune.lora_rank == 0:
@@ -104,39 +99,51 @@ class PreferenceTrainer(FamilyTrainer):
         """The jitted reference pass (:func:`theseus.training.reference.reference_step`)."""
         return reference.reference_step(self)
 
-    def reference_model(self, model: nnx.Module) -> nnx.Module:
-        """The reference: ``model`` itself, or with its LoRA adapters switched off (zeroed;
-        the other parameters are the same arrays, gathered as the policy's are)."""
+    def reference_model(self, model: nnx.Module, frozen: nnx.Module | None = None) -> nnx.Module:
+        """The reference: the model of the state's frozen copy of the starting parameters
+        (``frozen``: full fine-tuning, live), else ``model`` itself (the starting parameters)
+        or ``model`` with its LoRA adapters switched off (zeroed; the other parameters are the
+        same arrays, gathered as the policy's are)."""
+        if frozen is not None:
+            return frozen
+        assert not self.holds_reference, "the state's reference copy was not passed"
         if self.config.finetune.lora_rank == 0:
             return model
         return with_zero_adapters(model)
 
-    def reference_logps(self, model: nnx.Module, rows: jax.Array, keys: Keys) -> jax.Array:
-        """Per row and segment, the reference's summed completion log-probabilities
-        (examples, seq_len + 2), without gradient."""
-        reference = self.reference_model(model)
+    def reference_logps(self, reference: nnx.Module, rows: jax.Array, keys: Keys) -> jax.Array:
+        """Per row and segment, the summed completion log-probabilities (examples, seq_len + 2)
+        of the ``reference`` model (:meth:`reference_model`), without gradient."""
         scored = self.target_logps(reference, rows, keys, train=False)
         return jax.lax.stop_gradient(completion_logps(scored.logps, rows).sums)
 
     def token_loss(
-        self, model: nnx.Module, rows: jax.Array, keys: Keys, *, train: bool
+        self,
+        model: nnx.Module,
+        rows: jax.Array,
+        keys: Keys,
+        *,
+        train: bool,
+        reference: nnx.Module | None = None,
     ) -> TokenLoss:
         """The summed preference loss of the pairs of pair rows (examples, PAIR_FIELDS,
         seq_len + 1), their number, the summed metrics and the trained tokens; in training, a
-        model with experts adds its routing loss, weighted by the pairs. Plain token rows (the
-        FLOP count's and the gather trace's) get the next-token loss."""
+        model with experts adds its routing loss, weighted by the pairs. ``reference``: the
+        model of the state's frozen copy (full fine-tuning with the live reference). Plain
+        token rows (the FLOP count's and the gather trace's) get the next-token loss."""
         if rows.ndim == 2:
             return super().token_loss(model, rows, keys, train=train)
         policy = self.target_logps(model, rows, keys, train=train)
         logps = completion_logps(policy.logps, rows)
         pairs = row_pairs(logps, rows)
         preference = self.preference
-        reference = None
+        references = None
         if preference.reference_mode == "live":
-            reference = reference_pairs(self.reference_logps(model, rows, keys), pairs)
+            live = self.reference_model(model, reference)
+            references = reference_pairs(self.reference_logps(live, rows, keys), pairs)
         elif preference.reference_mode == "precomputed":
-            reference = reference_pairs(stored_reference(rows), pairs)
-        scored = pair_losses(preference, pairs.policy, reference)
+            references = reference_pairs(stored_reference(rows), pairs)
+        scored = pair_losses(preference, pairs.policy, references)
         valid = pairs.valid
         loss = TokenLoss(
             jnp.sum(scored.loss * valid),

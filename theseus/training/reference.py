@@ -50,7 +50,9 @@ class PreferenceTrainer(Protocol):
         self, rows_for: Callable[[slice], np.ndarray], shape: tuple[int, ...]
     ) -> jax.Array: ...
 
-    def reference_logps(self, model: nnx.Module, rows: jax.Array, keys: Keys) -> jax.Array: ...
+    def reference_model(self, model: nnx.Module) -> nnx.Module: ...
+
+    def reference_logps(self, reference: nnx.Module, rows: jax.Array, keys: Keys) -> jax.Array: ...
 
     @property
     def reference_step(self) -> UnderMesh: ...
@@ -74,7 +76,8 @@ def reference_step(trainer: PreferenceTrainer) -> UnderMesh:
 
             def logps(params: Any) -> jax.Array:
                 model = nnx.merge(context.graphdef, params)
-                return trainer.reference_logps(model, rows, Keys(examples, keys.step))
+                reference = trainer.reference_model(model)
+                return trainer.reference_logps(reference, rows, Keys(examples, keys.step))
 
             return None, gathering.loss_with_layouts(
                 logps,

@@ -22,3 +22,25 @@ class TrainState:
     opt_state: Any
     step: Any  # jax.Array () int32
     rng: Any  # jax.Array: the run's key
+
+
+@struct.dataclass
+class ReferencedState(TrainState):
+    """A state that also holds a frozen copy of the starting params, laid out as they are, which
+    the loss reads as its reference model every step (a full fine-tuning preference run with
+    ``preference.reference=live``). A class of its own, so that every other run's state (and
+    checkpoint) keeps the tree it had."""
+
+    reference: Any  # params-shaped, never trained
+
+
+def train_state(params: Any, opt_state: Any, step: Any, rng: Any, reference: Any) -> TrainState:
+    """The state of these parts: a :class:`ReferencedState` where ``reference`` is not None."""
+    if reference is None:
+        return TrainState(params, opt_state, step, rng)
+    return ReferencedState(params, opt_state, step, rng, reference)
+
+
+def reference_of(state: TrainState) -> Any:
+    """The state's frozen reference copy, or None where it holds none."""
+    return state.reference if isinstance(state, ReferencedState) else None

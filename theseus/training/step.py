@@ -23,19 +23,21 @@ from jax.sharding import PartitionSpec as P
 
 from theseus.accounting.memory import CompiledStep
 from theseus.sharding.axis import Axis
+from theseus.sharding.layout import Layouts
 from theseus.sharding.topology import UnderMesh
 from theseus.training import gathering
 from theseus.training.context import TrainerContext
 from theseus.training.keys import Keys, step_keys, validation_keys
 from theseus.training.losses import TokenLoss
 from theseus.training.nonfinite import update_if_finite
-from theseus.training.state import TrainState
+from theseus.training.state import TrainState, reference_of, train_state
 
 #: One training step: the state and a global batch in, the next state and the metrics out.
 TrainStep = Callable[[TrainState, jax.Array], tuple[TrainState, dict[str, jax.Array]]]
-#: One validation pass: storage-layout parameters and (num_batches, examples, ...) rows in, the
-#: mean loss (``loss``) and the loss's other metrics (:meth:`TokenLoss.means`) out.
-ValidationStep = Callable[[Any, jax.Array], dict[str, jax.Array]]
+#: One validation pass: storage-layout parameters, (num_batches, examples, ...) rows and, where
+#: the state holds one, the parameters' reference copy in; the mean loss (``loss``) and the
+#: loss's other metrics (:meth:`TokenLoss.means`) out.
+ValidationStep = Callable[..., dict[str, jax.Array]]
 
 
 def batch_sharding(mesh: Mesh | AbstractMesh) -> NamedSharding:
@@ -56,13 +58,31 @@ def model_loss(
 
 
 def loss_in_layouts(
-    context: TrainerContext, params: Any, rows: jax.Array, keys: Keys, *, train: bool
+    context: TrainerContext,
+    params: Any,
+    reference: Any,
+    rows: jax.Array,
+    keys: Keys,
+    *,
+    train: bool,
 ) -> TokenLoss:
-    """The context's ``token_loss`` with the layouts installed for :func:`theseus.scan_layers`."""
+    """The context's ``token_loss`` with the layouts installed for :func:`theseus.scan_layers`,
+    of the model built from ``params`` and the reference model built from ``reference`` (the
+    state's frozen copy, laid out as ``params``; None: the loss has none)."""
+
+    def loss(both: tuple[Any, Any]) -> TokenLoss:
+        model, frozen = (None if p is None else nnx.merge(context.graphdef, p) for p in both)
+        assert model is not None
+        return context.token_loss(model, rows, keys, train=train, reference=frozen)
+
+    def paired(layout: Any) -> tuple[Any, Any]:  # the copy is gathered as the parameters are
+        return layout, None if reference is None else layout
+
+    compute, storage = context.layouts.compute, context.layouts.storage
     return gathering.loss_with_layouts(
-        model_loss(context, rows, keys, train=train),
-        params,
-        context.layouts,
+        loss,
+        (params, reference),
+        Layouts(paired(compute), paired(storage), None),
         None,
         cast_dtype=context.gather_dtype,
         remat=context.policy.activation_checkpointing,
@@ -99,14 +119,13 @@ def train_step(context: TrainerContext, entry: gathering.Entry) -> TrainStep:
         batch = batch.reshape(num_micro, replicas, examples // replicas, *batch.shape[2:])
         rng = step_keys(state.rng, state.step, batch.shape[:3])  # one key per example, and step
 
-        def replica_grads(params, step_key, rows, examples):  # a replica's rows and keys
+        def replica_grads(params, reference, step_key, rows, examples):  # a replica's rows, keys
             trained, frozen = partition.split(params)  # gradients of the trained alone
 
             def loss(trained):
                 joined = partition.join(trained, frozen)
-                summed = loss_in_layouts(
-                    context, joined, rows, Keys(examples, step_key), train=True
-                )
+                keys = Keys(examples, step_key)
+                summed = loss_in_layouts(context, joined, reference, rows, keys, train=True)
                 return summed.objective(), summed
 
             (_, summed), grads = jax.value_and_grad(loss, has_aux=True)(trained)
@@ -115,8 +134,11 @@ def train_step(context: TrainerContext, entry: gathering.Entry) -> TrainStep:
         per_replica = gathering.per_replica(replica_grads, replicas)
 
         def microbatch(grad_sum, inputs):  # the sum of gradients; each microbatch's losses
-            params = gathering.enter(state.params, context.layouts, entry)
-            summed, grads = per_replica((params, rng.step), *inputs)  # (replicas, ...)
+            params, reference = (
+                None if tree is None else gathering.enter(tree, context.layouts, entry)
+                for tree in (state.params, reference_of(state))
+            )
+            summed, grads = per_replica((params, reference, rng.step), *inputs)  # (replicas, ...)
             grad_sum = constrain(jax.tree.map(jnp.add, grad_sum, grads), accumulator_layout)
             return grad_sum, jax.tree.map(lambda x: x.sum(0), summed)  # replicas summed
 
@@ -156,7 +178,8 @@ def train_step(context: TrainerContext, entry: gathering.Entry) -> TrainStep:
         # step counter advances either way, so the next step draws the same data and keys.
         trained, opt_state, metrics = update_if_finite(update, trained, state.opt_state, metrics)
         params = partition.join(trained, frozen)
-        return TrainState(params, opt_state, state.step + 1, state.rng), metrics
+        next_state = train_state(params, opt_state, state.step + 1, state.rng, reference_of(state))
+        return next_state, metrics
 
     return step
 
@@ -188,13 +211,17 @@ def validation_loss(context: TrainerContext, entry: gathering.Entry) -> Validati
     the loss's other metrics, parameters in the compute layout (those gathered per layer in
     storage)."""
 
-    def mean_loss(params: Any, batches: jax.Array) -> dict[str, jax.Array]:
-        params = jax.lax.with_sharding_constraint(params, entry.layout)
+    def mean_loss(params: Any, batches: jax.Array, reference: Any = None) -> dict[str, jax.Array]:
+        params, reference = (
+            None if tree is None else jax.lax.with_sharding_constraint(tree, entry.layout)
+            for tree in (params, reference)
+        )
         keys = validation_keys(batches.shape[:2])  # examples: (num_batches, examples)
 
         def one(summed: TokenLoss, inputs: tuple[jax.Array, jax.Array]) -> tuple[TokenLoss, None]:
             rows, examples = inputs  # (examples, ...), (examples,)
-            more = loss_in_layouts(context, params, rows, Keys(examples, keys.step), train=False)
+            row_keys = Keys(examples, keys.step)
+            more = loss_in_layouts(context, params, reference, rows, row_keys, train=False)
             return summed.plus(more), None
 
         summed, _ = jax.lax.scan(one, context.zero_loss(), (batches, keys.examples))
@@ -204,10 +231,13 @@ def validation_loss(context: TrainerContext, entry: gathering.Entry) -> Validati
 
 
 def jitted_validation_step(context: TrainerContext, entry: gathering.Entry) -> UnderMesh:
-    """:func:`validation_loss` jitted: parameters in storage, the losses replicated."""
+    """:func:`validation_loss` jitted: parameters (and their reference copy, where the state
+    holds one) in storage, the losses replicated."""
+    storage, reference = context.layouts.storage, reference_of(context.state_layout)
+    inputs = (storage, batch_sharding(context.mesh))
     step = jax.jit(
         validation_loss(context, entry),
-        in_shardings=(context.layouts.storage, batch_sharding(context.mesh)),
+        in_shardings=inputs if reference is None else (*inputs, reference),
         out_shardings=NamedSharding(context.mesh, P()),
     )
     return UnderMesh(step, context.topology.device_mesh)

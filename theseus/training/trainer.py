@@ -23,7 +23,13 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from theseus.accounting.activations import AttentionKernel, DecoderShape
-from theseus.accounting.memory import CompiledStep, MemoryTotals, device_bytes, model_state_totals
+from theseus.accounting.memory import (
+    CompiledStep,
+    MemoryTotals,
+    device_bytes,
+    model_state_totals,
+    shard_bytes,
+)
 from theseus.accounting.preflight import preflight
 from theseus.config import (
     CheckpointingConfig,
@@ -52,7 +58,7 @@ from theseus.training.context import TrainerContext
 from theseus.training.finetune import FinetuneConfig, lora_spec, partition
 from theseus.training.keys import Keys
 from theseus.training.losses import TokenLoss, next_token_loss, zero_token_loss
-from theseus.training.state import TrainState
+from theseus.training.state import TrainState, reference_of, train_state
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -116,7 +122,10 @@ class BaseTrainer(abc.ABC):
         self.abstract_state: TrainState = jax.eval_shape(self._init_fn, 0)
         replicated = NamedSharding(self.mesh, P())
         opt_layout = self._optimizer_layout(self.layouts.update, self.mesh)
-        self.state_layout = TrainState(self.layouts.storage, opt_layout, replicated, replicated)
+        reference_layout = self.layouts.storage if self.holds_reference else None
+        self.state_layout = train_state(
+            self.layouts.storage, opt_layout, replicated, replicated, reference_layout
+        )
         self.context = TrainerContext(
             topology=self.topology,
             policy=policy,
@@ -185,13 +194,21 @@ class BaseTrainer(abc.ABC):
         return next_token_loss(model(tokens[:, :-1]), tokens[:, 1:])
 
     def token_loss(
-        self, model: nnx.Module, rows: jax.Array, keys: Keys, *, train: bool
+        self,
+        model: nnx.Module,
+        rows: jax.Array,
+        keys: Keys,
+        *,
+        train: bool,
+        reference: nnx.Module | None = None,
     ) -> TokenLoss:
         """The :class:`TokenLoss` of ``model`` on ``rows``, what the step and validation add up.
         Here: :meth:`loss` (a mean over every next-token target) times the number of targets,
         for plain token rows (examples, seq_len + 1). Packed rows of masked data
         (examples, ROW_FIELDS, seq_len + 1) need a trainer whose ``token_loss`` reads their
-        segments and masks (the family trainers do)."""
+        segments and masks (the family trainers do). ``reference``: the model of the state's
+        reference copy, which only a trainer that :attr:`holds_reference` gets."""
+        assert reference is None, "a next-token loss has no reference model"
         if rows.ndim != 2:
             raise TypeError(
                 f"{type(self).__name__} trains on plain token rows (examples, seq_len + 1), got "
@@ -307,7 +324,25 @@ class BaseTrainer(abc.ABC):
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         params = self.partition.cast_frozen(params, self.frozen_dtype)
         opt_state = self.optimizer.init(self.partition.trained(params))  # none for frozen ones
-        return TrainState(params, opt_state, jnp.zeros((), jnp.int32), rng)
+        reference = params if self.holds_reference else None  # a copy: jit's outputs are distinct
+        return train_state(params, opt_state, jnp.zeros((), jnp.int32), rng, reference)
+
+    @property
+    def holds_reference(self) -> bool:
+        """Whether the state holds a frozen copy of the starting parameters
+        (:class:`~theseus.training.state.ReferencedState`) that the loss reads as its reference model: no, unless a
+        subclass says so (a full fine-tuning preference run with the live reference)."""
+        return False
+
+    def with_reference_params(self, state: TrainState) -> TrainState:
+        """``state`` whose reference (where it holds one) is a copy of its parameters, in their
+        storage layout: the start of a run whose parameters were replaced (``--init-from``)."""
+        if reference_of(state) is None:
+            return state
+        copy = jax.jit(lambda params: params, out_shardings=self.layouts.storage)
+        with jax.set_mesh(self.topology.device_mesh):
+            reference = copy(state.params)  # new buffers, not the params'
+        return train_state(state.params, state.opt_state, state.step, state.rng, reference)
 
     def _resolve_layouts(self, policy: ShardingPolicy, mesh: Mesh | AbstractMesh) -> Layouts:
         annotated = resolve_layouts(self.abstract_params, self.plan, policy, mesh)
@@ -340,9 +375,13 @@ class BaseTrainer(abc.ABC):
             storage, opt_layout = layouts.storage, self._optimizer_layout(layouts.update, mesh)
         params, trained = self.abstract_state.params, self.partition.trained
         opt_state = self.abstract_state.opt_state
-        return model_state_totals(
+        totals = model_state_totals(
             params, opt_state, storage, opt_layout, trained=(trained(params), trained(storage))
         )
+        if reference_of(self.abstract_state) is None:
+            return totals
+        copy = shard_bytes(reference_of(self.abstract_state), storage)  # one more params copy
+        return replace(totals, params=totals.params + copy)
 
     def measured_memory(self, state: TrainState) -> MemoryTotals:
         """Bytes of ``state`` on this process's first device of the mesh (no gradient
@@ -351,7 +390,7 @@ class BaseTrainer(abc.ABC):
         devices = self.topology.device_mesh.devices.flat
         device = next(d for d in devices if d.process_index == here)
         return MemoryTotals(
-            params=device_bytes(state.params, device),
+            params=device_bytes((state.params, reference_of(state)), device),
             grad_accumulator=0,
             optimizer=device_bytes(state.opt_state, device),
         )

@@ -25,7 +25,7 @@ from theseus.config import CHECKPOINTS
 from theseus.sharding.layout import abstract_with
 from theseus.training.finetune import Partition, is_adapter
 from theseus.training.run.identity import job_of_trainer
-from theseus.training.state import TrainState
+from theseus.training.state import TrainState, reference_of
 from theseus.training.trainer import BaseTrainer
 
 
@@ -195,6 +195,17 @@ def restore_params(
     restored = checkpointer.restore_params(None, target)
     run_dir = checkpointer.directory.parent
     return with_base(trainer, restored, layout, run_dir=run_dir, base_dir=base_dir)
+
+
+def restore_reference(trainer: BaseTrainer, checkpointer: Checkpointer, step: int) -> Any:
+    """The frozen reference copy of the starting parameters that the checkpoint of ``step``
+    holds, in the storage layout, for a trainer whose state holds one
+    (:attr:`BaseTrainer.holds_reference`); else None."""
+    reference = reference_of(trainer.abstract_state)
+    if reference is None:
+        return None
+    target = abstract_with(reference, trainer.layouts.storage)
+    return checkpointer.restore_entry(step, target, "reference").state
 
 
 def with_base(

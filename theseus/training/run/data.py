@@ -42,12 +42,14 @@ class Validation:
     named: bool
 
     def losses(
-        self, trainer: BaseTrainer, params
+        self, trainer: BaseTrainer, params, reference=None
     ) -> tuple[jax.Array, dict[str, jax.Array] | None, dict[str, jax.Array]]:
         """The weighted mean validation loss, each source's (None for a single data.path), and
         the loss's other metrics weighted alike (a preference loss's rewards; none for a
-        next-token loss); on the device, not read."""
-        by_source = {n: trainer.validation_step(params, b) for n, b in self.batches.items()}
+        next-token loss), of ``params`` and the state's ``reference`` copy (where it holds one);
+        on the device, not read."""
+        held = () if reference is None else (reference,)
+        by_source = {n: trainer.validation_step(params, b, *held) for n, b in self.batches.items()}
         means: dict[str, jax.Array] = {}
         for name, values in by_source.items():
             for key, value in values.items():

@@ -12,7 +12,7 @@ from pathlib import Path
 from theseus.checkpoint.checkpointer import Checkpointer
 from theseus.config import CHECKPOINTS, ConfigError, ConfigT, read_yaml, validate
 from theseus.distributed.join import is_main_process
-from theseus.training.run.checkpointing import restore_params
+from theseus.training.run.checkpointing import restore_params, restore_reference
 from theseus.training.run.data import load_data, validation_array
 from theseus.training.trainer import BaseTrainer, TrainerConfig
 
@@ -118,10 +118,11 @@ def evaluate(
     with Checkpointer(source / CHECKPOINTS, read_only=True) as checkpointer:
         storage = trainer.layouts.storage
         restored = restore_params(trainer, checkpointer, storage, base_dir=base_dir)
+        reference = restore_reference(trainer, checkpointer, restored.step)
     evaluated = trainer.for_evaluation(corpus, restored.state, source)
     if evaluated is not corpus:  # a preference run's held-out rows carry the reference
         validation = validation_array(trainer, evaluated)
-    val_loss, on_device, means = validation.losses(trainer, restored.state)
+    val_loss, on_device, means = validation.losses(trainer, restored.state, reference)
     by_source = None if on_device is None else {k: float(v) for k, v in on_device.items()}
     metrics = {name: float(value) for name, value in means.items()}
     result = EvalResult(

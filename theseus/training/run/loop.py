@@ -36,7 +36,7 @@ from theseus.training.run.stops import NonFiniteGuard, Preempted
 from theseus.training.run.tensorboard import MISSED_FILE, TENSORBOARD_DIR, TensorBoardWriter
 from theseus.training.run.throughput import speedometer
 from theseus.training.run.wandb_writer import RUN_ID_FILE, open_wandb, require_wandb
-from theseus.training.state import TrainState
+from theseus.training.state import TrainState, reference_of
 from theseus.training.summary import one_line_plan
 from theseus.training.trainer import BaseTrainer
 
@@ -126,7 +126,9 @@ def train(
             data=data_facts(trainer, corpus),
             speed={"compile_time_s": compile_time_s, **speed.facts()},
         )
-        initial_val_loss, _, _ = validation.losses(trainer, start.state.params)
+        initial_val_loss, _, _ = validation.losses(
+            trainer, start.state.params, reference_of(start.state)
+        )
         guard = NonFiniteGuard(
             config.training.nonfinite,
             config.training.max_skipped_steps,
@@ -218,7 +220,9 @@ def _steps(
             )  # the next step's, while this runs
         if step % training.validation_interval == 0 or last:
             with metrics.paused():
-                metrics.add_validation(*validation.losses(trainer, state.params))
+                metrics.add_validation(
+                    *validation.losses(trainer, state.params, reference_of(state))
+                )
         if evaluator is not None and (step % trainer.config.evaluation.interval == 0 or last):
             with metrics.paused():
                 metrics.add_scores(_scores(evaluator, state.params, step))

@@ -122,7 +122,7 @@ def _from_run(trainer: BaseTrainer, source: Path, out_dir: Path) -> StartingPoin
     params = _overlay(fresh.params, restored.state)
     base = base_record(trainer, params, run_dir=source, step=restored.step, out_dir=out_dir)
     origin = f"parameters from {source} (step {restored.step})"
-    state = dataclasses.replace(fresh, params=params)
+    state = trainer.with_reference_params(dataclasses.replace(fresh, params=params))
     return StartingPoint(state, first_step=1, data_position=0, resumed_from=origin, base=base)
 
 
