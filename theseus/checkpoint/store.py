@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import jax
 import orbax.checkpoint as ocp
 
 _STATE = "state"
@@ -54,30 +53,6 @@ class _Manager(ocp.CheckpointManager):
         return False
 
 
-def _state_handler() -> ocp.handlers.StandardCheckpointHandler:
-    """Orbax's standard handler; on the CPU backend it saves without replica-parallel writes.
-
-    Replica-parallel saving has each replica write a slice of every replicated array, which pays
-    where each device has its own host transfer to split (TPU hosts; orbax itself turns it off on
-    GPUs). CPU devices are host memory: the split saves no transfer and costs a ``jit(slice)``
-    program per array and device, compiled or looked up again in every process (a tiny GPT run on
-    8 simulated devices: 4.5 s of its 17 s of CPU; docs/testing.md, "The suite's budget"). The
-    primary replica then writes a replicated array alone; on GPUs and TPUs orbax's default stands.
-    Readers do not depend on how the writes were split (earlier runs' checkpoints load as before).
-    """
-    handler = ocp.handlers.StandardCheckpointHandler()
-    if jax.default_backend() == "cpu":
-        arrays = ocp.type_handlers.ArrayHandler(use_replica_parallel=False)
-        types = ocp.type_handlers.supported_types()
-        registry = ocp.type_handlers.create_type_handler_registry(
-            *((ty, ocp.type_handlers.get_type_handler(ty)) for ty in types), (jax.Array, arrays)
-        )
-        # The standard handler takes no registry: its inner PyTree handler is rebuilt with one.
-        assert isinstance(handler._impl, ocp.handlers.PyTreeCheckpointHandler), "orbax changed"
-        handler._impl = ocp.handlers.PyTreeCheckpointHandler(type_handler_registry=registry)
-    return handler
-
-
 class OrbaxStore:
     """One directory's orbax ``CheckpointManager``, with the ``state`` and ``meta`` items.
 
@@ -101,7 +76,7 @@ class OrbaxStore:
                 lightweight_initialize=True,
             )
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-        state_handler = _state_handler()
+        state_handler = ocp.handlers.StandardCheckpointHandler()
         meta_handler = ocp.handlers.JsonCheckpointHandler()
         registry.add(_STATE, ocp.args.StandardSave, state_handler)
         registry.add(_STATE, ocp.args.StandardRestore, state_handler)
