@@ -67,6 +67,24 @@ def _accelerator(torch):
     )
 
 
+def _trainer_stub(torch, **settings):
+    """What TRL's ``DPOTrainer._compute_loss`` reads of its trainer, with the loss ``settings``
+    (one process, precomputed reference log-probabilities)."""
+    return SimpleNamespace(
+        model=SimpleNamespace(training=True),
+        accelerator=_accelerator(torch),
+        aux_loss_enabled=False,
+        precompute_ref_logps=True,
+        ld_alpha=None,
+        f_divergence_type="reverse_kl",
+        use_weighting=False,
+        _metrics=defaultdict(lambda: defaultdict(list)),
+        _total_train_tokens=0,
+        _tp_size=1,
+        **settings,
+    )
+
+
 def _trl_dpo(torch, pairs: slice, **settings) -> tuple[float, dict]:
     """TRL's DPOTrainer._compute_loss on a stand-in model whose per-token log-probabilities sum,
     over each completion's tokens, to the test's (spread evenly over them)."""
@@ -83,19 +101,7 @@ def _trl_dpo(torch, pairs: slice, **settings) -> tuple[float, dict]:
     model = lambda **kwargs: SimpleNamespace(  # noqa: E731
         log_probs=per_token, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool()
     )
-    stub = SimpleNamespace(
-        model=SimpleNamespace(training=True),
-        accelerator=_accelerator(torch),
-        aux_loss_enabled=False,
-        precompute_ref_logps=True,
-        ld_alpha=None,
-        f_divergence_type="reverse_kl",
-        use_weighting=False,
-        _metrics=defaultdict(lambda: defaultdict(list)),
-        _total_train_tokens=0,
-        _tp_size=1,
-        **settings,
-    )
+    stub = _trainer_stub(torch, **settings)
     inputs = {
         "input_ids": torch.zeros(mask.shape, dtype=torch.long),
         "attention_mask": torch.ones(mask.shape, dtype=torch.long),
@@ -324,21 +330,8 @@ def test_dpo_gradients_equal_torch(kind, imported):
     batch = DataCollatorForPreference(pad_token_id=0)(records)
     batch["ref_chosen_logps"] = torch.tensor(stored[0::2])
     batch["ref_rejected_logps"] = torch.tensor(stored[1::2])
-    stub = SimpleNamespace(
-        model=SimpleNamespace(training=True),
-        accelerator=_accelerator(torch),
-        aux_loss_enabled=False,
-        precompute_ref_logps=True,
-        ld_alpha=None,
-        f_divergence_type="reverse_kl",
-        use_weighting=False,
-        _metrics=defaultdict(lambda: defaultdict(list)),
-        _total_train_tokens=0,
-        _tp_size=1,
-        beta=0.1,
-        loss_types=["sigmoid"],
-        loss_weights=[1.0],
-        label_smoothing=0.0,
+    stub = _trainer_stub(
+        torch, beta=0.1, loss_types=["sigmoid"], loss_weights=[1.0], label_smoothing=0.0
     )
     model = reference.model
     model.zero_grad()
