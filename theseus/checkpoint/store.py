@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
 
 _STATE = "state"
@@ -39,6 +40,28 @@ def _quiet_orbax_warnings() -> Iterator[None]:
         yield
     finally:
         absl.removeFilter(quiet)
+
+
+def _type_handlers() -> ocp.type_handlers.TypeHandlerRegistry:
+    """Orbax's standard type handlers, the array one without replica-parallel writes when one
+    process holds every device.
+
+    Replica-parallel writes split each replicated array among the processes that hold a copy, so
+    each writes a share; in one process every share is written by the same process anyway, and
+    on CPU and TPU (where orbax turns it on) each share is first sliced on its device by a program
+    of its own: 64 compiled slices for a tiny GPT on 8 devices, 5 s of a first save's CPU against
+    0.15 s. The checkpoint is the same either way; the array handler keeps orbax's own metadata
+    store (``array_metadatas/``)."""
+    standard = {
+        ty: ocp.type_handlers.get_type_handler(ty) for ty in ocp.type_handlers.supported_types()
+    }
+    array = standard[jax.Array]
+    store = getattr(array, "_array_metadata_store", None)
+    assert store is not None, f"orbax changed: {type(array)} has no array metadata store"
+    standard[jax.Array] = ocp.type_handlers.ArrayHandler(
+        use_replica_parallel=jax.process_count() > 1, array_metadata_store=store
+    )
+    return ocp.type_handlers.create_type_handler_registry(*standard.items())
 
 
 class _Manager(ocp.CheckpointManager):
@@ -76,12 +99,18 @@ class OrbaxStore:
                 lightweight_initialize=True,
             )
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+        type_handlers = _type_handlers()
         state_handler = ocp.handlers.StandardCheckpointHandler()
+        # The standard handler takes no registry: its PyTree handler and the base handler under
+        # it each keep one.
+        for part in (state_handler._impl, state_handler._impl._handler_impl):
+            assert hasattr(part, "_type_handler_registry"), f"orbax changed: {type(part)}"
+            part._type_handler_registry = type_handlers
         meta_handler = ocp.handlers.JsonCheckpointHandler()
         registry.add(_STATE, ocp.args.StandardSave, state_handler)
         registry.add(_STATE, ocp.args.StandardRestore, state_handler)
         # Reading one entry of the state: orbax's partial restore of the state item.
-        entry_handler = ocp.handlers.PyTreeCheckpointHandler()
+        entry_handler = ocp.handlers.PyTreeCheckpointHandler(type_handler_registry=type_handlers)
         registry.add(_STATE, ocp.args.PyTreeRestore, entry_handler)
         self._state_handlers = (state_handler, entry_handler)
         registry.add(_META, ocp.args.JsonSave, meta_handler)
