@@ -2,9 +2,9 @@
 runs the experts it stores on the tokens that chose them, and no expert weight moves.
 
 Inside a ``shard_map`` manual over ``batch`` and the axes the experts are split over, each device
-holds its replica's tokens (over ``batch``) and its share of the experts. Over ``batch``
-(:func:`theseus.sharding.axis.token_exchange`: ``all-to-all``), it sends every device of its
-``shard`` group's row of the mesh its tokens with, per token, the choices that device's experts
+holds its replica's tokens (split over ``batch``) and its share of the experts. Over ``batch``
+(:func:`theseus.sharding.axis.token_exchange`: ``all-to-all``), it sends every device along
+``batch`` (same ``shard`` index) its tokens with, per token, the choices that device's experts
 own (their local indices and router weights; the other choices weight 0), by one all-to-all over
 ``batch``; runs its experts on what it received (:func:`theseus.model.experts.weighted_experts`:
 sorted by expert, grouped matmuls); and sends each token's weighted sum over its experts back by
@@ -14,10 +14,10 @@ experts over ``shard`` (alone: ``all-reduce``, or ``both``), a device handles th
 
 The buffers have static shapes: a destination may own every choice of every token, so each
 device sends each destination a slot for every token (dropless: nothing can be dropped). The
-bytes are those of an all-gather of the replica's tokens and a reduce-scatter of the outputs,
-without gathering any expert weight; the rows each device multiplies are sized for the worst
-case too (every token's every choice). Capacity (``expert_capacity``) is decided before the
-exchange, on the whole microbatch's routing, as on one device.
+bytes are those of an all-gather of the tokens over ``batch`` and a reduce-scatter of the
+outputs, without gathering any expert weight; the rows each device multiplies are sized for the
+worst case too (every choice of every token it receives). Capacity (``expert_capacity``) is
+decided before the exchange, on the whole microbatch's routing, as on one device.
 """
 
 from __future__ import annotations

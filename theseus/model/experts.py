@@ -123,7 +123,10 @@ def route(block: Experts, h: jax.Array) -> Routing:
     """The router's choice for the tokens ``h`` (tokens, n_embd), as transformers computes it."""
     logits = block.gate(h).astype(jnp.float32)  # (tokens, experts)
     probs = jax.nn.softmax(logits, axis=-1)  # (tokens, experts)
-    top, chosen = jax.lax.top_k(probs, block.top_k)  # (tokens, top_k)
+    # The top k by a stable sort (lower index first among equals, as lax.top_k): XLA partitions
+    # a sort along the experts over the tokens' split, but gathers every token for lax.top_k.
+    chosen = jnp.argsort(-probs, axis=-1, stable=True)[:, : block.top_k]  # (tokens, top_k)
+    top = jnp.take_along_axis(probs, chosen, axis=-1)  # (tokens, top_k)
     if block.normalise:
         top = top / top.sum(axis=-1, keepdims=True)
     log_z = jax.nn.logsumexp(logits, axis=-1)  # (tokens,)
