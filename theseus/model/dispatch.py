@@ -45,15 +45,24 @@ def destinations(
     """Which choices each of ``devices`` destinations (along ``batch``) owns, of the choices
     ``chosen`` int32 (tokens, top_k) and their router ``weights`` (tokens, top_k): experts come
     in ``shard`` groups of ``group_experts`` (every expert when they are over ``batch`` only),
-    this device's ``group`` split evenly over the destinations in order. The local expert index
-    int32 and the weight of each owned choice, 0 and weight 0 elsewhere: both (devices, tokens,
-    top_k)."""
+    this device's ``group`` split evenly over the destinations in order. Per token and
+    destination, ``slots = min(top_k, experts per destination)`` choices (a token chooses an
+    expert once, so a destination owns at most that many of them): the local expert index int32
+    and weight of each owned choice, 0 and weight 0 in unused slots; both (devices, tokens,
+    slots)."""
     per_device = group_experts // devices
+    slots = min(chosen.shape[-1], per_device)
     within = chosen - group * group_experts  # (tokens, top_k): index in this group
     owner = jnp.where((within >= 0) & (within < group_experts), within // per_device, -1)
     owned = owner[None] == jnp.arange(devices)[:, None, None]  # (devices, tokens, top_k)
-    local = jnp.where(owned, within % per_device, 0).astype(jnp.int32)
-    return local, jnp.where(owned, weights[None], 0).astype(weights.dtype)
+    first = jnp.argsort(~owned, axis=-1, stable=True)[..., :slots]  # owned choices first
+
+    def pick(a: jax.Array) -> jax.Array:  # (tokens, top_k) -> (devices, tokens, slots)
+        return jnp.take_along_axis(jnp.broadcast_to(a, owned.shape), first, axis=-1)
+
+    mask = pick(owned)
+    local = jnp.where(mask, pick(within % per_device), 0).astype(jnp.int32)
+    return local, jnp.where(mask, pick(weights), 0).astype(weights.dtype)
 
 
 def exchanged(
@@ -87,9 +96,9 @@ def exchanged(
         owned, owned_weights = destinations(chosen, weights, num_experts // groups, devices, group)
         sent = jnp.broadcast_to(x[None], (devices, *x.shape))  # (devices, tokens, n_embd)
         x, owned, owned_weights = (exchange(a) for a in (sent, owned, owned_weights))
-        top_k = chosen.shape[-1]
-        out = local(experts, x.reshape(-1, x.shape[-1]), owned.reshape(-1, top_k),
-                    owned_weights.reshape(-1, top_k))  # fmt: skip
+        slots = owned.shape[-1]
+        out = local(experts, x.reshape(-1, x.shape[-1]), owned.reshape(-1, slots),
+                    owned_weights.reshape(-1, slots))  # fmt: skip
         out = exchange(out.reshape(x.shape)).sum(0)  # (tokens, n_embd): every source's sums
         return jax.lax.psum(out, Axis.SHARD) if groups > 1 else out
 
