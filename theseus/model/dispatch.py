@@ -16,7 +16,7 @@ The buffers have static shapes: a destination may own every choice of every toke
 device sends each destination a slot for every token (dropless: nothing can be dropped). The
 bytes are those of an all-gather of the tokens over ``batch`` and a reduce-scatter of the
 outputs, without gathering any expert weight; the rows each device multiplies are sized for the
-worst case too (every choice of every token it receives). Capacity (``expert_capacity``) is
+worst case too: ``min(top_k, its experts)`` per token it receives. Capacity (``expert_capacity``) is
 decided before the exchange, on the whole microbatch's routing, as on one device.
 """
 
