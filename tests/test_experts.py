@@ -1,7 +1,8 @@
 """The expert block alone: dropless experts on grouped matmuls against a dense reference (every
 expert on every token, weighted), and the capacity setting: at experts / top_k nothing is dropped
 and the output is dropless's; at 1.0 the choices beyond each expert's share are dropped, the
-earliest tokens first, and counted."""
+earliest tokens first, and counted; the token exchange of experts placed on the mesh equals one
+device."""
 
 from dataclasses import replace
 
@@ -9,7 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from theseus.accounting.collectives import count_collectives
 from theseus.model.experts import (
     Experts,
     RouterSums,
@@ -22,6 +26,8 @@ from theseus.model.experts import (
 )
 from theseus.model.lora import delta
 from theseus.model.parts import Lora, arrays
+from theseus.sharding.axis import EXPERT_AXES, MESH_AXES
+from theseus.sharding.layer_scan import LayerLayouts, layer_layouts
 
 EXPERTS, TOP_K, WIDTH, MLP = 5, 2, 11, 7
 # Compiled once each: run op by op, the blocks' gathers and scatters cost seconds apiece.
@@ -75,17 +81,24 @@ def test_capacity_of_experts_over_top_k_drops_nothing():
     assert float(sums.dropped) == 0.0
 
 
+def _earliest_first(chosen: np.ndarray, num_experts: int) -> np.ndarray:
+    """Which of the choices ``chosen`` (tokens, top_k) capacity 1.0 keeps: each expert's first
+    ``ceil(tokens · top_k / experts)``, the earliest tokens first (a loop)."""
+    limit = int(np.ceil(chosen.size / num_experts))
+    taken = np.zeros(num_experts, int)
+    kept = np.zeros(chosen.shape, bool)
+    for t, row in enumerate(chosen):
+        for k, e in enumerate(row):
+            kept[t, k] = taken[e] < limit
+            taken[e] += 1
+    return kept
+
+
 def test_capacity_one_drops_beyond_each_experts_share_and_counts_it():
     block, h = _block(1.0), _tokens()
     tokens = h.reshape(-1, WIDTH)
     routing = _within_capacity(_route(block, tokens), EXPERTS, 1.0)
-    limit = int(np.ceil(tokens.shape[0] * TOP_K / EXPERTS))  # 16 choices per expert
-    taken = np.zeros(EXPERTS, int)
-    want_kept = np.zeros((tokens.shape[0], TOP_K), bool)
-    for t, chosen in enumerate(np.asarray(routing.experts)):  # earliest tokens first
-        for k, e in enumerate(chosen):
-            want_kept[t, k] = taken[e] < limit
-            taken[e] += 1
+    want_kept = _earliest_first(np.asarray(routing.experts), EXPERTS)  # 16 choices per expert
     np.testing.assert_array_equal(np.asarray(routing.kept), want_kept)
     assert 0 < (~want_kept).sum() < want_kept.size
     sums = RouterSums.zeros(EXPERTS, 0.0).add(routing, None)
@@ -143,3 +156,26 @@ def test_expert_adapters_equal_their_merged_weights():
         )(blocks)
         assert np.abs(got - base).max() > 1e-2
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+def test_exchange_over_shard_and_batch_equals_one_device_with_capacity():
+    """Eight experts over shard and batch (tp=2 × 4 replicas of 13 tokens): the all-to-all over
+    batch and the sum over shard give the chosen experts' output, and capacity, decided over the
+    whole batch before the exchange, drops the earliest-first choices of one device."""
+    dims = (1, 8, WIDTH, MLP, TOP_K, True, nnx.Rngs(3), 1.0)
+    block = jax.tree.map(lambda a: a[0] * 20, arrays(Experts.create(*dims)))
+    h = jax.random.normal(jax.random.key(1), (4, 13, WIDTH))  # (batch, seq, n_embd)
+    mesh = jax.make_mesh((4, 2), MESH_AXES, axis_types=(AxisType.Auto,) * 2)
+    split = {3: P(EXPERT_AXES["both"]), 2: P()}  # expert projections; the router whole
+    placed = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, split[a.ndim])), block)
+    rows = jax.device_put(h, NamedSharding(mesh, P(MESH_AXES[0])))
+    with jax.set_mesh(mesh), layer_layouts(LayerLayouts({}, {}, experts="both")):
+        step = jax.jit(mixture, static_argnums=2).lower(placed, rows, jax.nn.silu).compile()
+    assert count_collectives(step.as_text())["all-to-all"].count > 0
+    out, routing = step(placed, rows)
+    chosen = np.asarray(routing.experts)
+    kept = _earliest_first(chosen, 8)
+    np.testing.assert_array_equal(routing.kept, kept)
+    assert (~kept).sum() > 0
+    want = _dense(block, np.asarray(h, np.float64).reshape(-1, WIDTH), routing.weights, chosen)
+    np.testing.assert_allclose(np.asarray(out).reshape(-1, WIDTH), want, atol=1e-5)

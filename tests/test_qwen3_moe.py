@@ -158,8 +158,9 @@ def test_a_config_whose_layers_have_no_experts_is_refused(tmp_path):
 
 
 def test_compiled_plan_has_the_exchange_its_communication_line_names():
-    """`plan --compile` of experts over batch (tp=2 + FSDP): the line names all-gathers and no
-    all-to-all, and the compiled step runs all-gathers and no all-to-all."""
+    """`plan --compile` of experts over batch (tp=2 + FSDP): the line names the all-to-all
+    dispatch and the compiled step runs all-to-alls; experts over shard are summed over shard
+    instead (an all-reduce: each replica holds its tokens on every device of its row)."""
     policy = ShardingPolicy(tp=2, fsdp=True, experts="batch")
     config = policy_config(policy, 1, MODEL)
     trainer_class = FAMILIES["qwen3_moe"].trainer_class
@@ -167,9 +168,10 @@ def test_compiled_plan_has_the_exchange_its_communication_line_names():
         trainer_class, config, policy, 8, compile=True, alternatives=False, compare_remat=False
     )
     line = communication(plan.policy)
-    assert "experts split over batch" in line and "no all-to-all" in line
-    collectives = plan.compiled.collectives
-    assert collectives["all-gather"].count > 0 and collectives["all-to-all"].count == 0
+    assert "experts split over batch" in line and "by all-to-all over batch" in line
+    assert plan.compiled.collectives["all-to-all"].bytes > 0
+    shard = communication(policy.merge(experts="shard"))
+    assert "all-reduces the outputs over shard" in shard and "all-to-all" not in shard
 
 
 def test_cli_run_records_routing_in_its_metrics_rows(tmp_path):

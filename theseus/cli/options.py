@@ -53,8 +53,9 @@ Experts = Annotated[
     typer.Option(
         metavar="none|shard|batch|both",
         help="where a mixture of experts' expert index goes on the mesh: none (each expert's "
-        "width is split by tp instead), shard, batch (expert parallelism across replicas) or "
-        "both \\[default: none]",
+        "width is split by tp instead), shard (outputs all-reduced over shard), batch (expert "
+        "parallelism across replicas: tokens sent to their experts by all-to-all) or both "
+        "\\[default: none]",
     ),
 ]
 CPUDevices = Annotated[

@@ -25,13 +25,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from theseus.model import dispatch
 from theseus.model.parts import Projection, param, stacked_projection, static, weights
-from theseus.sharding.axis import N_EXPERT
+from theseus.sharding.axis import N_EXPERT, token_exchange
+from theseus.sharding.layer_scan import expert_placement
 
 #: The logical name of each expert's MLP width (the expert index is :data:`N_EXPERT`, which the
 #: sharding policy places).
@@ -120,7 +123,10 @@ def route(block: Experts, h: jax.Array) -> Routing:
     """The router's choice for the tokens ``h`` (tokens, n_embd), as transformers computes it."""
     logits = block.gate(h).astype(jnp.float32)  # (tokens, experts)
     probs = jax.nn.softmax(logits, axis=-1)  # (tokens, experts)
-    top, chosen = jax.lax.top_k(probs, block.top_k)  # (tokens, top_k)
+    # The top k by a stable sort (lower index first among equals, as lax.top_k): XLA partitions
+    # a sort along the experts over the tokens' split, but gathers every token for lax.top_k.
+    chosen = jnp.argsort(-probs, axis=-1, stable=True)[:, : block.top_k]  # (tokens, top_k)
+    top = jnp.take_along_axis(probs, chosen, axis=-1)  # (tokens, top_k)
     if block.normalise:
         top = top / top.sum(axis=-1, keepdims=True)
     log_z = jax.nn.logsumexp(logits, axis=-1)  # (tokens,)
@@ -209,16 +215,27 @@ def dropless(
     weights: (tokens, n_embd) in ``h``'s dtype, from ``h`` (tokens, n_embd). On grouped matmuls
     where the backend has a kernel for them; on CPU, where XLA expands one to a dense product
     over every group, in padded blocks of one expert (:func:`_blocked`)."""
-    tokens, top_k = routing.experts.shape
-    num_experts = block.num_experts
-    choices = routing.experts.reshape(-1)  # (tokens · top_k,) in token order
+    return weighted_experts(block, h, routing.experts, routing.weights, activation)
+
+
+def weighted_experts(
+    block: Experts,
+    h: jax.Array,
+    chosen: jax.Array,
+    weights: jax.Array,
+    activation: Callable[[jax.Array], jax.Array],
+) -> jax.Array:
+    """:func:`dropless` of the choices ``chosen`` int32 (tokens, top_k), indices into the
+    block's experts, weighted by ``weights`` (tokens, top_k)."""
+    tokens, top_k = chosen.shape
+    choices = chosen.reshape(-1)  # (tokens · top_k,) in token order
     order = jnp.argsort(choices, stable=True)  # choices grouped by expert
-    sizes = jnp.bincount(choices, length=num_experts).astype(jnp.int32)  # (experts,)
+    sizes = jnp.bincount(choices, length=block.num_experts).astype(jnp.int32)  # (experts,)
     rows = h[order // top_k]  # (tokens · top_k, n_embd), sorted by expert
     experts = _blocked if jax.default_backend() == "cpu" else _ragged
     out = experts(rows, block, sizes, activation)  # (tokens · top_k, n_embd), sorted
     unsorted = out[jnp.argsort(order)].reshape(tokens, top_k, -1)  # back in token order
-    return jnp.einsum("tkd,tk->td", unsorted, routing.weights)  # (tokens, n_embd)
+    return jnp.einsum("tkd,tk->td", unsorted, weights)  # (tokens, n_embd)
 
 
 def within_capacity(routing: Routing, num_experts: int, capacity: float) -> Routing:
@@ -245,12 +262,28 @@ def mixture(
 ) -> tuple[jax.Array, Routing]:
     """The expert block on the stream ``h`` (batch, seq, n_embd): its output (same shape and
     dtype) and the router's choice for the batch's tokens in order (batch · seq rows), within
-    the block's capacity when it has one."""
+    the block's capacity when it has one. Experts the trainer's policy places on the mesh run
+    where they are stored, their tokens exchanged as :func:`theseus.sharding.axis.token_exchange`
+    says (:mod:`theseus.model.dispatch`); unplaced ones are left to XLA's partitioner."""
     tokens = h.reshape(-1, h.shape[-1])  # (batch · seq, n_embd)
     routing = route(block, tokens)
     if block.capacity is not None:
         routing = within_capacity(routing, block.num_experts, block.capacity)
-    return dropless(block, tokens, routing, activation).reshape(h.shape), routing
+    placement = expert_placement()
+    if token_exchange(placement) != "partitioned":
+
+        def local(mine: dispatch.Projections, h: jax.Array, chosen: jax.Array, w: jax.Array):
+            gate, up, down = mine  # this device's experts
+            own = replace(block, gate_proj=gate, up_proj=up, down_proj=down)
+            return weighted_experts(own, h, chosen, w, activation)
+
+        projections = (block.gate_proj, block.up_proj, block.down_proj)
+        out = dispatch.exchanged(
+            local, projections, tokens, routing.experts, routing.weights, placement
+        )
+    else:
+        out = dropless(block, tokens, routing, activation)
+    return out.reshape(h.shape), routing
 
 
 @weights

@@ -18,7 +18,7 @@ its buffer per device:
 
 from __future__ import annotations
 
-from theseus.sharding.axis import EXPERT_AXES, Placement, Remat, ShardingPolicy
+from theseus.sharding.axis import EXPERT_AXES, Placement, Remat, ShardingPolicy, token_exchange
 from theseus.sharding.topology import resolve_devices_per_host
 
 COMMUNICATION = {
@@ -29,15 +29,21 @@ COMMUNICATION = {
 
 
 def expert_exchange(policy: ShardingPolicy) -> str:
-    """What placing a mixture's experts adds to the communication: XLA partitions the expert
-    layer's token sort and grouped matmuls for the placement (all-gathers of the microbatch's
-    routing and tokens; no all-to-all dispatch). Empty when the experts are not placed."""
+    """What placing a mixture's experts adds to the communication, by the exchange the layout
+    gets (:func:`theseus.sharding.axis.token_exchange`): over ``batch`` (or both) each expert
+    layer sends every replica's tokens to the experts' devices and the outputs back by
+    all-to-all; over ``shard`` each device runs its experts on the replica's tokens and the
+    outputs are summed over ``shard``. Empty when the experts are not placed."""
     if policy.experts == "none":
         return ""
     axes = " and ".join(EXPERT_AXES[policy.experts])
+    text = f"; experts split over {axes}: each expert layer "
+    if token_exchange(policy.experts) == "all-to-all":
+        text += "sends tokens to their experts and the outputs back by all-to-all over batch"
+        return text + (", then all-reduces them over shard" if policy.experts == "both" else "")
     return (
-        f"; experts split over {axes}: XLA partitions each expert layer's token sort and "
-        "grouped matmuls (all-gathers of the microbatch's routing and tokens, no all-to-all)"
+        text
+        + "runs each device's experts on the replica's tokens and all-reduces the outputs over shard"
     )
 
 

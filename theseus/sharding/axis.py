@@ -46,6 +46,19 @@ EXPERT_AXES: dict[Placement, tuple[str, ...]] = {
     "batch": (Axis.BATCH,),
     "both": (Axis.SHARD, Axis.BATCH),
 }
+Exchange = Literal["partitioned", "all-reduce", "all-to-all"]
+
+
+def token_exchange(placement: Placement) -> Exchange:
+    """How an expert layer's tokens reach experts placed by ``placement``
+    (:mod:`theseus.model.dispatch`). Over ``batch`` (alone or with ``shard``) the replicas owning
+    a token's experts are not the one holding it: tokens go to their experts and outputs come
+    back by ``all-to-all`` over ``batch``, the expert weights staying where they are. Over
+    ``shard`` alone every device of a replica holds the replica's tokens: each runs its own
+    experts on them and the outputs are summed over ``shard`` (``all-reduce``). Unplaced
+    experts are split like a dense MLP and XLA partitions the layer (``partitioned``)."""
+    axes = EXPERT_AXES[placement]
+    return "all-to-all" if Axis.BATCH in axes else "all-reduce" if axes else "partitioned"
 
 
 def remat_policy(value: object) -> Remat:

@@ -42,7 +42,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
 
-from theseus.sharding.axis import REMAT_POLICIES, Remat, remat_policy
+from theseus.sharding.axis import REMAT_POLICIES, Placement, Remat, remat_policy
 from theseus.sharding.casting import cast_only_inputs
 
 #: The ``checkpoint_name`` of every weight gathered inside the layer scan.
@@ -57,13 +57,15 @@ class LayerLayouts:
     """What the trainer installs around its loss: the storage and compute sharding of every
     parameter array, keyed by the ``id`` of the traced array the model receives; the dtype to
     gather castable weights in (None: their storage dtype); the policy's recompute setting
-    (used when :func:`scan_layers` is not given one); and the set into which
-    :func:`scan_layers` records the ids of the arrays it gathered per layer."""
+    (used when :func:`scan_layers` is not given one); where the policy places a mixture's
+    experts (:func:`expert_placement`); and the set into which :func:`scan_layers` records the
+    ids of the arrays it gathered per layer."""
 
     storage: Mapping[int, NamedSharding]
     compute: Mapping[int, NamedSharding]
     cast_dtype: np.dtype | None = None
     remat: Remat = "none"
+    experts: Placement = "none"
     gathered: set[int] = field(default_factory=set)
 
 
@@ -90,6 +92,13 @@ def gathered_source(weight: jax.Array) -> tuple[jax.Array, Any] | None:
     if entry is None or entry[0] is not weight:
         return None
     return entry[1], entry[2]
+
+
+def expert_placement() -> Placement:
+    """Where the trainer's policy places a mixture's experts (``ShardingPolicy.experts``):
+    ``"none"`` outside a trainer's loss, where nothing is placed."""
+    active = _ACTIVE.get()
+    return "none" if active is None else active.experts
 
 
 @contextlib.contextmanager

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from numpy.typing import DTypeLike
 
 from theseus.config import GatherDtype
-from theseus.sharding.axis import Axis, Remat, uses_axis
+from theseus.sharding.axis import Axis, Placement, Remat, uses_axis
 from theseus.sharding.casting import cast_only_inputs
 from theseus.sharding.layer_scan import LayerLayouts, Move, layer_layouts, move_to_compute
 from theseus.sharding.layout import Layouts, is_sharding, path_str
@@ -41,10 +41,12 @@ def loss_with_layouts(
     *,
     cast_dtype: np.dtype | None = None,
     remat: Remat = "none",
+    experts: Placement = "none",
 ) -> Value:
     """``loss(params)`` with ``layouts`` installed for :func:`theseus.scan_layers` (which
-    gathers castable weights in ``cast_dtype`` when given and recomputes by ``remat``); adds
-    the paths of the parameters it gathered per layer to ``gathered`` when given."""
+    gathers castable weights in ``cast_dtype`` when given and recomputes by ``remat``) and the
+    expert layers (their ``experts`` placement); adds the paths of the parameters it gathered
+    per layer to ``gathered`` when given."""
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     ids = [id(leaf) for _, leaf in flat]
     storage, compute = (
@@ -56,6 +58,7 @@ def loss_with_layouts(
         dict(zip(ids, compute, strict=True)),
         cast_dtype=cast_dtype,
         remat=remat,
+        experts=experts,
     )
     with layer_layouts(installed):
         value = loss(params)

@@ -86,6 +86,7 @@ def reference_step(trainer: PreferenceTrainer) -> UnderMesh:
                 None,
                 cast_dtype=context.gather_dtype,
                 remat=context.policy.activation_checkpointing,
+                experts=context.policy.experts,
             )
 
         return jax.lax.scan(one, None, (batches, keys.examples))[1]

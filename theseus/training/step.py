@@ -86,6 +86,7 @@ def loss_in_layouts(
         None,
         cast_dtype=context.gather_dtype,
         remat=context.policy.activation_checkpointing,
+        experts=context.policy.experts,
     )
 
 
