@@ -371,7 +371,9 @@ def test_sigkill_and_sigterm_then_resume_match_the_uninterrupted_run(tmp_path):
     of a tiny step on a shared machine was seen at 0.4× the median)."""
     sources = write_mixture(tmp_path / "sources")
     steps = 24
+    # Saved every 4 steps (TINY saves every 2): a save costs more CPU than a tiny step.
     args = [*TINY, f"data.sources={sources}", f"training.steps={steps}", "logging.log_interval=1",
+            "checkpointing.interval=4",
             "logging.wandb.project=theseus-tests", "logging.wandb.mode=offline"]  # fmt: skip
     sharded = ["--cpu-devices", "4", "--tp", "2", "--fsdp", *args]
     env = {**subprocess_env(), "PYTHONUNBUFFERED": "1"}

@@ -91,7 +91,10 @@ def test_diverging_run_stops_and_resumes_from_the_newest_good_checkpoint(tmp_pat
     assert "optimization.learning_rate: 10000.0 -> 0.001" in refused.output
     assert "--allow-changes" in refused.output
 
+    # Saved every 5 steps from here (every step above, to stop on the step before): a save costs
+    # more CPU than a tiny step, and the interval is a setting a resume may change.
     args = [*TINY_GPT, *diverging, *lower, "training.max_skipped_steps=20", "--resume"]
+    args += ["checkpointing.interval=5"]
     resumed = invoke("train", "--out", out, *args, "--allow-changes", "--steps", 10)
     assert resumed.exit_code == 0, resumed.output
     assert f"resumed from step {good}" in resumed.output

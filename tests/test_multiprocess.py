@@ -4,9 +4,14 @@ launch`, a SLURM-style environment detected by JAX itself, a killed peer, SIGTER
 losses of one uninterrupted process of 8 devices. Subprocesses with timeouts and their own ports.
 
 The slow tests form one chain (module fixtures): the 1×8 reference; a SLURM-style 2×4 run whose
-process 1 is killed after step 5, resumed on both processes (2×4 → 2×4) and, from a copy, in 1×8;
-a second 2×4 run preempted by SIGTERM to process 1 in its first steps, finished in 4×2 through
-`theseus launch`; and a copy of the reference at step 4 finished in 2×4 through `theseus launch`.
+process 1 is killed after step 5, resumed on both processes (2×4 → 2×4) and stopped by SIGTERM
+after one step, then finished in 1×8; a second 2×4 run preempted by SIGTERM to process 1 in its
+first steps; a copy of the reference at step 12 finished in 2×4 through `theseus launch`, and a
+copy of that at step 14 finished in 4×2 through `theseus launch`. Each process costs seconds of
+CPU to start (and those after the first compile every program: JAX's compilation cache key
+differs per process on CPU), and a step of several processes about a second (every collective
+goes through gloo on loopback), so each run serves every test that can read it and the runs of
+several processes train few steps.
 """
 
 import json
@@ -34,6 +39,7 @@ from theseus.distributed.supervise import (
 from theseus.plot import read_metrics
 
 STEPS = 16  # room after step 5 (the kill) and after the resume (SIGTERM) on a fast machine
+LATE_STEP = 12  # the reference's checkpoint that `theseus launch -n 2` resumes: 4 steps after it
 ARGS = ["--tp", "2", "--fsdp", *TINY_GPT, f"training.steps={STEPS}", "checkpointing.keep=20"]
 TIMEOUT_S = 300
 
@@ -125,11 +131,19 @@ def finish(processes):
     return outputs
 
 
+def train_here(*args):
+    """`theseus train` in this process, one process of 8 devices (tests/conftest.py), which
+    saves starting one (interpreter, imports, JAX): its output."""
+    result = invoke("train", *args)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """One process of 8 devices, uninterrupted: the losses every other layout must give."""
     out = tmp_path_factory.mktemp("mp") / "reference"
-    run(theseus("train", "--cpu-devices", 8, "--out", out, *ARGS))
+    train_here("--out", out, *ARGS)
     return out
 
 
@@ -137,12 +151,10 @@ def reference(tmp_path_factory):
 def killed(tmp_path_factory, reference):
     """A SLURM-style 2×4 run whose process 1 is killed after step 5; checks the survivor's end.
 
-    Returns the run directory, a copy of it taken right after the kill (for the 1×8 restore),
-    the losses it recorded, process 0's stdout and stderr, and the seconds it took to end after
-    the kill."""
-    base = tmp_path_factory.mktemp("mp")
-    out, port = base / "slurm", free_port()
-    processes = [start_slurm_task(i, port, out, "--heartbeat-timeout", 10) for i in range(2)]
+    Returns the run directory, the losses it recorded, process 0's stdout and stderr, and the
+    seconds it took to end after the kill (the heartbeat timeout, 5 s here, bounds it)."""
+    out, port = tmp_path_factory.mktemp("mp") / "slurm", free_port()
+    processes = [start_slurm_task(i, port, out, "--heartbeat-timeout", 5) for i in range(2)]
     try:
         metrics = out / "metrics.jsonl"
         deadline = time.monotonic() + TIMEOUT_S
@@ -156,13 +168,12 @@ def killed(tmp_path_factory, reference):
         waited = time.monotonic() - killed_at
     finally:
         finish(processes)
-    copy = resumable_copy(out, base / "after-kill", STEPS)
-    return out, copy, losses(out), stdout, stderr, waited
+    return out, losses(out), stdout, stderr, waited
 
 
 @pytest.mark.slow
 def test_slurm_environment_joins_and_a_dead_peer_ends_the_job_cleanly(killed, reference):
-    out, _, recorded, stdout, stderr, waited = killed
+    out, recorded, stdout, stderr, waited = killed
     assert stdout.startswith("processes: 0 of 2 (slurm cluster detected); 4 local cpu device(s)")
     assert waited < 60, stderr
     assert "process 1 of this job stopped responding" in stderr, stderr
@@ -173,15 +184,10 @@ def test_slurm_environment_joins_and_a_dead_peer_ends_the_job_cleanly(killed, re
     assert_same_losses(recorded, reference, steps=range(1, len(recorded) + 1))
 
 
-@pytest.mark.slow
-def test_resume_after_a_dead_peer_stops_on_sigterm_and_gives_the_uninterrupted_losses(
-    killed, reference
-):
+@pytest.fixture(scope="module")
+def stopped_after_resume(killed):
     """The killed run resumed (2×4 → 2×4) and SIGTERM to process 0 alone once it said it
-    resumed, before its first step: both processes stop after that step and save it (JAX's
-    sync point is keyed by the loop's count of steps; keyed by the run's step, a notice before
-    the first step was ignored by a resumed run: bench/sigterm_resumed.py). Resumed again, the
-    run ends with the uninterrupted losses."""
+    resumed: (the step it resumed from, outputs, exit statuses, the newest checkpoint then)."""
     out = killed[0]
     resumed_from = max(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
     port = free_port()
@@ -194,15 +200,34 @@ def test_resume_after_a_dead_peer_stops_on_sigterm_and_gives_the_uninterrupted_l
         processes[0].send_signal(signal.SIGTERM)  # to its supervisor, which passes it on
     finally:
         outputs = finish(processes)
-    assert [p.returncode for p in processes] == [4, 4], outputs
+    newest = max(int(p.name) for p in (out / "checkpoints").iterdir())
+    return resumed_from, outputs, [p.returncode for p in processes], newest
+
+
+@pytest.fixture(scope="module")
+def finished_in_one_process(killed, stopped_after_resume):
+    """The stopped 2×4 run resumed again and finished by one process of 8 devices: its output."""
+    return train_here("--out", killed[0], "--resume", *ARGS)
+
+
+@pytest.mark.slow
+def test_resume_after_a_dead_peer_stops_on_sigterm_and_gives_the_uninterrupted_losses(
+    killed, stopped_after_resume, finished_in_one_process, reference
+):
+    """The killed run resumed (2×4 → 2×4) and SIGTERM to process 0 alone once it said it
+    resumed, before its first step: both processes stop after that step and save it (JAX's
+    sync point is keyed by the loop's count of steps; keyed by the run's step, a notice before
+    the first step was ignored by a resumed run: bench/sigterm_resumed.py). Resumed again (in
+    one process: test_two_process_checkpoint_restores_into_one_process), the run ends with the
+    uninterrupted losses, so the 2×4 step after the resume restored the whole state exactly."""
+    resumed_from, outputs, statuses, newest = stopped_after_resume
+    assert statuses == [4, 4], outputs
     stop = resumed_from + 1
     for _, stderr in outputs:
         assert f"stopped: preempted (SIGTERM): finished step {stop} of {STEPS}" in stderr, outputs
-    assert max(int(p.name) for p in (out / "checkpoints").iterdir()) == stop
-    port = free_port()
-    finished = finish([start_slurm_task(i, port, out, "--resume") for i in range(2)])
-    assert "done:" in finished[0][0], finished
-    assert_same_losses(out, reference)  # 2×4 → 2×4
+    assert newest == stop
+    assert "done:" in finished_in_one_process
+    assert_same_losses(killed[0], reference)  # 2×4 → 2×4 → 1×8
 
 
 @pytest.mark.slow
@@ -233,11 +258,11 @@ def test_evaluate_in_two_slurm_processes_gives_the_recorded_validation_loss(refe
     assert evaluated["val_loss"] == pytest.approx(recorded, rel=1e-6)
 
 
-@pytest.fixture(scope="module")
-def preempted(tmp_path_factory):
+@pytest.fixture
+def preempted(tmp_path):
     """A SLURM-style 2×4 run and SIGTERM to process 1 alone once both processes joined:
     (the run directory, outputs, exit statuses)."""
-    out, port = tmp_path_factory.mktemp("mp") / "preempted", free_port()
+    out, port = tmp_path / "preempted", free_port()
     processes = [start_slurm_task(i, port, out) for i in range(2)]
     try:
         # Once both processes joined (the run directory exists), before or in the first steps:
@@ -265,15 +290,25 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_is_exact(killed, pree
     assert len(stops) == 1, outputs  # the same step on both processes
     stop = stops.pop()
     assert max(int(p.name) for p in (out / "checkpoints").iterdir()) == stop
-    assert stop < 5 and losses(out) == killed[2][:stop]  # bit for bit
+    assert stop < 5 and losses(out) == killed[1][:stop]  # bit for bit
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory, reference):
+    """The reference's checkpoint at LATE_STEP finished in 2×4 by `theseus launch -n 2`, W&B
+    enabled on this resume: (the run directory, the launcher's output)."""
+    out = resumable_copy(reference, tmp_path_factory.mktemp("mp") / "from-one", LATE_STEP)
+    launch = ["launch", "-n", 2, "--cpu-devices-per-process", 4, "--"]
+    wandb = ["logging.wandb.project=theseus-tests", "logging.wandb.mode=offline"]
+    return out, run(theseus(*launch, "train", "--out", out, "--resume", *ARGS, *wandb)).stdout
 
 
 @pytest.mark.slow
-def test_preempted_run_resumes_in_four_processes_through_launch(preempted, reference):
-    """`theseus launch -n 4` (4×2) resumes the preempted 2×4 run and gives the uninterrupted
-    1×8 losses; only process 0 reports, each line names its process, and native chatter stays
-    in the logs."""
-    out = preempted[0]
+def test_two_process_run_resumes_in_four_processes_through_launch(launched, reference, tmp_path):
+    """`theseus launch -n 4` (4×2) resumes a checkpoint of two processes (2×4), two steps
+    before the end, and gives the uninterrupted 1×8 losses; only process 0 reports, each line
+    names its process, and native chatter stays in the logs."""
+    out = resumable_copy(launched[0], tmp_path / "four", STEPS - 2)
     launch = ["launch", "-n", 4, "--cpu-devices-per-process", 2, "--"]
     result = run(theseus(*launch, "train", "--out", out, "--resume", *ARGS))
     assert_same_losses(out, reference)  # 2×4 → 4×2
@@ -281,7 +316,7 @@ def test_preempted_run_resumes_in_four_processes_through_launch(preempted, refer
     assert record["num_processes"] == 4 and record["mesh_shape"] == {"batch": 4, "shard": 2}
     lines = result.stdout.splitlines()
     assert any(line.startswith("[0] processes: 0 of 4 (coordinator 127.0.0.1:") for line in lines)
-    assert any(line.startswith("[0] resumed from step ") for line in lines)
+    assert any(line.startswith(f"[0] resumed from step {STEPS - 2}") for line in lines)
     assert any(line.startswith("[0] done:") for line in lines)
     assert all(line.startswith(("[0] ", "[1] ", "[2] ", "[3] ")) for line in lines)
     assert not any(line.startswith(("[1] done:", "[2] done:", "[3] done:")) for line in lines)
@@ -290,29 +325,32 @@ def test_preempted_run_resumes_in_four_processes_through_launch(preempted, refer
 
 
 @pytest.mark.slow
-def test_two_process_checkpoint_restores_into_one_process(killed, reference):
-    out = killed[1]
-    run(theseus("train", "--cpu-devices", 8, "--out", out, "--resume", *ARGS))
+def test_two_process_checkpoint_restores_into_one_process(
+    killed, stopped_after_resume, finished_in_one_process, reference
+):
+    """The checkpoint that SIGTERM made two processes save restores into one process of 8
+    devices and gives the uninterrupted losses (2×4 → 1×8)."""
+    out, stop = killed[0], stopped_after_resume[0] + 1
+    assert f"resumed from step {stop}" in finished_in_one_process
+    record = json.loads((out / "run.json").read_text())
+    assert record["num_processes"] == 1 and record["mesh_shape"] == {"batch": 4, "shard": 2}
     assert_same_losses(out, reference)  # 2×4 → 1×8
 
 
 @pytest.mark.slow
-def test_launch_restores_one_process_checkpoint_into_two(tmp_path, reference):
+def test_launch_restores_one_process_checkpoint_into_two(launched, reference):
     """`theseus launch -n 2` gives the losses of one process of 8 devices, resuming that
     process's checkpoint (1×8 → 2×4); W&B, enabled on this resume, gets one run of the steps
     after it."""
-    out = resumable_copy(reference, tmp_path / "from-one", 4)
-    launch = ["launch", "-n", 2, "--cpu-devices-per-process", 4, "--"]
-    wandb = ["logging.wandb.project=theseus-tests", "logging.wandb.mode=offline"]
-    result = run(theseus(*launch, "train", "--out", out, "--resume", *ARGS, *wandb))
+    out, stdout = launched
     assert_same_losses(out, reference)
     (wandb_run,) = [read_run(path) for path in run_files(out)]  # one W&B run, by process 0
-    assert wandb_run.logged_steps == list(range(5, STEPS + 1))
+    assert wandb_run.logged_steps == list(range(LATE_STEP + 1, STEPS + 1))
     record = json.loads((out / "run.json").read_text())
     assert record["num_processes"] == 2 and record["mesh_shape"] == {"batch": 4, "shard": 2}
-    lines = result.stdout.splitlines()
+    lines = stdout.splitlines()
     assert "[0] processes: 0 of 2 (coordinator 127.0.0.1:" in lines[0] + lines[1]
-    assert any(line.startswith("[0] resumed from step 4") for line in lines)
+    assert any(line.startswith(f"[0] resumed from step {LATE_STEP}") for line in lines)
     assert (out / "logs" / "process-1.log").is_file()
 
 
