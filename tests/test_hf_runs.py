@@ -89,7 +89,7 @@ def test_train_hf_starts_a_fresh_model_of_the_configs_shape(runs):
     """`theseus train --hf FOLDER` takes the model section from config.json (no weights), the
     job from its family; overrides apply on top; another family's job is refused."""
     steps = ("--steps", 1, "logging.progress_bar=false", "model.rope_theta=5000.0")
-    result = invoke("train", "--hf", runs / "hf", *BATCH, *steps, "--out", runs / "fresh")
+    result = invoke("train", "--hf", runs / "hf", "--fsdp", *BATCH, *steps, "--out", runs / "fresh")
     assert result.exit_code == 0, result.output
     fresh, trained = (
         read_yaml(runs / name / "config.yaml")["model"] for name in ("fresh", "trained")
