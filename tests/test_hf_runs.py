@@ -61,7 +61,7 @@ def test_evaluate_takes_the_model_from_the_run(runs):
     run names it); a model the user forces is refused, naming the fields, before restoring."""
     final_val_loss = read_metrics(runs / "trained")[-1]["val_loss"]
     for run, extra in ((runs / "trained", ()), (runs / "imported", BATCH)):
-        result = invoke("train", "--job", "llama/evaluate", "--tp", 2, "--out", run, *extra)
+        result = invoke("train", "--job", "llama/evaluate", "--fsdp", "--out", run, *extra)
         assert result.exit_code == 0, result.output
         assert result.output.count("validation loss") == 1, result.output
         evaluation = json.loads((run / "eval.json").read_text())
@@ -143,7 +143,7 @@ def test_mistral_sliding_window_is_applied_past_its_length(runs, tmp_path):
     config |= {"model_type": "mistral", "architectures": ["MistralForCausalLM"]}
     (hf / "config.json").write_text(json.dumps(config | {"sliding_window": 4}))
     run = tmp_path / "run"
-    assert invoke("import-hf", hf, run).exit_code == 0
+    assert invoke("import-hf", hf, run, "--fsdp").exit_code == 0
     longer = invoke("train", "--job", "llama/evaluate", "--out", run, *BATCH, "training.seq_len=16")
     assert longer.exit_code == 0, longer.output
     with quick("llama/evaluate", run) as session:  # the Python API takes the run's config too
