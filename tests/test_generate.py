@@ -18,13 +18,17 @@ from theseus.tokenization.text import tokenize
 
 PROMPTS = [[66, 101, 97], [73, 109, 112, 108, 105, 99, 105], [83, 105, 109, 112, 108, 101, 32]]
 NEW_TOKENS = 32
+# The runs' tokenizer-less model has ids beyond the 256 bytes (a multiple of 8, for tp=8 and
+# FSDP); the BPE folder's tokenizer has more than it, so the model refuses it.
+MODEL_VOCAB = 264
+TOKENIZER_VOCAB = 271
 
 
 @pytest.fixture(scope="module")
 def token_folder(tmp_path_factory):
     root = tmp_path_factory.mktemp("bpe")
     corpus = write_corpus(root / "corpus")  # three files: split by file, as bytes are split
-    result = invoke("tokenize", corpus, root / "tokens", "--vocab-size", 263)
+    result = invoke("tokenize", corpus, root / "tokens", "--vocab-size", TOKENIZER_VOCAB)
     assert result.exit_code == 0, result.output
     return corpus, root / "tokens"
 
@@ -32,10 +36,10 @@ def token_folder(tmp_path_factory):
 def test_tokenized_folder_round_trips_and_loads(token_folder):
     corpus, folder = token_folder
     record = json.loads((folder / "tokens.json").read_text())
-    assert (record["vocab_size"], record["token_dtype"]) == (263, "uint16")
+    assert (record["vocab_size"], record["token_dtype"]) == (TOKENIZER_VOCAB, "uint16")
     loaded = load_corpus(folder)
     bytes_corpus = load_corpus(corpus)
-    assert loaded.vocab_size == 263 and loaded.tokenizer == folder / "tokenizer.json"
+    assert loaded.vocab_size == TOKENIZER_VOCAB and loaded.tokenizer == folder / "tokenizer.json"
     assert np.array_equal(load_corpus(folder / "train-00000.bin").validation, loaded.validation)
     tokenizer = load_tokenizer(loaded.tokenizer)
     for tokens, raw in (
@@ -51,7 +55,7 @@ def test_tokenized_folder_round_trips_and_loads(token_folder):
     assert not again.trained_tokenizer
     assert np.array_equal(load_corpus(folder.parent / "again").train, loaded.train)
     result = invoke("train", f"data.path={folder}", *TINY_GPT, "--out", folder.parent / "small")
-    assert result.exit_code == 2 and "model.vocab_size=263" in result.output
+    assert result.exit_code == 2 and f"model.vocab_size={TOKENIZER_VOCAB}" in result.output
 
 
 def test_tokenize_bad_input(token_folder, tmp_path):
@@ -70,11 +74,13 @@ def test_tokenize_bad_input(token_folder, tmp_path):
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    """A tiny byte GPT trained under tp=2 with FSDP on 8 devices."""
+    """A tiny tokenizer-less GPT of MODEL_VOCAB ids trained on bytes under tp=2 with FSDP on 8
+    devices."""
     out = tmp_path_factory.mktemp("gen") / "run"
     with theseus.quick("gpt/train/pretrain", out) as q:
         q.shard(tp=2, fsdp=True)
-        q.override(*TINY_GPT, "model.block_size=48", "training.steps=4")
+        vocab = f"model.vocab_size={MODEL_VOCAB}"
+        q.override(*TINY_GPT, vocab, "model.block_size=48", "training.steps=4")
         q()
     return out
 
@@ -169,10 +175,13 @@ def test_generate_cli_json_and_bad_input(run_dir, token_folder, tmp_path):
         ((run_dir, "--prompt", "a", "--temperature", -1), "temperature=-1.0"),
         ((run_dir, "--prompt", "a", "--top-p", 0), "top_p=0.0"),
         ((run_dir, "--prompt", "a", "--top-p", 1.5), "top_p=1.5"),
-        ((run_dir, "--prompt", "a", "--tokenizer", token_folder[1] / "tokenizer.json"), "263"),
+        (
+            (run_dir, "--prompt", "a", "--tokenizer", token_folder[1] / "tokenizer.json"),
+            str(TOKENIZER_VOCAB),
+        ),
         (
             (run_dir, "--prompt-ids", "5,99999"),
-            "token id 99999, outside the model's vocabulary of 256",
+            f"token id 99999, outside the model's vocabulary of {MODEL_VOCAB}",
         ),
     ]:
         result = invoke("generate", *args)
@@ -212,28 +221,25 @@ def test_a_tp2_fsdp_run_reads_on_one_device(run_dir, tmp_path):
     assert generated.mesh_shape == {"batch": 1, "shard": 1}
     assert len(generated.completions[0].token_ids) == 2
     theseus.export_hf(run_dir, tmp_path / "hf", devices=one)
-    assert json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"] == 256
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"] == MODEL_VOCAB
 
 
-def test_generate_by_ids_on_a_vocabulary_beyond_bytes(tmp_path):
-    """A tokenizer-less model of 384 ids generates from any ids below 384 (CLI and Python): the
-    text shows ids that are bytes, the ids are given; an id at 384 is refused naming it."""
-    run = tmp_path / "v384"
-    with theseus.quick("gpt/train/pretrain", run) as q:
-        q.override(*TINY_GPT, "model.vocab_size=384", "training.steps=1")
-        q()
+def test_generate_by_ids_on_a_vocabulary_beyond_bytes(run_dir):
+    """A tokenizer-less model of 264 ids generates from any ids below 264 (CLI and Python): the
+    text shows ids that are bytes, the ids are given; an id at 264 is refused naming it."""
+    assert MODEL_VOCAB == 264
     result = invoke(
-        "generate", run, "--prompt-ids", "300,301", "--prompt-ids", "104,105",
+        "generate", run_dir, "--prompt-ids", "260,261", "--prompt-ids", "104,105",
         "--max-new-tokens", 3, "--temperature", 0,
     )  # fmt: skip
     assert result.exit_code == 0, result.output
-    assert "--- prompt '⟨300⟩⟨301⟩', sample 0" in result.stdout
+    assert "--- prompt '⟨260⟩⟨261⟩', sample 0" in result.stdout
     assert "--- prompt 'hi', sample 0" in result.stdout
-    assert "--- token ids [300, 301] + [" in result.stdout
-    generated = theseus.generate(run, [[300, 301], [383, 104]], max_new_tokens=3, temperature=0)
+    assert "--- token ids [260, 261] + [" in result.stdout
+    generated = theseus.generate(run_dir, [[260, 261], [263, 104]], max_new_tokens=3, temperature=0)
     first = generated.completions[0]
-    assert first.prompt == "⟨300⟩⟨301⟩" and first.prompt_ids == [300, 301]
-    assert generated.completions[1].prompt == "⟨383⟩h"
-    refused = invoke("generate", run, "--prompt-ids", "5,384")
+    assert first.prompt == "⟨260⟩⟨261⟩" and first.prompt_ids == [260, 261]
+    assert generated.completions[1].prompt == "⟨263⟩h"
+    refused = invoke("generate", run_dir, "--prompt-ids", "5,264")
     assert refused.exit_code == 2, refused.output
-    assert "token id 384, outside the model's vocabulary of 384 ids" in refused.output
+    assert "token id 264, outside the model's vocabulary of 264 ids" in refused.output

@@ -61,7 +61,7 @@ def test_evaluate_takes_the_model_from_the_run(runs):
     run names it); a model the user forces is refused, naming the fields, before restoring."""
     final_val_loss = read_metrics(runs / "trained")[-1]["val_loss"]
     for run, extra in ((runs / "trained", ()), (runs / "imported", BATCH)):
-        result = invoke("train", "--job", "llama/evaluate", "--tp", 2, "--out", run, *extra)
+        result = invoke("train", "--job", "llama/evaluate", "--fsdp", "--out", run, *extra)
         assert result.exit_code == 0, result.output
         assert result.output.count("validation loss") == 1, result.output
         evaluation = json.loads((run / "eval.json").read_text())
@@ -89,7 +89,7 @@ def test_train_hf_starts_a_fresh_model_of_the_configs_shape(runs):
     """`theseus train --hf FOLDER` takes the model section from config.json (no weights), the
     job from its family; overrides apply on top; another family's job is refused."""
     steps = ("--steps", 1, "logging.progress_bar=false", "model.rope_theta=5000.0")
-    result = invoke("train", "--hf", runs / "hf", *BATCH, *steps, "--out", runs / "fresh")
+    result = invoke("train", "--hf", runs / "hf", "--fsdp", *BATCH, *steps, "--out", runs / "fresh")
     assert result.exit_code == 0, result.output
     fresh, trained = (
         read_yaml(runs / name / "config.yaml")["model"] for name in ("fresh", "trained")
@@ -143,7 +143,7 @@ def test_mistral_sliding_window_is_applied_past_its_length(runs, tmp_path):
     config |= {"model_type": "mistral", "architectures": ["MistralForCausalLM"]}
     (hf / "config.json").write_text(json.dumps(config | {"sliding_window": 4}))
     run = tmp_path / "run"
-    assert invoke("import-hf", hf, run).exit_code == 0
+    assert invoke("import-hf", hf, run, "--fsdp").exit_code == 0
     longer = invoke("train", "--job", "llama/evaluate", "--out", run, *BATCH, "training.seq_len=16")
     assert longer.exit_code == 0, longer.output
     with quick("llama/evaluate", run) as session:  # the Python API takes the run's config too

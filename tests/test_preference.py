@@ -618,7 +618,7 @@ def _job_args(corpus: Path, out: Path, *extra: str) -> list:
     model = [f"model.{k}={v}" for k, v in PREF_MODEL.model_dump().items() if v is not None]
     model = [m for m in model if m.split("=")[0] in {f"model.{k}" for k in MODEL_FIELDS}]
     return [
-        "train", "--job", PREF_JOB, "--out", out, f"data.path={corpus}", *model,
+        "train", "--job", PREF_JOB, "--fsdp", "--out", out, f"data.path={corpus}", *model,
         f"training.seq_len={SEQ_LEN}", "training.batch_size=8",
         "training.per_device_batch_size=1", "training.steps=4",
         "training.validation_interval=2", "training.validation_batches=1",

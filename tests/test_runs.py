@@ -124,11 +124,11 @@ def test_lora_run_takes_its_base_moves_with_it_and_checks_it(previous, tmp_path)
     completion = json.loads(found.stdout)["completions"][0]
     assert completion["token_ids"] == before.completions[0].token_ids
 
-    other = tmp_path / "other"  # a base of the same shapes, other values: seed 1's initialisation
-    trainer = load_run(elsewhere).trainer
+    other = tmp_path / "other"  # a base of the same shapes, other values: the base's plus 1
+    loaded = load_run(elsewhere, layout="storage")
     with Checkpointer(other / CHECKPOINTS) as checkpoints:
-        meta = checkpoint_meta(trainer, step=4, data_position=0)
-        checkpoints.save({"params": trainer.init_state(1).params}, meta)
+        meta = checkpoint_meta(loaded.trainer, step=4, data_position=0)
+        checkpoints.save({"params": jax.tree.map(lambda p: p + 1, loaded.params)}, meta)
         checkpoints.wait()
     with pytest.raises(ValueError, match="are not those this run was trained on") as refusal:
         load_run(moved, base=other)

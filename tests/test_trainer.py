@@ -186,7 +186,8 @@ def test_bfloat16_compute_reduces_gradients_in_float32(policy):
 
 
 def test_bfloat16_training_tracks_float32():
-    policy = ShardingPolicy(tp=2, fsdp=True)
+    """Under FSDP: the program whose reductions the test above reads."""
+    policy = ShardingPolicy(fsdp=True)
     got = run_steps(shared_trainer(config(2, dtype="bfloat16"), policy))
     ref_losses = one_device_run(config(2), validation=VALIDATION_BATCHES).losses
     np.testing.assert_allclose(got.losses, ref_losses, rtol=2e-2)  # bfloat16: 8 mantissa bits
@@ -230,12 +231,13 @@ def test_fsdp_gathers_one_layer_at_a_time_inside_the_layer_loop():
     "policy", [ShardingPolicy(zero=False), ShardingPolicy()], ids=["DP", "ZeRO"]
 )
 def test_gradients_cross_batch_once_per_step(policy):
-    """8 accumulation steps of one example per replica: the float32 gradients cross batch once
-    (the bytes of one step without accumulation), not once per microbatch."""
-    tiny = ("model.n_layer=2", "model.n_embd=32", "training.batch_size=64")
-    trainer = GPTTrainer(apply_overrides(config(1), list(tiny)), policy)
-    assert trainer.batch_plan.accumulation_steps == 8
-    found = count_collectives(trainer.compile().executable.as_text())
+    """4 accumulation steps of one example per replica (test_policy_matches_one_device's
+    program): the float32 gradients cross batch once (the bytes of one step without
+    accumulation), not once per microbatch."""
+    trainer = shared_trainer(policy_config(policy, 4), policy)
+    assert trainer.batch_plan.accumulation_steps == 4
+    assert trainer.batch_plan.per_device_batch_size == 1
+    found = count_collectives(compiled_text(trainer))
     gradient_bytes = 4 * trainer.num_params
     reduced = found["all-reduce"].bytes + found["reduce-scatter"].bytes
     assert reduced == pytest.approx(gradient_bytes, rel=0.05), (reduced, gradient_bytes)
