@@ -84,6 +84,15 @@ def _take(shard: jax.Array, starts: jax.Array, sizes: tuple[int, ...]) -> jax.Ar
     return jax.lax.dynamic_slice(shard, tuple(starts), sizes)
 
 
+def _shard_part(shard: jax.Array, starts: np.ndarray, sizes: tuple[int, ...]) -> np.ndarray:
+    """``sizes`` elements of one device's shard from ``starts``, on the host. A CPU device's
+    memory is the host's, so its shard is read in place (no program to compile); an
+    accelerator's sends only the part (:func:`_take`)."""
+    if all(device.platform == "cpu" for device in shard.devices()):
+        return np.asarray(shard)[tuple(slice(a, a + n) for a, n in zip(starts, sizes, strict=True))]
+    return np.asarray(jax.device_get(_take(shard, starts, sizes)))
+
+
 def host_region(array: jax.Array, region: tuple[slice, ...]) -> np.ndarray:
     """``array[region]`` on the host, copied from the device shards that hold it: each distinct
     shard sends only its overlap with the region, and no computation spans devices."""
@@ -110,7 +119,7 @@ def host_region(array: jax.Array, region: tuple[slice, ...]) -> np.ndarray:
             slice(lo - s.start, hi - s.start) for (lo, hi), s in zip(overlap, region, strict=True)
         )
         sizes = tuple(hi - lo for lo, hi in overlap)
-        out[target] = np.asarray(jax.device_get(_take(shard.data, starts, sizes)))
+        out[target] = _shard_part(shard.data, starts, sizes)
     return out
 
 
