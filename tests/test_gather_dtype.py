@@ -55,12 +55,15 @@ def train(policy: ShardingPolicy, **training) -> Run:
     return run_steps(trainer, compiler_options=DEFAULT_CODEGEN)
 
 
-@pytest.mark.parametrize(
-    "policy", [ShardingPolicy(fsdp=True), ShardingPolicy(tp=2, fsdp=True)], ids=["FSDP", "tp2-FSDP"]
-)
-def test_compute_dtype_gather_gives_the_numbers_of_a_float32_gather(policy):
+#: The layout of the numbers test and the layer-loop test: FSDP's gathers beside tp=2's split
+#: (FSDP alone gathers through the same code; one layout's steps, compiled once, serve both).
+GATHERING = ShardingPolicy(tp=2, fsdp=True)
+
+
+def test_compute_dtype_gather_gives_the_numbers_of_a_float32_gather():
     """The same values are rounded, on the shard instead of on the gathered copy: losses and
-    parameters of three bfloat16 steps agree to 1e-6."""
+    parameters of three bfloat16 steps under tp=2 + FSDP agree to 1e-6."""
+    policy = GATHERING
     compute = train(policy, dtype="bfloat16", gather_dtype="compute")
     assert_gathers_agree(compute, train(policy, dtype="bfloat16", gather_dtype="storage"))
 
@@ -157,11 +160,11 @@ def test_float32_compute_casts_nothing():
 
 @pytest.mark.parametrize("gather_dtype", ["compute", "storage"])
 def test_layer_loop_gathers_move_the_compute_dtype(gather_dtype):
-    """bfloat16 compute, FSDP, 3 layers (the program the FSDP case above trains, compiled once):
-    every matrix gathered in the layer loop travels as 16-bit bit patterns of its bfloat16 values
-    (``u16``: XLA:CPU would widen a bfloat16 all-gather to float32); with
+    """bfloat16 compute, tp=2 + FSDP, 3 layers (the program the numbers test above trains,
+    compiled once): every matrix gathered in the layer loop travels as 16-bit bit patterns of
+    its bfloat16 values (``u16``: XLA:CPU would widen a bfloat16 all-gather to float32); with
     ``gather_dtype=storage`` as float32. Gradients are reduced in float32 either way."""
-    trainer = gpt_trainer(ShardingPolicy(fsdp=True), dtype="bfloat16", gather_dtype=gather_dtype)
+    trainer = gpt_trainer(GATHERING, dtype="bfloat16", gather_dtype=gather_dtype)
     layers = trainer.config.model.n_layer
     assert layers != trainer.batch_plan.accumulation_steps  # the layer loop's trip count
     hlo = default_codegen_hlo(trainer)
