@@ -33,7 +33,7 @@ EXPERTS, TOP_K, WIDTH, MLP = 5, 2, 11, 7
 # Compiled once each: run op by op, the blocks' gathers and scatters cost seconds apiece.
 _mixture = jax.jit(mixture, static_argnums=2)
 _route = jax.jit(route)
-_dropless = jax.jit(dropless, static_argnums=3)
+_dropless = jax.jit(dropless, static_argnums=4)
 _within_capacity = jax.jit(within_capacity, static_argnums=(1, 2))
 
 
@@ -103,7 +103,7 @@ def test_capacity_one_drops_beyond_each_experts_share_and_counts_it():
     assert 0 < (~want_kept).sum() < want_kept.size
     sums = RouterSums.zeros(EXPERTS, 0.0).add(routing, None)
     assert float(sums.dropped) == (~want_kept).sum()
-    out = _dropless(block, tokens, routing, jax.nn.silu)
+    out = _dropless(block, tokens, routing.experts, routing.weights, jax.nn.silu)
     kept_weights = np.where(want_kept, np.asarray(_route(block, tokens).weights), 0.0)
     want = _dense(block, np.asarray(tokens, np.float64), kept_weights, np.asarray(routing.experts))
     np.testing.assert_allclose(np.asarray(out), want, atol=1e-5)

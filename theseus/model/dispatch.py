@@ -6,7 +6,7 @@ holds its replica's tokens (split over ``batch``) and its share of the experts. 
 (:func:`theseus.sharding.axis.token_exchange`: ``all-to-all``), it sends every device along
 ``batch`` (same ``shard`` index) its tokens with, per token, the choices that device's experts
 own (their local indices and router weights; the other choices weight 0), by one all-to-all over
-``batch``; runs its experts on what it received (:func:`theseus.model.experts.weighted_experts`:
+``batch``; runs its experts on what it received (:func:`theseus.model.experts.dropless`:
 sorted by expert, grouped matmuls); and sends each token's weighted sum over its experts back by
 the reverse all-to-all, where the sums of all destinations add up to the token's output. With
 experts over ``shard`` (alone: ``all-reduce``, or ``both``), a device handles the choices of its

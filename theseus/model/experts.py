@@ -208,25 +208,16 @@ def _ragged(
 def dropless(
     block: Experts,
     h: jax.Array,
-    routing: Routing,
-    activation: Callable[[jax.Array], jax.Array],
-) -> jax.Array:
-    """Every expert's gated MLP on the tokens routed to it, summed per token with the router's
-    weights: (tokens, n_embd) in ``h``'s dtype, from ``h`` (tokens, n_embd). On grouped matmuls
-    where the backend has a kernel for them; on CPU, where XLA expands one to a dense product
-    over every group, in padded blocks of one expert (:func:`_blocked`)."""
-    return weighted_experts(block, h, routing.experts, routing.weights, activation)
-
-
-def weighted_experts(
-    block: Experts,
-    h: jax.Array,
     chosen: jax.Array,
     weights: jax.Array,
     activation: Callable[[jax.Array], jax.Array],
 ) -> jax.Array:
-    """:func:`dropless` of the choices ``chosen`` int32 (tokens, top_k), indices into the
-    block's experts, weighted by ``weights`` (tokens, top_k)."""
+    """Every expert's gated MLP on the tokens routed to it, summed per token with the router's
+    weights: (tokens, n_embd) in ``h``'s dtype, from ``h`` (tokens, n_embd), the choices
+    ``chosen`` int32 (tokens, top_k) (indices into the block's experts) and their ``weights``
+    (tokens, top_k). On grouped matmuls where the backend has a kernel for them; on CPU, where
+    XLA expands one to a dense product over every group, in padded blocks of one expert
+    (:func:`_blocked`)."""
     tokens, top_k = chosen.shape
     choices = chosen.reshape(-1)  # (tokens · top_k,) in token order
     order = jnp.argsort(choices, stable=True)  # choices grouped by expert
@@ -275,14 +266,14 @@ def mixture(
         def local(mine: dispatch.Projections, h: jax.Array, chosen: jax.Array, w: jax.Array):
             gate, up, down = mine  # this device's experts
             own = replace(block, gate_proj=gate, up_proj=up, down_proj=down)
-            return weighted_experts(own, h, chosen, w, activation)
+            return dropless(own, h, chosen, w, activation)
 
         projections = (block.gate_proj, block.up_proj, block.down_proj)
         out = dispatch.exchanged(
             local, projections, tokens, routing.experts, routing.weights, placement
         )
     else:
-        out = dropless(block, tokens, routing, activation)
+        out = dropless(block, tokens, routing.experts, routing.weights, activation)
     return out.reshape(h.shape), routing
 
 
