@@ -490,12 +490,10 @@ def assert_compute_dtype_gathers(model, casts: set[str]) -> None:
     backward, and its parameters gathered before the loss that are cast are ``casts``; gradients
     are reduced in float32. The step compiles with the suite's flags: this reads the family's
     gathers, not its numbers. That narrowed gathers train to the numbers of float32 ones is
-    proven on GPT (with and without TP) and on a model without a layer scan
+    proven on GPT under tp=2 + FSDP and on a model without a layer scan
     (tests/test_gather_dtype.py); a family reaches the same code (the layer scan's
     ``move_to_compute`` and the entry's cast analysis), so what a family decides is which leaves
     travel narrow, which this checks."""
-    from theseus.accounting.collectives import loop_collective_types
-
     config = equivalence_config(1, model, dtype="bfloat16", gather_dtype="compute")
     trainer = shared_trainer(config, ShardingPolicy(fsdp=True))
     assert trainer.entry.casts == casts, sorted(trainer.entry.casts)
@@ -504,10 +502,23 @@ def assert_compute_dtype_gathers(model, casts: set[str]) -> None:
     hlo = trainer.compile().executable.as_text()
     per_layer = {leaf.path: leaf for leaf in trainer.abstract_leaves}
     num_matrices = sum(len(per_layer[p].shape) == 3 for p in trainer.per_layer_paths)
-    gathers = loop_collective_types(hlo, "all-gather")
-    matrices = [t for trip, t in gathers if trip == layers and "," in t.split("{")[0]]
+    matrices = layer_loop_matrix_gathers(hlo, layers)
     assert len(matrices) == 2 * num_matrices and num_matrices >= 7, matrices
     assert all(t.startswith("u16[") for t in matrices), matrices
+    assert_reductions_in_float32(hlo)
+
+
+def layer_loop_matrix_gathers(hlo: str, layers: int) -> list[str]:
+    """The result types of the all-gathers of matrices (rank 2 or more) in the loops of
+    ``layers`` trips of the compiled ``hlo``: the layer loop's weight gathers."""
+    from theseus.accounting.collectives import loop_collective_types
+
+    gathers = loop_collective_types(hlo, "all-gather")
+    return [t for trip, t in gathers if trip == layers and "," in t.split("{")[0]]
+
+
+def assert_reductions_in_float32(hlo: str) -> None:
+    """The compiled ``hlo`` reduces (its gradients) and reduces nothing in 16 bits."""
     reductions = [line for line in hlo.splitlines() if " all-reduce(" in line]
     assert reductions and not [line for line in reductions if "bf16" in line or "u16" in line]
 

@@ -1,8 +1,9 @@
 """FSDP gathers in the compute dtype, reshards after the forward pass and recomputes by policy.
 
 - Casting commutes with gathering: under bfloat16 compute, ``training.gather_dtype=compute``
-  trains to the numbers of ``storage`` (GPT, a user model without a layer scan; Llama gathers
-  the same leaves narrow through the same code); under float32 compute nothing is cast.
+  trains to the numbers of ``storage`` (GPT under tp=2 + FSDP, a user model without a layer
+  scan; Llama gathers the same leaves narrow through the same code); under float32 compute
+  nothing is cast.
 - The compiled step's all-gathers inside the layer loop move 2-byte elements, its gradient
   reductions stay float32.
 - Without activation checkpointing the backward pass gathers each layer again instead of keeping
@@ -24,14 +25,16 @@ from support import (
     Run,
     assert_compute_dtype_gathers,
     assert_gathers_agree,
+    assert_reductions_in_float32,
     default_codegen_hlo,
     equivalence_config,
+    layer_loop_matrix_gathers,
     run_steps,
     shared_trainer,
 )
 
 import theseus
-from theseus.accounting.collectives import loop_bodies_with, loop_collective_types
+from theseus.accounting.collectives import loop_bodies_with
 from theseus.accounting.records import as_json
 from theseus.config import Section, apply_overrides
 from theseus.model.layers import dense, layer_norm
@@ -168,13 +171,11 @@ def test_layer_loop_gathers_move_the_compute_dtype(gather_dtype):
     layers = trainer.config.model.n_layer
     assert layers != trainer.batch_plan.accumulation_steps  # the layer loop's trip count
     hlo = default_codegen_hlo(trainer)
-    gathers = loop_collective_types(hlo, "all-gather")
-    matrices = [t for trip, t in gathers if trip == layers and "," in t.split("{")[0]]  # rank >= 2
+    matrices = layer_loop_matrix_gathers(hlo, layers)
     assert len(matrices) >= 2 * 6, matrices  # 6 matrices, forward and backward
     want = "u16[" if gather_dtype == "compute" else "f32["
     assert all(t.startswith(want) for t in matrices), matrices
-    reductions = [line for line in hlo.splitlines() if " all-reduce(" in line]
-    assert reductions and not [line for line in reductions if "bf16" in line or "u16" in line]
+    assert_reductions_in_float32(hlo)
 
 
 def wide_config(num_layers: int):
