@@ -5,6 +5,7 @@ workers and every subprocess the tests start inherit it through the environment,
 several tests (or workers, or subprocesses) build is compiled once.
 """
 
+import gc
 import os
 import shutil
 import tempfile
@@ -72,6 +73,13 @@ assert jax.device_count() == DEVICES, (
     f"tests need {DEVICES} simulated CPU devices; XLA_FLAGS came too late"
 )
 
+# Tracing makes millions of short-lived objects, and a worker holds every module it imported and
+# every trainer it shares: Python's collector, with its default thresholds, spent about 5% of a
+# worker's CPU walking them (tests/test_trainer.py alone: 7.1 of 152 s, 17 full collections of
+# 0.3 s each). It runs a tenth as often here, and what the collected test modules imported leaves
+# its view (pytest_collection_finish): 1.5 s. (docs/testing.md, "The suite's budget".)
+gc.set_threshold(20_000, 20, 20)
+
 
 def pytest_unconfigure(config):
     """The controller (or a run without workers) removes the cache it made."""
@@ -114,6 +122,11 @@ FIRST = (
 def group_of(nodeid: str) -> str:
     module = Path(nodeid.split("::", 1)[0]).stem
     return SHARED_GROUPS.get(module, module)
+
+
+def pytest_collection_finish(session):
+    """The imports are alive for good: the collector stops walking them."""
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(session, config, items):

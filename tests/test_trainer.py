@@ -47,8 +47,24 @@ def assert_matches_one_device(trainer: GPTTrainer):
     assert got.step == 3
 
 
-@pytest.mark.parametrize("accumulation", [1, 4])
-@pytest.mark.parametrize("policy", POLICIES, ids=policy_id)
+# Every policy in one microbatch; in 4, the policies whose gradients take each path between
+# microbatches (theseus/training/gathering.py): whole on each replica, crossing batch once (DP,
+# ZeRO), or with no batch to cross (tp=8). FSDP's sharded accumulator, reduced per microbatch, is
+# test_deterministic_model_matches_one_device's (tp=2 + FSDP in 4 microbatches, without dropout;
+# the three here show dropout's per-example keys unchanged by accumulation).
+ACCUMULATED = [
+    ShardingPolicy(tp=1, zero=False),
+    ShardingPolicy(tp=1),
+    ShardingPolicy(tp=8, zero=False),
+]
+MATRIX = [(policy, 1) for policy in POLICIES] + [(policy, 4) for policy in ACCUMULATED]
+
+
+@pytest.mark.parametrize(
+    ("policy", "accumulation"),
+    MATRIX,
+    ids=[f"{policy_id(policy)}-{accumulation}" for policy, accumulation in MATRIX],
+)
 def test_policy_matches_one_device(policy, accumulation):
     trainer = shared_trainer(policy_config(policy, accumulation), policy)
     assert trainer.batch_plan.accumulation_steps == accumulation
