@@ -9,8 +9,8 @@
 # Prints one line, `suite: W s wall, U+S = C s cpu (budget 600 s wall, 1,200 s cpu)`, beside the
 # machine's speed before and after (bench/cpu_speed.py: this shared machine's speed drifts by tens
 # of percent within an hour, so a figure is read beside it), and keeps the clone's pytest output
-# and per-test CPU report (tests/compile_report.py) in the folder it names. Measure on a quiet machine (`uptime`: load under 3 on 2 cores), or the wall time is the
-# other processes' as well.
+# and per-test CPU report (tests/compile_report.py) in the folder it names. Measure on a quiet
+# machine (`uptime`: load under 3 on 2 cores), or the wall time is the other processes' as well.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 commit="$(git -C "$repo" rev-parse "${1:-HEAD}")"

@@ -76,8 +76,9 @@ assert jax.device_count() == DEVICES, (
 # Tracing makes millions of short-lived objects, and a worker holds every module it imported and
 # every trainer it shares: Python's collector, with its default thresholds, spent about 5% of a
 # worker's CPU walking them (tests/test_trainer.py alone: 7.1 of 152 s, 17 full collections of
-# 0.3 s each). It runs a tenth as often here, and what the collected test modules imported leaves
-# its view (pytest_collection_finish): 1.5 s. (docs/testing.md, "The suite's budget".)
+# 0.3 s each). Here a collection waits for 20,000 new objects instead of 700, and what the
+# collected test modules imported leaves its view (pytest_collection_finish): 1.5 s, no full
+# collection. (docs/testing.md, "The suite's budget".)
 gc.set_threshold(20_000, 20, 20)
 
 
