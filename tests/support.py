@@ -151,15 +151,17 @@ POLICIES = [
     ShardingPolicy(tp=8, zero=False),
 ]
 
-# A family's matrix: the policies whose step runs the family's own sharded code. DP splits only the
-# batch; plain ZeRO computes in DP's layout and updates in FSDP's partition; tp=2 without FSDP
-# computes in tp=2 + FSDP's layout with the weights already whole. Their steps hold no family
-# program the four below lack, and GPT's full matrix (tests/test_trainer.py) proves them.
+# A family's matrix: the policies whose step runs the family's own sharded code in a way no other
+# policy does. The families' test models have 8 query and 2 key/value heads: tp=2 splits both,
+# tp=4 splits the queries and holds each key/value head on two devices, both under FSDP (weights
+# stored in shards, gathered a layer at a time in the layer scan). DP splits only the batch;
+# ZeRO computes in DP's layout and updates in FSDP's partition; tp=2 or 8 without FSDP computes
+# in a layout of these two with the weights already whole; tp=1 + FSDP computes in the one-device
+# run's layout. Their steps hold no family program these two lack, and GPT's full matrix
+# (tests/test_trainer.py) proves each of them.
 FAMILY_POLICIES = [
-    ShardingPolicy(tp=1, fsdp=True),
     ShardingPolicy(tp=2, fsdp=True),
     ShardingPolicy(tp=4, fsdp=True),
-    ShardingPolicy(tp=8, zero=False),
 ]
 
 

@@ -1,4 +1,4 @@
-"""The Gemma family: every policy with accumulation, and the recompute policies, equal one device
+"""The Gemma family: its policies with accumulation, and the recompute policies, equal one device
 and its matrices gathered in bfloat16 (sliding and global layers with their own rotary bases,
 soft-capping, q/k norms); its plan's names, its exact parameter count (Gemma 2 9B's on 64
 devices) and its FLOPs against XLA's count; unsupported settings named. (Its logits, export and
@@ -10,7 +10,6 @@ import pytest
 from support import (
     EQUIVALENCE_LLAMA,
     FAMILIES,
-    FAMILY_POLICIES,
     assert_compute_dtype_gathers,
     assert_flops_match_xla,
     assert_same_numbers,
@@ -46,18 +45,18 @@ MODEL = GemmaConfig(
 )
 
 
-# The family matrix (tests/support.py) and the two recompute policies (a layer's window and rotary
-# frequencies are recomputed with it).
+# The family matrix (tests/support.py), its tp=2 + FSDP case with the dots recompute policy, and
+# the full one (a layer's window and rotary frequencies are recomputed with it) with FSDP alone.
 GEMMA_POLICIES = [
-    *FAMILY_POLICIES,
-    ShardingPolicy(fsdp=True, activation_checkpointing="full"),
     ShardingPolicy(tp=2, fsdp=True, activation_checkpointing="dots"),
+    ShardingPolicy(tp=4, fsdp=True),
+    ShardingPolicy(fsdp=True, activation_checkpointing="full"),
 ]
 
 
 @pytest.mark.parametrize("policy", GEMMA_POLICIES, ids=policy_id)
 def test_policy_matches_one_device(policy):
-    """Every policy: losses within 1e-5 relative over three steps, parameters within 1e-4 (the suite's
+    """The family's policies: losses within 1e-5 relative over three steps, parameters within 1e-4 (the suite's
     tolerances), 4 microbatches a step; each layer's window and rotary frequencies travel through
     the layer scan that FSDP gathers one layer at a time."""
     trainer = shared_trainer(policy_config(policy, 4, MODEL), policy)

@@ -1,5 +1,5 @@
-"""The Llama-family model under every policy: the numbers of one device; its plan, parameter count,
-FLOPs and the planner's view of Llama 3.1 8B."""
+"""The Llama-family model under the family's policies (tests/support.py): the numbers of one
+device; its plan, parameter count, FLOPs and the planner's view of Llama 3.1 8B."""
 
 import json
 
@@ -39,7 +39,7 @@ def config(per_device_batch_size: int):
 def test_policy_matches_one_device(policy):
     """Losses within 1e-5 relative over three steps and parameters within 1e-4 (the suite's
     tolerances), and the loss goes down, with 4 microbatches per step. (Accumulation is the
-    trainer's, not the model's: GPT's matrix runs every policy with accumulation 1 and 4, and
+    trainer's, not the model's: GPT's matrix runs every policy, with accumulation 1 and 4, and
     also compares validation losses.)"""
     trainer = shared_trainer(policy_config(policy, 4, MODEL), policy)
     assert trainer.batch_plan.accumulation_steps == 4

@@ -60,15 +60,20 @@ def base_loss() -> float:
     return float(loss(base.init_state().params, jnp.asarray(tokens)))
 
 
-@pytest.mark.parametrize("accumulation", [1, 4])
+# Each policy once and each accumulation at least once: the trained/frozen partition is the
+# trainer's, the same under every layout, and GPT's matrix (tests/test_trainer.py) crosses
+# layouts with accumulation.
+LORA_CASES = [
+    (ShardingPolicy(tp=2), 1),
+    (ShardingPolicy(fsdp=True, activation_checkpointing="full"), 4),
+    (ShardingPolicy(tp=2, fsdp=True, activation_checkpointing="dots"), 4),
+]
+
+
 @pytest.mark.parametrize(
-    "policy",
-    [
-        ShardingPolicy(tp=2),
-        ShardingPolicy(fsdp=True, activation_checkpointing="full"),
-        ShardingPolicy(tp=2, fsdp=True, activation_checkpointing="dots"),
-    ],
-    ids=policy_id,
+    ("policy", "accumulation"),
+    LORA_CASES,
+    ids=[f"{policy_id(policy)}-{accumulation}" for policy, accumulation in LORA_CASES],
 )
 def test_lora_matches_one_device(policy, accumulation):
     """Losses within 1e-5 relative and adapters within 1e-4 of one device over three steps

@@ -1,6 +1,7 @@
-"""The OLMo 2 family: every policy with accumulation equals one device; its plan's names, its exact
-parameter count (OLMo 2 7B's on 64 devices) and its FLOPs against XLA's count. (Its logits,
-export and generation against transformers: tests/test_hf.py, kind ``olmo2``.)"""
+"""The OLMo 2 family: the family's policies (tests/support.py) with accumulation equal one
+device; its plan's names, its exact parameter count (OLMo 2 7B's on 64 devices) and its FLOPs
+against XLA's count. (Its logits, export and generation against transformers: tests/test_hf.py,
+kind ``olmo2``.)"""
 
 import json
 
@@ -33,7 +34,7 @@ MODEL = OLMO2_FAMILY.config_class(
 
 @pytest.mark.parametrize("policy", FAMILY_POLICIES, ids=policy_id)
 def test_policy_matches_one_device(policy):
-    """Every policy: losses within 1e-5 relative over three steps, parameters within 1e-4 (the suite's
+    """The family's policies: losses within 1e-5 relative over three steps, parameters within 1e-4 (the suite's
     tolerances), 4 microbatches a step; the q/k norms' statistics sum over the TP split."""
     trainer = shared_trainer(policy_config(policy, 4, MODEL), policy)
     assert trainer.batch_plan.accumulation_steps == 4

@@ -209,11 +209,19 @@ def masked_batch(trainer, index: int) -> jax.Array:
     return uneven_batch(trainer, index, even_cuts)
 
 
-@pytest.mark.parametrize("accumulation, dropout", [(1, 0.1), (4, 0.0)])
+# Each policy once, each mode (one microbatch with dropout, four without) at least once, and the
+# four microbatches under tp=2 + FSDP, whose mean crosses both the microbatches and the devices.
+UNEVEN_CASES = [
+    (ShardingPolicy(tp=2), 1, 0.1),
+    (ShardingPolicy(tp=1, fsdp=True), 1, 0.1),
+    (ShardingPolicy(tp=2, fsdp=True), 4, 0.0),
+]
+
+
 @pytest.mark.parametrize(
-    "policy",
-    [ShardingPolicy(tp=2), ShardingPolicy(tp=1, fsdp=True), ShardingPolicy(tp=2, fsdp=True)],
-    ids=policy_id,
+    ("policy", "accumulation", "dropout"),
+    UNEVEN_CASES,
+    ids=[f"{policy_id(p)}-{a}-{d}" for p, a, d in UNEVEN_CASES],
 )
 def test_uneven_trained_tokens_give_the_one_device_numbers(policy, accumulation, dropout):
     """With dropout (on the probabilities it runs the written-out attention) and without it,
