@@ -72,8 +72,10 @@ def test_step_records_the_load_balancing_loss():
     assert load.shape == (8,) and abs(load.sum() - 1) < 1e-6
 
 
-CASES = [  # (policy, microbatches per step of 32 examples on 8 devices)
-    (ShardingPolicy(tp=2, fsdp=True), 1),
+# (policy, microbatches per step of 32 examples on 8 devices). Experts left to the layouts
+# ("none") run under tp=2 alone; under FSDP they are stored and gathered a layer at a time as a
+# dense family's MLP is (tests/support.py's family matrix), so FSDP runs with experts placed.
+CASES = [
     (ShardingPolicy(tp=2), 2),  # replicas accumulate on their own: the statistics cross them
     (ShardingPolicy(tp=2, fsdp=True, experts="shard"), 1),
     (ShardingPolicy(tp=2, fsdp=True, experts="batch"), 1),
