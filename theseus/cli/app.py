@@ -6,6 +6,8 @@ and ``python -m theseus`` needs no workaround.
 
 from __future__ import annotations
 
+import gc
+
 import typer
 
 from theseus.cli import doctor, hf, launch, plan, text, training
@@ -22,6 +24,10 @@ app = typer.Typer(
 @app.callback()
 def main(context: typer.Context) -> None:
     """theseus: annotate a model once with logical axis names; train it under any layout."""
+    # Tracing and compiling make millions of short-lived objects: with Python's default
+    # thresholds the cyclic collector ran 868 times in a tiny 16-step `theseus train` (1.1 of its
+    # 39 s of CPU); waiting for 20,000 new objects instead of 700, 23 times (0.24 s).
+    gc.set_threshold(20_000, 20, 20)
     context.call_on_close(show_log_lines())
 
 
