@@ -57,9 +57,11 @@ if _OWN_CACHE:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="theseus-jax-cache-")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-# A size limit turns on JAX's file lock around cache reads and writes: processes then never read
-# an entry that another one is still writing.
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 * 2**30))
+# No size limit (JAX's default). A limit turns on JAX's file lock, and its eviction check lists
+# and reads every entry's files on every write: 93 ms a write at 1,100 entries, about a minute of
+# the suite's CPU, with the lock held (docs/testing.md, "The suite's budget"). Without the lock a
+# process could read an entry another one is still writing: JAX's read then fails to decompress
+# it, warns and compiles the program itself, the same program.
 
 from theseus.cli.options import size_cpu_thread_pools  # noqa: E402 (the environment first)
 
