@@ -63,7 +63,10 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # process could read an entry another one is still writing: JAX's read then fails to decompress
 # it, warns and compiles the program itself, the same program.
 
-from theseus.cli.options import size_cpu_thread_pools  # noqa: E402 (the environment first)
+from theseus.cli.options import (  # noqa: E402 (the environment first)
+    collect_garbage_less_often,
+    size_cpu_thread_pools,
+)
 
 size_cpu_thread_pools(DEVICES)
 
@@ -78,10 +81,10 @@ assert jax.device_count() == DEVICES, (
 # Tracing makes millions of short-lived objects, and a worker holds every module it imported and
 # every trainer it shares: Python's collector, with its default thresholds, spent about 5% of a
 # worker's CPU walking them (tests/test_trainer.py alone: 7.1 of 152 s, 17 full collections of
-# 0.3 s each). Here a collection waits for 20,000 new objects instead of 700, and what the
-# collected test modules imported leaves its view (pytest_collection_finish): 1.5 s, no full
-# collection. (docs/testing.md, "The suite's budget".)
-gc.set_threshold(20_000, 20, 20)
+# 0.3 s each). Here a collection waits for 20,000 new objects, as in every `theseus` command, and
+# what the collected test modules imported leaves its view (pytest_collection_finish): 1.5 s, no
+# full collection. (docs/testing.md, "The suite's budget".)
+collect_garbage_less_often()
 
 
 def pytest_unconfigure(config):
