@@ -31,8 +31,10 @@ from theseus.checkpoint.checkpointer import (
     IncompatibleCheckpointError,
     fingerprints,
 )
+from theseus.checkpoint.fingerprints import device_fingerprints
 from theseus.checkpoint.meta import CheckpointMeta
 from theseus.sharding.axis import ShardingPolicy
+from theseus.sharding.layout import path_str
 from theseus.sharding.topology import Topology
 from theseus.training.run.checkpointing import checkpoint_meta, restore_target
 from theseus.training.state import TrainState
@@ -484,32 +486,29 @@ def test_budgeted_save_and_restore_round_trip_bit_identical(tmp_path, monkeypatc
         },
         "v": put(jax.random.normal(key, (8 * 3, 1, 3)), ("a", "b")),  # rows in blocks of 2
     }
-    whole = fingerprints(state)
-    fingerprint_module = sys.modules[fingerprints.__module__]
-    monkeypatch.setattr(fingerprint_module, "BLOCK_ELEMENTS", 7)
-    fingerprint_module._fingerprints_jit.clear_cache()
-    try:
-        assert fingerprints(state) == whole
-        assert limit(1, write_requests(state)) < sum(x.nbytes for x in jax.tree.leaves(state))
-        with Checkpointer(tmp_path / "checkpoints", host_budget_bytes=1) as checkpointer:
-            checkpointer.save(state, tiny_meta(1))
-            checkpointer.wait()
-        other = {  # every leaf in another layout: reads span several stored chunks
-            "params": {"w": P(None, "a"), "e": P("a", None), "s": P("b", None)},
-            "v": P(None, None, None),
-        }
-        target = jax.tree.map(
-            lambda x, spec: jax.ShapeDtypeStruct(
-                x.shape, x.dtype, sharding=jax.sharding.NamedSharding(mesh, spec)
-            ),
-            state,
-            other,
-        )
-        with Checkpointer(tmp_path / "checkpoints", read_only=True, host_budget_bytes=1) as reader:
-            restored = reader.restore_state(None, target).state
-            params = reader.restore_params(1, target["params"]).state
-    finally:
-        fingerprint_module._fingerprints_jit.clear_cache()
+    flat = jax.tree_util.tree_flatten_with_path(state)[0]
+    hashed = device_fingerprints([leaf for _, leaf in flat])  # whole, as on GPUs and TPUs
+    whole = {path_str(path): int(value) for (path, _), value in zip(flat, hashed, strict=True)}
+    monkeypatch.setattr(sys.modules[fingerprints.__module__], "BLOCK_ELEMENTS", 7)
+    assert fingerprints(state) == whole  # on the host, in blocks of rows of each shard
+    assert limit(1, write_requests(state)) < sum(x.nbytes for x in jax.tree.leaves(state))
+    with Checkpointer(tmp_path / "checkpoints", host_budget_bytes=1) as checkpointer:
+        checkpointer.save(state, tiny_meta(1))
+        checkpointer.wait()
+    other = {  # every leaf in another layout: reads span several stored chunks
+        "params": {"w": P(None, "a"), "e": P("a", None), "s": P("b", None)},
+        "v": P(None, None, None),
+    }
+    target = jax.tree.map(
+        lambda x, spec: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=jax.sharding.NamedSharding(mesh, spec)
+        ),
+        state,
+        other,
+    )
+    with Checkpointer(tmp_path / "checkpoints", read_only=True, host_budget_bytes=1) as reader:
+        restored = reader.restore_state(None, target).state
+        params = reader.restore_params(1, target["params"]).state
     for got, want in zip(host(restored), host(state), strict=True):
         np.testing.assert_array_equal(got, want)
     for got, want in zip(host(params), host(state["params"]), strict=True):

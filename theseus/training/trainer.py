@@ -119,7 +119,10 @@ class BaseTrainer(abc.ABC):
             self.abstract_params, self.plan, policy, self.topology, config.training, self.seq_len
         )
         self.layouts = self._resolve_layouts(policy, self.mesh)
-        self.abstract_state: TrainState = jax.eval_shape(self._init_fn, 0)
+        # From the parameters' shapes: the model is not traced again (only the optimizer's init).
+        self.abstract_state: TrainState = jax.eval_shape(
+            self._state_of, nnx.to_pure_dict(self.abstract_params), jax.random.PRNGKey(0)
+        )
         replicated = NamedSharding(self.mesh, P())
         opt_layout = self._optimizer_layout(self.layouts.update, self.mesh)
         reference_layout = self.layouts.storage if self.holds_reference else None
@@ -321,7 +324,10 @@ class BaseTrainer(abc.ABC):
         init_key, rng = jax.random.split(jax.random.PRNGKey(seed))
         with nnx.use_eager_sharding(False):
             model = self.build_model(nnx.Rngs(params=init_key))
-        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        return self._state_of(nnx.to_pure_dict(nnx.state(model, nnx.Param)), rng)
+
+    def _state_of(self, params: Any, rng: jax.Array) -> TrainState:
+        """The starting state around the model's freshly built ``params``."""
         params = self.partition.cast_frozen(params, self.frozen_dtype)
         opt_state = self.optimizer.init(self.partition.trained(params))  # none for frozen ones
         reference = params if self.holds_reference else None  # a copy: jit's outputs are distinct
