@@ -20,7 +20,7 @@ import math
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from functools import cache
+from functools import cache, lru_cache
 
 OPS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
@@ -130,8 +130,10 @@ def _parse_instruction(line: str) -> _Instruction | None:
     return _Instruction(name, type_text, opcode.strip(), operands, args[end + 1 :])
 
 
+@lru_cache(maxsize=1)  # one text is read for its collectives, then its FLOPs
 def _computations(hlo_text: str) -> tuple[dict[str, list[_Instruction]], str]:
-    """Every computation's instructions by name, and the name of the entry computation."""
+    """Every computation's instructions by name, and the name of the entry computation (not to
+    be changed: the result is shared)."""
     computations: dict[str, list[_Instruction]] = {}
     entry, current = None, None
     for line in hlo_text.splitlines():
