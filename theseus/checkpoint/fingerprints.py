@@ -2,7 +2,10 @@
 that do not depend on the layout or device count the arrays are held in, so a restore under
 another policy checks the same numbers that were saved.
 
-One formula (:func:`_block_sum`), computed where the arrays are. On GPUs and TPUs each array is
+Element hashes are summed modulo 2**32, which is associative and commutative, so the value does
+not depend on the layout or device count an array is held in, nor on the blocks it is summed in;
+changing any one element always changes it (the element hash is a bijection of its bits, given its
+position). One formula (:func:`_block_sum`), computed where the arrays are. On GPUs and TPUs each array is
 hashed whole in one jitted program, where XLA fuses the element hashes into one reduction. On CPU
 devices the shards are host memory: each process hashes the shards it holds first (replica 0) with
 NumPy, in blocks of rows (:data:`BLOCK_ELEMENTS` elements at a time, so no second copy of the state

@@ -119,9 +119,11 @@ class BaseTrainer(abc.ABC):
             self.abstract_params, self.plan, policy, self.topology, config.training, self.seq_len
         )
         self.layouts = self._resolve_layouts(policy, self.mesh)
-        # From the parameters' shapes: the model is not traced again (only the optimizer's init).
+        # From the parameters' shapes: the model is not traced again (only the optimizer's init),
+        # and nothing runs on a device (the key too is traced).
         self.abstract_state: TrainState = jax.eval_shape(
-            self._state_of, nnx.to_pure_dict(self.abstract_params), jax.random.PRNGKey(0)
+            lambda params: self._state_of(params, jax.random.PRNGKey(0)),
+            nnx.to_pure_dict(self.abstract_params),
         )
         replicated = NamedSharding(self.mesh, P())
         opt_layout = self._optimizer_layout(self.layouts.update, self.mesh)
