@@ -321,21 +321,15 @@ def test_overwrite_replaces_previous_run(run_copy):
     assert (run_copy / "notes.txt").read_text() == "mine"  # not a theseus file: kept
 
 
-def test_configure_run_and_plot(tmp_path):
+def test_configure_writes_once(tmp_path):
+    """`configure` refuses to overwrite; running and plotting the chain it writes, with `run`'s
+    sharding flags merged in, is the README's quick start (tests/test_readme.py)."""
     chain_file = tmp_path / "chain.yaml"
     result = invoke(
         "configure", "gpt/train/pretrain", chain_file, *TINY, "--tp", "2", "--then", "gpt/evaluate"
     )
     assert result.exit_code == 0, result.output
     assert_user_error(invoke("configure", "gpt/train/pretrain", chain_file), "exists")
-    result = invoke("run", chain_file, tmp_path / "out", "--fsdp")
-    assert result.exit_code == 0, result.output
-    run = json.loads((tmp_path / "out" / "00-gpt-train-pretrain" / "run.json").read_text())
-    assert run["policy"]["tp"] == 2 and run["policy"]["fsdp"] is True
-    assert (tmp_path / "out" / "01-gpt-evaluate" / "eval.json").is_file()
-    result = invoke("plot", tmp_path / "out" / "00-gpt-train-pretrain")
-    assert result.exit_code == 0, result.output
-    assert (tmp_path / "out" / "00-gpt-train-pretrain" / "loss.png").stat().st_size > 1000
 
 
 def cli(*args):

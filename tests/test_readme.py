@@ -223,11 +223,13 @@ def test_every_readme_command_runs(tmp_path):
 
     runs = folder / "runs"
     assert len((runs / "default/metrics.jsonl").read_text().splitlines()) == 2
-    assert (runs / "chain/00-gpt-train-pretrain/loss.png").is_file()
+    assert (runs / "chain/00-gpt-train-pretrain/loss.png").stat().st_size > 1000
+    chain_run = json.loads((runs / "chain/00-gpt-train-pretrain/run.json").read_text())
+    assert chain_run["policy"]["tp"] == 2 and chain_run["policy"]["fsdp"] is True  # flags merged
     assert (runs / "chain/01-gpt-evaluate/eval.json").is_file()
     assert (runs / "py-chain/01-gpt-evaluate/eval.json").is_file()
     assert (runs / "quick/metrics.jsonl").is_file()
-    assert len((runs / "mine/metrics.jsonl").read_text().splitlines()) == 15
+    assert len((runs / "mine/metrics.jsonl").read_text().splitlines()) == 6
     assert (runs / "bigram/run.json").is_file()
     assert (runs / "bpe/tokenizer.json").is_file()
     assert (runs / "imported/run.json").is_file()
