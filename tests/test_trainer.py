@@ -50,8 +50,8 @@ def assert_matches_one_device(trainer: GPTTrainer):
 # Every policy in one microbatch; in 4, the policies whose gradients take each path between
 # microbatches (theseus/training/gathering.py): whole on each replica, crossing batch once (DP,
 # ZeRO), or with no batch to cross (tp=8). FSDP's sharded accumulator, reduced per microbatch, is
-# test_deterministic_model_matches_one_device's (tp=2 + FSDP in 4 microbatches, without dropout;
-# the three here show dropout's per-example keys unchanged by accumulation).
+# test_activation_checkpointing_matches_one_device's (tp=2 + FSDP in 4 microbatches, with
+# dropout; the three here show dropout's per-example keys unchanged by accumulation).
 ACCUMULATED = [
     ShardingPolicy(tp=1, zero=False),
     ShardingPolicy(tp=1),
@@ -73,14 +73,12 @@ def test_policy_matches_one_device(policy, accumulation):
     assert_matches_one_device(trainer)
 
 
-def test_deterministic_model_matches_one_device():
-    """Without dropout as well; and dropout changes the losses, so the tests above can fail."""
-    policy = ShardingPolicy(tp=2, fsdp=True)
-    trainer = shared_trainer(config(2, with_dropout(0.0)), policy)
-    assert trainer.batch_plan.accumulation_steps == 4
-    assert_matches_one_device(trainer)
+def test_dropout_changes_the_losses():
+    """On one device, the model's dropout moves the losses by more than the tolerance, so the
+    tests above and below can fail when a layout draws other masks."""
     dropout_losses = one_device_run(config(2), validation=VALIDATION_BATCHES).losses
-    deterministic_losses = one_device_run(trainer.config, validation=VALIDATION_BATCHES).losses
+    deterministic = config(2, with_dropout(0.0))
+    deterministic_losses = one_device_run(deterministic, validation=VALIDATION_BATCHES).losses
     assert np.abs(dropout_losses / deterministic_losses - 1).max() > 1e-3
 
 
@@ -213,9 +211,11 @@ def test_bfloat16_training_tracks_float32():
 def test_activation_checkpointing_matches_one_device():
     """Under the dots policy the recomputed layers draw the same dropout masks (GPT is the
     family with dropout; the full policy, and dots again, run on Gemma and LoRA's Llama:
-    tests/test_gemma.py, tests/test_lora.py)."""
+    tests/test_gemma.py, tests/test_lora.py); tp=2 + FSDP in 4 microbatches, the matrix's
+    sharded gradient accumulator."""
     policy = ShardingPolicy(tp=2, fsdp=True, activation_checkpointing="dots")
     trainer = shared_trainer(config(2), policy)
+    assert trainer.batch_plan.accumulation_steps == 4
     batch_shape = (trainer.batch_plan.accumulation_steps, 16, trainer.seq_len + 1)
     batch = jax.ShapeDtypeStruct(batch_shape, np.int32, sharding=trainer.batch_sharding)
     traced = step.train_step(trainer.context, trainer.entry)
