@@ -119,6 +119,8 @@ class _Instruction:
     opcode: str
     operands: tuple[str, ...]
     attributes: str
+    #: Computations it calls, each with how many times per call of it (:func:`_callees`).
+    callees: tuple[tuple[str, int | None], ...]
 
 
 def _parse_instruction(line: str) -> _Instruction | None:
@@ -134,7 +136,9 @@ def _parse_instruction(line: str) -> _Instruction | None:
     if end is None:
         end = len(args)
     operands = tuple(_OPERAND.findall(args, 0, end))
-    return _Instruction(name, type_text, opcode.strip(), operands, args[end + 1 :])
+    opcode, attributes = opcode.strip(), args[end + 1 :]
+    callees = _callees(name, opcode, attributes)
+    return _Instruction(name, type_text, opcode, operands, attributes, callees)
 
 
 @lru_cache(maxsize=1)  # one text is read for its collectives, then its FLOPs
@@ -170,26 +174,25 @@ def _kind(opcode: str) -> str | None:
     return None
 
 
-def _callees(instruction: _Instruction) -> list[tuple[str, int | None]]:
+def _callees(name: str, opcode: str, attributes: str) -> tuple[tuple[str, int | None], ...]:
     """Computations an instruction calls, each with how many times per call of it (None: a
     while loop whose trip count is known only at run time, such as the blockwise attention's
     loops over the blocks a mask leaves visible)."""
-    if instruction.opcode.endswith("-done"):
-        return []  # an async pair's wrapped computation is reached from its -start
-    attributes = instruction.attributes  # most lines call nothing: no regex over them
+    if opcode.endswith("-done"):
+        return ()  # an async pair's wrapped computation is reached from its -start
     if not ("to_apply=" in attributes or "calls=" in attributes or "body=" in attributes
             or "computation" in attributes):  # fmt: skip
-        return []
-    names = _CALLEE.findall(instruction.attributes)
-    for branches in _BRANCHES.findall(instruction.attributes):
+        return ()  # most lines call nothing: no regex over them
+    names = _CALLEE.findall(attributes)
+    for branches in _BRANCHES.findall(attributes):
         names += re.findall(r"%?([^\s,]+)", branches)
-    if instruction.opcode != "while":
-        return [(name, 1) for name in names]
-    trip = _TRIP_COUNT.search(instruction.attributes)
-    found = re.search(r"\bbody=%?([^\s,]+)", instruction.attributes)
-    assert found is not None, f"while loop {instruction.name} names no body"  # XLA always does
+    if opcode != "while":
+        return tuple((callee, 1) for callee in names)
+    trip = _TRIP_COUNT.search(attributes)
+    found = re.search(r"\bbody=%?([^\s,]+)", attributes)
+    assert found is not None, f"while loop {name} names no body"  # XLA always does
     body = found.group(1)
-    return [(body, None if trip is None else int(trip.group(1)))]  # the condition: no collectives
+    return ((body, None if trip is None else int(trip.group(1))),)  # the condition: no collectives
 
 
 def count_collectives(hlo_text: str) -> Collectives:
@@ -209,7 +212,7 @@ def count_collectives(hlo_text: str) -> Collectives:
                     type_text = " ".join(types[o] for o in instruction.operands)
                 one = CollectiveTotal(1, hlo_type_bytes(type_text))
                 found[kind] = found.get(kind, CollectiveTotal()) + one
-            for callee, times in _callees(instruction):
+            for callee, times in instruction.callees:
                 inner = totals(callee)
                 if not inner:
                     continue
@@ -257,7 +260,7 @@ def count_dot_flops(hlo_text: str) -> int:
                 total += _dot_flops(instruction, types)
             total += sum(
                 flops(callee) * (1 if times is None else times)
-                for callee, times in _callees(instruction)
+                for callee, times in instruction.callees
             )
         return total
 
@@ -274,7 +277,7 @@ def loop_bodies_with(hlo_text: str, op: str) -> list[tuple[str, int | None]]:
         for instruction in instructions:
             if instruction.opcode != "while":
                 continue
-            for body, trip in _callees(instruction):
+            for body, trip in instruction.callees:
                 if any(_kind(i.opcode) == op for i in computations.get(body, [])):
                     bodies.append((body, trip))
     return bodies

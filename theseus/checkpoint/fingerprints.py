@@ -2,15 +2,16 @@
 that do not depend on the layout or device count the arrays are held in, so a restore under
 another policy checks the same numbers that were saved.
 
-Element hashes are summed modulo 2**32, which is associative and commutative, so the value does
-not depend on the layout or device count an array is held in, nor on the blocks it is summed in;
+Element hashes are summed modulo 2**32, which is associative and commutative, so the value does not
+depend on the layout or device count an array is held in, nor on the blocks it is summed in;
 changing any one element always changes it (the element hash is a bijection of its bits, given its
-position). One formula (:func:`_block_sum`), computed where the arrays are. On GPUs and TPUs each array is
-hashed whole in one jitted program, where XLA fuses the element hashes into one reduction. On CPU
-devices the shards are host memory: each process hashes the shards it holds first (replica 0) with
-NumPy, in blocks of rows (:data:`BLOCK_ELEMENTS` elements at a time, so no second copy of the state
-is made), and the processes add their sums. No program is compiled for them: a jitted fingerprint
-of a state compiled for about a second on CPU, at every save and restore of a new state's shape.
+position). One formula (:func:`_block_sum`), computed where the arrays are. On GPUs and TPUs each
+array is hashed whole in one jitted program, where XLA fuses the element hashes into one reduction.
+On CPU devices the shards are host memory: each process hashes the shards it holds first (replica
+0) with NumPy, in blocks of rows (:data:`BLOCK_ELEMENTS` elements at a time, so no second copy of
+the state is made), and the processes add their sums. No program is compiled for them: a jitted
+fingerprint of a state compiled for about a second on CPU, at every save and restore of a new
+state's shape.
 """
 
 from __future__ import annotations
