@@ -118,12 +118,19 @@ def invoke(*args: object) -> Result:
     return CliRunner().invoke(app, [str(a) for a in args])
 
 
+# Every process of a multi-process subprocess writes the compilation cache (its sitecustomize.py).
+SUBPROCESS_SITE = Path(__file__).with_name("subprocess_site")
+
+
 def subprocess_env() -> dict[str, str]:
     """This environment (the session's compilation cache and XLA flags among it) without the
     forced 8 devices: a subprocess picks its own count with --cpu-devices or
     jax_num_cpu_devices."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = env["XLA_FLAGS"].replace("--xla_force_host_platform_device_count=8", "")
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(SUBPROCESS_SITE), *filter(None, [env.get("PYTHONPATH")])]
+    )
     return env
 
 

@@ -4,6 +4,7 @@ the closed-form ZeRO model, the trainer's own pre-flight errors and the compiled
 import functools
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -509,7 +510,7 @@ def test_cli_budget_and_failures():
 
 def test_cli_compile_in_a_fresh_process_simulates_the_devices():
     env = subprocess_env()  # no forced device count: --devices simulates them
-    env["PYTHONPATH"] = str(REPO)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env["PYTHONPATH"]])
     small = [*WIDE, "model.n_layer=1", "model.n_embd=64", "training.batch_size=4"]
     result = subprocess.run(
         [

@@ -134,6 +134,16 @@ def enter(params: Any, layouts: Layouts, entry: Entry) -> Any:
     return jax.tree_util.tree_map_with_path(move, params, layouts.storage, entry.layout)
 
 
+def storage_is_compute(layouts: Layouts) -> bool:
+    """Whether every parameter is stored in its compute layout (no FSDP): then nothing is
+    gathered, before the loss or in the layer scan, and the parameters enter in compute."""
+    storage, compute = (
+        jax.tree.leaves(layout, is_leaf=is_sharding)
+        for layout in (layouts.storage, layouts.compute)
+    )
+    return all(s.spec == c.spec for s, c in zip(storage, compute, strict=True))
+
+
 def entry_layout(layouts: Layouts, per_layer_paths: frozenset[str]) -> Any:
     """The layout parameters enter the loss in: compute, except those gathered per layer inside
     the layer scan, which enter in storage (the whole model is never gathered)."""

@@ -416,6 +416,8 @@ class BaseTrainer(abc.ABC):
 
     @cached_property
     def entry(self) -> gathering.Entry:
+        if gathering.storage_is_compute(self.layouts):  # nothing to gather: no trace for paths
+            return gathering.Entry(self.layouts.compute)
         return gathering.entry(self.context, self.per_layer_paths)
 
     @cached_property
