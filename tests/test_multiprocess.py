@@ -4,14 +4,13 @@ launch`, a SLURM-style environment detected by JAX itself, a killed peer, SIGTER
 all held to the losses of one uninterrupted process of 8 devices. Subprocesses with timeouts and
 their own ports.
 
-The slow tests form one chain (module fixtures): the 1×8 reference; a SLURM-style 2×4 run whose
-process 1 is killed after step 5, resumed on both processes (2×4 → 2×4) and stopped by SIGTERM to
-process 1 alone after one step, then finished in 1×8; and a copy of the reference at step 14
-finished in 2×4 through `theseus launch`. Each process costs seconds of CPU to start (and those
-after the first compile every program: JAX's compilation cache key differs per process on CPU),
-and a step of several processes about a second (every collective goes through gloo on loopback),
-so each run serves every test that can read it and the runs of several processes train few
-steps.
+The slow tests form one chain (module fixtures): the 1×8 reference; a SLURM-style 2×4 run that
+resumes the reference's step 2 (1×8 → 2×4) and whose process 1 is killed after step 5, resumed on
+both processes (2×4 → 2×4, W&B on) and stopped by SIGTERM to process 1 alone after one step, then
+finished in 1×8; and `theseus launch -n 2` evaluating the reference. Each process costs seconds of
+CPU to start, and a step of several processes about a second (every collective goes through gloo
+on loopback), so each run serves every test that can read it and the runs of several processes
+train few steps. (Every process writes the session's compilation cache: tests/subprocess_site.)
 """
 
 import json
@@ -38,7 +37,9 @@ from theseus.distributed.supervise import (
 from theseus.plot import read_metrics
 
 STEPS = 16  # room after step 5 (the kill) and after the resume (SIGTERM) on a fast machine
-LATE_STEP = 14  # the reference's checkpoint that `theseus launch -n 2` resumes: 2 steps after it
+EARLY_STEP = 2  # the reference's checkpoint that the SLURM-style run resumes (1×8 → 2×4)
+KILL_AFTER = 5  # the step after which that run's process 1 is killed
+WANDB = ["logging.wandb.project=theseus-tests", "logging.wandb.mode=offline"]
 ARGS = ["--tp", "2", "--fsdp", *TINY_GPT, f"training.steps={STEPS}", "checkpointing.keep=20"]
 TIMEOUT_S = 300
 
@@ -146,20 +147,35 @@ def reference(tmp_path_factory):
     return out
 
 
+def trained_steps(metrics) -> list[int]:
+    """The steps ``metrics.jsonl`` holds now (a line being written is not one yet)."""
+    steps = []
+    for line in metrics.read_text().splitlines() if metrics.is_file() else []:
+        try:
+            steps.append(json.loads(line)["step"])
+        except json.JSONDecodeError:
+            break
+    return steps
+
+
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory, reference):
-    """A SLURM-style 2×4 run whose process 1 is killed after step 5; checks the survivor's end.
+    """A SLURM-style 2×4 run that resumes the reference's step 2 (1×8 → 2×4) and whose process 1
+    is killed after step 5; checks the survivor's end.
 
     Returns the run directory, the losses it recorded, process 0's stdout and stderr, and the
     seconds it took to end after the kill (the heartbeat timeout, 5 s here, bounds it)."""
-    out, port = tmp_path_factory.mktemp("mp") / "slurm", free_port()
-    processes = [start_slurm_task(i, port, out, "--heartbeat-timeout", 5) for i in range(2)]
+    out = resumable_copy(reference, tmp_path_factory.mktemp("mp") / "slurm", EARLY_STEP)
+    port = free_port()
+    extra = ["--heartbeat-timeout", 5, "--resume"]
+    processes = [start_slurm_task(i, port, out, *extra) for i in range(2)]
     try:
         metrics = out / "metrics.jsonl"
         deadline = time.monotonic() + TIMEOUT_S
-        while not (metrics.is_file() and '"step": 5' in metrics.read_text()):
+        # The copy holds the reference's 16 rows until the resume keeps its first 2.
+        while trained_steps(metrics) != list(range(1, KILL_AFTER + 1)):
             assert all(p.poll() is None for p in processes), finish(processes)
-            assert time.monotonic() < deadline, "no step 5 in time"
+            assert time.monotonic() < deadline, f"no step {KILL_AFTER} in time"
             time.sleep(0.1)
         os.killpg(processes[1].pid, signal.SIGKILL)
         killed_at = time.monotonic()
@@ -174,23 +190,25 @@ def killed(tmp_path_factory, reference):
 def test_slurm_environment_joins_and_a_dead_peer_ends_the_job_cleanly(killed, reference):
     out, recorded, stdout, stderr, waited = killed
     assert stdout.startswith("processes: 0 of 2 (slurm cluster detected); 4 local cpu device(s)")
+    assert f"resumed from step {EARLY_STEP}" in stdout
     assert waited < 60, stderr
     assert "process 1 of this job stopped responding" in stderr, stderr
     assert "Traceback" not in stderr and "Check failure" not in stderr, stderr
     assert f"{out}/checkpoints/" in stderr and "--resume" in stderr
     assert (out / "logs" / "process-0.log").read_text().count("heartbeat") > 0
-    assert len(recorded) >= 5
-    assert_same_losses(recorded, reference, steps=range(1, len(recorded) + 1))
+    assert len(recorded) >= KILL_AFTER
+    assert_same_losses(recorded, reference, steps=range(1, len(recorded) + 1))  # 1×8 → 2×4
 
 
 @pytest.fixture(scope="module")
 def stopped_after_resume(killed):
-    """The killed run resumed (2×4 → 2×4) and SIGTERM to process 1 alone once process 0 said
-    it resumed: (the step it resumed from, outputs, exit statuses, the newest checkpoint then)."""
+    """The killed run resumed (2×4 → 2×4, W&B enabled on this resume) and SIGTERM to process 1
+    alone once process 0 said it resumed: (the step it resumed from, outputs, exit statuses, the
+    newest checkpoint then)."""
     out = killed[0]
     resumed_from = max(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
     port = free_port()
-    processes = [start_slurm_task(i, port, out, "--resume") for i in range(2)]
+    processes = [start_slurm_task(i, port, out, "--resume", *WANDB) for i in range(2)]
     try:
         line = processes[0].stdout.readline()
         while line and not line.startswith("resumed from step"):
@@ -215,7 +233,8 @@ def test_resume_after_a_dead_peer_stops_on_sigterm_and_gives_the_uninterrupted_l
 ):
     """The killed run resumed (2×4 → 2×4) and SIGTERM to process 1 alone once process 0 said
     it resumed, before its first step: both processes finish that same step (JAX's preemption
-    sync point), save it and exit with status 4 (the sync point is keyed by the loop's count of
+    sync point), save it and exit with status 4; W&B, enabled on this resume, gets one run (by
+    process 0) of that step (the sync point is keyed by the loop's count of
     steps; keyed by the run's step, a notice before the first step was ignored by a resumed run:
     bench/sigterm_resumed.py). Resumed again (in one process:
     test_two_process_checkpoint_restores_into_one_process), the run ends with the uninterrupted
@@ -226,61 +245,31 @@ def test_resume_after_a_dead_peer_stops_on_sigterm_and_gives_the_uninterrupted_l
     for _, stderr in outputs:  # the same step on both processes
         assert f"stopped: preempted (SIGTERM): finished step {stop} of {STEPS}" in stderr, outputs
     assert newest == stop
+    (wandb_run,) = [read_run(path) for path in run_files(killed[0])]  # by process 0 alone
+    assert wandb_run.logged_steps == [stop]
     assert "done:" in finished_in_one_process
     assert_same_losses(killed[0], reference)  # 2×4 → 2×4 → 1×8
 
 
 @pytest.mark.slow
-def test_evaluate_in_two_slurm_processes_gives_the_recorded_validation_loss(reference):
-    """`theseus evaluate` in a SLURM-style environment of two tasks joins as `train` does and
-    gives the validation loss the one-process run recorded at its last step (tp=2 + FSDP), to
-    1e-6, written once (eval.json) and printed by process 0 alone. (Task scores through
-    `theseus launch`: test_harness.py.)"""
-    port = free_port()
-    processes = [
-        subprocess.Popen(
-            theseus("evaluate", reference, "--cpu-devices", 4, "--distributed", "auto"),
-            env=child_env(**slurm_env(i, port)),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        for i in range(2)
-    ]
-    (out0, err0), (out1, _) = finish(processes)
-    assert [p.returncode for p in processes] == [0, 0], err0
-    assert err0.startswith("processes: 0 of 2 (slurm cluster detected)"), err0
-    assert out0.startswith(f"evaluated {reference} at step {STEPS}") and out1 == ""
+def test_launch_evaluates_in_two_processes_the_recorded_validation_loss(reference):
+    """`theseus launch -n 2` (2×4) runs `theseus evaluate` as it runs `train`: the validation loss
+    the one-process run recorded at its last step (tp=2 + FSDP), to 1e-6, written once
+    (eval.json); only process 0 reports, each line names its process, native chatter stays in
+    the logs. (SLURM-style joins: the tests above; task scores through `theseus launch`:
+    test_harness.py.)"""
+    launch = ["launch", "-n", 2, "--cpu-devices-per-process", 4, "--"]
+    result = run(theseus(*launch, "evaluate", reference))
+    lines = result.stdout.splitlines()
+    assert "[0] processes: 0 of 2 (coordinator 127.0.0.1:" in lines[0] + lines[1], lines
+    assert any(line.startswith(f"[0] evaluated {reference} at step {STEPS}") for line in lines)
+    assert not any(line.startswith("[1] evaluated") for line in lines)
+    assert all(line.startswith(("[0] ", "[1] ")) for line in lines), lines
+    assert "Gloo" not in result.stdout
     recorded = losses(reference)[-1][2]
     evaluated = json.loads((reference / "eval.json").read_text())
     assert evaluated["step"] == STEPS and evaluated["policy"]["tp"] == 2
     assert evaluated["val_loss"] == pytest.approx(recorded, rel=1e-6)
-
-
-@pytest.mark.slow
-def test_launch_resumes_one_process_checkpoint_in_two_processes(reference, tmp_path):
-    """`theseus launch -n 2` (2×4) resumes the one-process (1×8) checkpoint two steps before the
-    end and gives the uninterrupted losses; only process 0 reports, each line names its process,
-    native chatter stays in the logs, and W&B, enabled on this resume, gets one run (by process
-    0) of the steps after it."""
-    out = resumable_copy(reference, tmp_path / "launched", LATE_STEP)
-    launch = ["launch", "-n", 2, "--cpu-devices-per-process", 4, "--"]
-    wandb = ["logging.wandb.project=theseus-tests", "logging.wandb.mode=offline"]
-    result = run(theseus(*launch, "train", "--out", out, "--resume", *ARGS, *wandb))
-    assert_same_losses(out, reference)  # 1×8 → 2×4
-    record = json.loads((out / "run.json").read_text())
-    assert record["num_processes"] == 2 and record["mesh_shape"] == {"batch": 4, "shard": 2}
-    (wandb_run,) = [read_run(path) for path in run_files(out)]
-    assert wandb_run.logged_steps == list(range(LATE_STEP + 1, STEPS + 1))
-    lines = result.stdout.splitlines()
-    assert "[0] processes: 0 of 2 (coordinator 127.0.0.1:" in lines[0] + lines[1]
-    assert any(line.startswith(f"[0] resumed from step {LATE_STEP}") for line in lines)
-    assert any(line.startswith("[0] done:") for line in lines)
-    assert all(line.startswith(("[0] ", "[1] ")) for line in lines)
-    assert not any(line.startswith("[1] done:") for line in lines)
-    assert "Gloo" not in result.stdout
-    assert (out / "logs" / "process-1.log").is_file()
 
 
 @pytest.mark.slow
