@@ -173,7 +173,7 @@ def killed(tmp_path_factory, reference):
         metrics = out / "metrics.jsonl"
         deadline = time.monotonic() + TIMEOUT_S
         # The copy holds the reference's 16 rows until the resume keeps its first 2.
-        while trained_steps(metrics) != list(range(1, KILL_AFTER + 1)):
+        while not KILL_AFTER <= len(trained_steps(metrics)) < STEPS:
             assert all(p.poll() is None for p in processes), finish(processes)
             assert time.monotonic() < deadline, f"no step {KILL_AFTER} in time"
             time.sleep(0.1)
