@@ -27,7 +27,7 @@ from theseus.config import apply_overrides
 from theseus.sharding.axis import ShardingPolicy
 from theseus.sharding.layout import LayoutError
 from theseus.sharding.topology import Topology
-from theseus.training import step
+from theseus.training import gathering, step
 
 MODEL = EQUIVALENCE_MODEL
 GLOBAL_BATCH = EQUIVALENCE_BATCH
@@ -199,6 +199,21 @@ def test_bfloat16_compute_reduces_gradients_in_float32():
     assert reductions, "a data-parallel step must reduce gradients across replicas"
     assert not [line for line in reductions if "bf16" in line], "gradients reduced in bfloat16"
     assert all(leaf.dtype == np.float32 for leaf in jax.tree.leaves(trainer.abstract_state.params))
+
+
+def test_parameters_stored_as_computed_enter_as_computed_without_a_trace():
+    """No FSDP: every parameter is stored in its compute layout, so the trainer's entry skips
+    the abstract trace of the per-layer paths and is what that trace would give (bfloat16's
+    casts included: nothing moves, so nothing is cast before a move)."""
+    for policy in (ShardingPolicy(), ShardingPolicy(tp=2, zero=False)):
+        trainer = shared_trainer(config(2, dtype="bfloat16"), policy)
+        assert gathering.storage_is_compute(trainer.layouts)
+        traced = gathering.entry(trainer.context, trainer.per_layer_paths)
+        assert "blocks/attn_q/kernel" in trainer.per_layer_paths  # traced when asked for
+        assert (trainer.entry.casts, trainer.entry.dtype) == (traced.casts, traced.dtype)
+        assert trainer.entry.layout == traced.layout
+    fsdp = shared_trainer(config(2, dtype="bfloat16"), ShardingPolicy(fsdp=True))
+    assert not gathering.storage_is_compute(fsdp.layouts)
 
 
 def test_bfloat16_training_tracks_float32():
