@@ -202,18 +202,24 @@ def test_bfloat16_compute_reduces_gradients_in_float32():
 
 
 def test_parameters_stored_as_computed_enter_as_computed_without_a_trace():
-    """No FSDP: every parameter is stored in its compute layout, so the trainer's entry skips
-    the abstract trace of the per-layer paths and is what that trace would give (bfloat16's
-    casts included: nothing moves, so nothing is cast before a move)."""
+    """No FSDP: every parameter is stored in its compute layout, so the entry does not ask for
+    the per-layer paths (an abstract trace of the loss) and is what they would give: the compute
+    layout, nothing cast before a move (bfloat16). Under FSDP the entry asks for them."""
     for policy in (ShardingPolicy(), ShardingPolicy(tp=2, zero=False)):
         trainer = shared_trainer(config(2, dtype="bfloat16"), policy)
-        assert gathering.storage_is_compute(trainer.layouts)
-        traced = gathering.entry(trainer.context, trainer.per_layer_paths)
+        entry = gathering.entry(trainer.context, lambda: pytest.fail("the paths were traced"))
         assert "blocks/attn_q/kernel" in trainer.per_layer_paths  # traced when asked for
-        assert (trainer.entry.casts, trainer.entry.dtype) == (traced.casts, traced.dtype)
-        assert trainer.entry.layout == traced.layout
+        assert entry.layout == gathering.entry_layout(trainer.layouts, trainer.per_layer_paths)
+        assert entry.layout == trainer.layouts.compute and entry.casts == frozenset()
     fsdp = shared_trainer(config(2, dtype="bfloat16"), ShardingPolicy(fsdp=True))
-    assert not gathering.storage_is_compute(fsdp.layouts)
+    asked = []
+
+    def paths() -> frozenset[str]:
+        asked.append(True)
+        return fsdp.per_layer_paths
+
+    gathering.entry(fsdp.context, paths)
+    assert asked == [True]
 
 
 def test_bfloat16_training_tracks_float32():

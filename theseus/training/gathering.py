@@ -86,24 +86,30 @@ class Entry:
     dtype: np.dtype | None = None
 
 
-def entry(context: TrainerContext, per_layer_paths: frozenset[str]) -> Entry:
-    """The :class:`Entry` of a trainer's parameters (``per_layer_paths``: those its layer scan
-    gathers, :func:`theseus.training.step.per_layer_paths`): the parameters moved before the
+def entry(context: TrainerContext, per_layer_paths: Callable[[], frozenset[str]]) -> Entry:
+    """The :class:`Entry` of a trainer's parameters (``per_layer_paths()``: those its layer scan
+    gathers, :func:`theseus.training.step.per_layer_paths`, an abstract trace of the loss asked
+    for only when some parameter's stored layout differs from its compute layout: without FSDP
+    nothing is gathered and the parameters enter in compute): the parameters moved before the
     loss (their layouts differ and the layer scan does not gather them) that the loss reads only
     through a cast to the gather dtype are cast on their shards before the move (found by
     tracing the loss once, abstractly, without layouts: :mod:`theseus.sharding.casting`)."""
     layouts = context.layouts
-    layout = entry_layout(layouts, per_layer_paths)
-    dtype = context.gather_dtype
     flat = [
         jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_sharding)[0]
         for tree in (layouts.storage, layouts.compute)
     ]
-    moved = {
+    differing = {
         path_str(path)
         for (path, storage), (_, compute) in zip(*flat, strict=True)
-        if storage.spec != compute.spec and path_str(path) not in per_layer_paths
+        if storage.spec != compute.spec
     }
+    if not differing:
+        return Entry(layouts.compute)
+    gathered = per_layer_paths()
+    layout = entry_layout(layouts, gathered)
+    dtype = context.gather_dtype
+    moved = differing - gathered
     if dtype is None or not moved:
         return Entry(layout)
     shape = (context.batch_plan.per_device_batch_size, context.seq_len + 1)
@@ -132,16 +138,6 @@ def enter(params: Any, layouts: Layouts, entry: Entry) -> Any:
         return move_to_compute(leaf, Move(storage, target, entry.dtype))
 
     return jax.tree_util.tree_map_with_path(move, params, layouts.storage, entry.layout)
-
-
-def storage_is_compute(layouts: Layouts) -> bool:
-    """Whether every parameter is stored in its compute layout (no FSDP): then nothing is
-    gathered, before the loss or in the layer scan, and the parameters enter in compute."""
-    storage, compute = (
-        jax.tree.leaves(layout, is_leaf=is_sharding)
-        for layout in (layouts.storage, layouts.compute)
-    )
-    return all(s.spec == c.spec for s, c in zip(storage, compute, strict=True))
 
 
 def entry_layout(layouts: Layouts, per_layer_paths: frozenset[str]) -> Any:

@@ -416,9 +416,7 @@ class BaseTrainer(abc.ABC):
 
     @cached_property
     def entry(self) -> gathering.Entry:
-        if gathering.storage_is_compute(self.layouts):  # nothing to gather: no trace for paths
-            return gathering.Entry(self.layouts.compute)
-        return gathering.entry(self.context, self.per_layer_paths)
+        return gathering.entry(self.context, lambda: self.per_layer_paths)
 
     @cached_property
     def train_step(self) -> UnderMesh:
