@@ -61,7 +61,8 @@ def test_diverging_run_stops_and_resumes_from_the_newest_good_checkpoint(tmp_pat
     test reads it from the stop; at the issue's 100 the loss reached 4e9 in 10 steps without
     overflowing once the written-out attention masked by adding -inf); it stops there, exit 3, nothing saved after the
     step before; a resume that lowers the learning rate is refused, then accepted with
-    --allow-changes (skipping what still overflows), and --steps extends the run without it."""
+    --allow-changes (skipping what still overflows). (--steps extends a run without it: the
+    README's own-text run, tests/test_readme.py.)"""
     out = tmp_path / "nan"
     diverging = (*DIVERGING, "checkpointing.interval=1")
     result = invoke("train", "--out", out, *TINY_GPT, *diverging, "--steps", 10)
@@ -99,15 +100,9 @@ def test_diverging_run_stops_and_resumes_from_the_newest_good_checkpoint(tmp_pat
     assert resumed.exit_code == 0, resumed.output
     assert f"resumed from step {good}" in resumed.output
     assert [r["step"] for r in strict_rows(out)] == list(range(1, 11))
-
-    extended = invoke("train", "--out", out, *args, "--steps", 13)
-    assert extended.exit_code == 0, extended.output
-    rows = strict_rows(out)
-    assert [r["step"] for r in rows] == list(range(1, 14))
-    resumes = json.loads((out / "run.json").read_text())["resumes"]
-    assert [r["from_step"] for r in resumes] == [good, 10]
-    assert {"key": "optimization.learning_rate", "old": 1e4, "new": 1e-3} in resumes[0]["changes"]
-    assert resumes[1]["changes"] == [{"key": "training.steps", "old": 10, "new": 13}]
+    (resume,) = json.loads((out / "run.json").read_text())["resumes"]
+    assert resume["from_step"] == good
+    assert {"key": "optimization.learning_rate", "old": 1e4, "new": 1e-3} in resume["changes"]
 
 
 class NaNOnChosenSteps(GPTTrainer):

@@ -508,7 +508,26 @@ def test_cli_budget_and_failures():
         assert result.output.startswith("error: ") and result.output.count("\n") == 1
 
 
+def test_cli_compile_compares_recompute_policies_unless_one_is_named(monkeypatch):
+    """`plan --compile` compiles every recompute policy side by side (test_gather_dtype.py's
+    comparison), or the one --activation-checkpointing names alone (minutes each for a large
+    model). Plans here from shapes only."""
+    compared, plan = [], planner.plan
+
+    def shapes_only(*args, compile, compare_remat, **kwargs):
+        assert compile
+        compared.append(compare_remat)
+        return plan(*args, compile=False, **kwargs)
+
+    monkeypatch.setattr(planner, "plan", shapes_only)
+    for named in ([], ["--activation-checkpointing", "dots"]):
+        result = invoke("plan", "--compile", "--devices", "8", "--fsdp", *named, *WIDE)
+        assert result.exit_code == 0, result.output
+    assert compared == [True, False]
+
+
 def test_cli_compile_in_a_fresh_process_simulates_the_devices():
+    """The named recompute policy's step alone (the comparison: the test above)."""
     env = subprocess_env()  # no forced device count: --devices simulates them
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env["PYTHONPATH"]])
     small = [*WIDE, "model.n_layer=1", "model.n_embd=64", "training.batch_size=4"]
@@ -522,6 +541,8 @@ def test_cli_compile_in_a_fresh_process_simulates_the_devices():
             "--devices",
             "4",
             "--fsdp",
+            "--activation-checkpointing",
+            "none",
             "--json",
             *small,
         ],
@@ -545,6 +566,7 @@ def test_cli_compile_in_a_fresh_process_simulates_the_devices():
     assert list(collectives) == list(OPS)
     assert collectives["all-gather"]["count"] > 0 and collectives["all-gather"]["bytes"] > 0
     assert "one layer at a time inside the layer scan" in data["verdict"]["gathering"]
+    assert data["remat_policies"] == []
 
 
 # --- activation memory ------------------------------------------------------------------------

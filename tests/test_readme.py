@@ -227,10 +227,24 @@ def test_every_readme_command_runs(tmp_path):
     assert (runs / "chain/00-gpt-train-pretrain/loss.png").stat().st_size > 1000
     chain_run = json.loads((runs / "chain/00-gpt-train-pretrain/run.json").read_text())
     assert chain_run["policy"]["tp"] == 2 and chain_run["policy"]["fsdp"] is True  # flags merged
-    assert (runs / "chain/01-gpt-evaluate/eval.json").is_file()
-    assert (runs / "py-chain/01-gpt-evaluate/eval.json").is_file()
+    assert chain_run["mesh_shape"] == {"batch": 4, "shard": 2}
+    # `evaluate` scores the newest checkpoint on the run's held-out batches: the training run's
+    # last validation loss, in the run's layout (the chains) and on one device (LoRA, trained
+    # under tp=2 + FSDP on 8).
+    for run, evaluated, rtol in (
+        ("chain/00-gpt-train-pretrain", "chain/01-gpt-evaluate", 1e-6),
+        ("py-chain/00-gpt-train-pretrain", "py-chain/01-gpt-evaluate", 1e-6),
+        ("lora", "lora", 1e-5),
+    ):
+        *_, last = map(json.loads, (runs / run / "metrics.jsonl").read_text().splitlines())
+        scores = json.loads((runs / evaluated / "eval.json").read_text())
+        assert scores["step"] == last["step"]
+        assert scores["val_loss"] == pytest.approx(last["val_loss"], rel=rtol), (run, scores)
     assert (runs / "quick/metrics.jsonl").is_file()
     assert len((runs / "mine/metrics.jsonl").read_text().splitlines()) == 6
+    (extended,) = json.loads((runs / "mine/run.json").read_text())["resumes"]  # no --allow-changes
+    assert extended["from_step"] == 4
+    assert extended["changes"] == [{"key": "training.steps", "old": 4, "new": 6}]
     assert (runs / "bigram/run.json").is_file()
     assert (runs / "bpe/tokenizer.json").is_file()
     assert (runs / "imported/run.json").is_file()

@@ -43,7 +43,8 @@ def plan_command(
         typer.Option(
             "--compile",
             help="also compile the real train step on that many simulated CPU devices and show "
-            "its memory_analysis() (activations included)",
+            "its memory_analysis() (activations included), under every recompute policy side by "
+            "side, or under the one --activation-checkpointing names",
         ),
     ] = False,
     budget: Annotated[
@@ -111,6 +112,8 @@ def plan_command(
                 devices,
                 devices_per_host=devices_per_host,
                 compile=compile_step,
+                # A recompute policy the user named is the one compiled; else all, side by side.
+                compare_remat="activation_checkpointing" not in sharding,
                 device_memory=local_memory()
                 if device_memory is None
                 else parse_bytes(device_memory),
