@@ -5,7 +5,9 @@
 ``FOLDER/NAME.args``, then a line to ``NAME.in``; the server runs the command in its folder
 through the CLI's entry point (as ``python -m theseus`` does), its file descriptors 1 and 2 going
 to ``NAME.stdout`` and ``NAME.stderr``, and writes its exit status as a line to ``NAME.out``.
-Opening ``NAME.in`` and closing it unwritten ends the server.
+Opening ``NAME.in`` and closing it unwritten ends the server. Arguments ``PYTHON_BLOCK CODE`` run
+the Python source ``CODE`` instead, in a fresh ``__main__`` namespace as ``python -c CODE`` would
+(for a README block that leaves JAX's configuration alone).
 
 A fresh process per command pays for its interpreter, its imports (JAX, orbax, the CLI) and for
 looking every program up in the compilation cache again; a server pays once. ``DEVICES``
@@ -18,6 +20,8 @@ import sys
 import traceback
 from pathlib import Path
 
+PYTHON_BLOCK = "--python-block"
+
 
 def run(arguments: list[str], stdout: Path, stderr: Path) -> int:
     """One command, its output in the two files; its exit status."""
@@ -28,7 +32,10 @@ def run(arguments: list[str], stdout: Path, stderr: Path) -> int:
         os.dup2(out.fileno(), 1)
         os.dup2(err.fileno(), 2)
         try:
-            app(arguments, prog_name="theseus")
+            if arguments[:1] == [PYTHON_BLOCK]:
+                exec(compile(arguments[1], "<string>", "exec"), {"__name__": "__main__"})
+            else:
+                app(arguments, prog_name="theseus")
             status = 0
         except SystemExit as done:
             code = done.code

@@ -10,6 +10,7 @@
   it; the recompute policies order by memory and FLOPs.
 """
 
+import functools
 from typing import ClassVar
 
 import jax
@@ -184,8 +185,23 @@ def wide_config(num_layers: int):
     return apply_overrides(equivalence_config(1), [*overrides, f"model.n_layer={num_layers}"])
 
 
+@functools.cache  # the recompute comparison below reads the same steps from the cache
 def wide(policy, num_layers):
     return GPTTrainer(wide_config(num_layers), policy).compile()
+
+
+def test_with_full_recompute_fsdp_gathers_one_layer_at_a_time_inside_the_layer_loop():
+    """Compile only, FSDP with full recompute, float32 layers of 1.8 MB: from 3 to 6 layers the
+    temporaries grow by the saved residual stream and the layers' 1/8 shards of gradient, never
+    by a gathered layer; the gather sits in the 3-trip layer loops."""
+    policy = ShardingPolicy(fsdp=True, activation_checkpointing="full")
+    shallow, deep = wide(policy, 3), wide(policy, 6)
+    residual_per_layer = 1 * wide_config(3).model.block_size * 192 * 4  # (examples, seq, n_embd)
+    gathered_layer = 12 * 192 * 192 * 4
+    per_layer = (deep.temporaries - shallow.temporaries) / 3
+    assert per_layer <= 2 * residual_per_layer + 3 * gathered_layer / 8 < gathered_layer
+    trips = [trip for _, trip in loop_bodies_with(shallow.executable.as_text(), "all-gather")]
+    assert trips.count(3) == 2, trips  # forward, and again in the recomputed backward
 
 
 def test_without_checkpointing_the_backward_pass_gathers_each_layer_again():
@@ -206,8 +222,8 @@ def test_without_checkpointing_the_backward_pass_gathers_each_layer_again():
 
 def test_plan_compares_recompute_policies():
     """`theseus plan --compile`: none, full and dots side by side; dots keeps the weight matmuls'
-    outputs, so its FLOPs lie strictly between none's and full's, and its peak too. (none is the
-    3-layer step the test above compiled.)"""
+    outputs, so its FLOPs lie strictly between none's and full's, and its peak too. (none and
+    full are the 3-layer steps the tests above compiled.)"""
     cfg = wide_config(3)
     result = plan(GPTTrainer, cfg, ShardingPolicy(fsdp=True), 8, compile=True, alternatives=False)
     options = {o.remat: o for o in result.remat}

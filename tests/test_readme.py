@@ -3,18 +3,21 @@ and python block (a python block starting with ``# file: NAME`` is written, not 
 inline command (`theseus ...`, `python ...`) that is not the start of a command a block runs. A
 block that cannot run as written on a test machine has a stand-in in ``STAND_INS``, with its
 reason; a published ``config.json`` a command reads is written into the folder first
-(``HF_CONFIGS``)."""
+(``HF_CONFIGS``). `theseus` commands, and python blocks that leave JAX's configuration alone, run
+in CLI servers (below); a block that configures JAX starts its own process."""
 
 import contextlib
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cli_server import PYTHON_BLOCK
 from support import LLAMA31_8B_CONFIG, subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -155,6 +158,8 @@ SERVED_DEVICES = (None, 8)  # the counts the README's commands use
 
 
 def run_in(folder: Path, servers: Path, language: str, code: str) -> None:
+    if language == "python" and "jax.config.update(" not in code:  # JAX as it starts: served
+        language, code = "bash", f"theseus {PYTHON_BLOCK} {shlex.quote(code)}"
     env = subprocess_env()
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
     env["SERVERS"] = str(servers)

@@ -21,7 +21,7 @@ from support import (
     step_batch,
 )
 
-from theseus.accounting.collectives import count_collectives, loop_bodies_with
+from theseus.accounting.collectives import count_collectives
 from theseus.accounting.preflight import plan_batch
 from theseus.config import apply_overrides
 from theseus.sharding.axis import ShardingPolicy
@@ -126,7 +126,7 @@ def compiled_text(trainer: GPTTrainer) -> str:
 
 def test_step_without_fsdp_gathers_no_parameters():
     """TP without ZeRO or FSDP (test_policy_matches_one_device's tp=8 case, accumulation 4).
-    (FSDP's gathers, one layer at a time: test_fsdp_gathers_one_layer_at_a_time_...)"""
+    (FSDP's gathers, one layer at a time: tests/test_gather_dtype.py.)"""
     policy = ShardingPolicy(tp=8, zero=False)
     assert "all-gather" not in compiled_text(shared_trainer(policy_config(policy, 4), policy))
 
@@ -245,27 +245,6 @@ def test_activation_checkpointing_matches_one_device():
     jaxpr = str(jax.make_jaxpr(traced)(trainer.abstract_state, batch))
     assert "remat" in jaxpr or "checkpoint" in jaxpr
     assert_matches_one_device(trainer)  # the recomputed layers draw the same dropout masks
-
-
-def compiled_step(policy, *overrides):
-    cfg = apply_overrides(config(1), ["model.n_embd=192", "model.n_head=4", *overrides])
-    return GPTTrainer(cfg, policy).compile()
-
-
-def test_fsdp_gathers_one_layer_at_a_time_inside_the_layer_loop():
-    """Compile only: wide layers (1.8 MB each), 1 example per device, remat. From 3 to 6 layers
-    temporaries grow by the saved residual stream and the layers' 1/8 shards of gradient and
-    accumulator, never by a gathered layer; the gather sits in the 3-trip layer loops."""
-    policy = ShardingPolicy(fsdp=True, activation_checkpointing=True)
-    shallow = compiled_step(policy, "model.n_layer=3", "training.batch_size=16")
-    deep = compiled_step(policy, "model.n_layer=6", "training.batch_size=16")
-    residual_per_layer = 1 * MODEL.block_size * 192 * 4  # (examples, seq, n_embd) float32
-    gathered_layer = 12 * 192 * 192 * 4
-    per_layer = (deep.temporaries - shallow.temporaries) / 3
-    assert per_layer <= 2 * residual_per_layer + 3 * gathered_layer / 8 < gathered_layer
-    hlo = shallow.executable.as_text()
-    trips = [trip for _, trip in loop_bodies_with(hlo, "all-gather")]
-    assert trips.count(3) == 2, trips  # forward, and again in the recomputed backward
 
 
 @pytest.mark.parametrize(
