@@ -345,7 +345,7 @@ def test_parse_and_format_bytes():
     assert planner.format_bytes(512) == "512 B"
 
 
-# --- measured at 8 devices: arrays, the compiled step and a real run ------------------------
+# --- measured on 4 devices: arrays, the compiled step and a real run ------------------------
 
 # Parameters dominate activations: wide layers, one example of 8 tokens per replica. All dims
 # divide by 8: n_embd 192, n_mlp 768, vocab 256, block_size 8.
@@ -362,17 +362,20 @@ WIDE = (
 
 @functools.cache
 def compiled_plan(policy: ShardingPolicy) -> planner.Plan:
-    # The recompute policies are compared in test_gather_dtype.py; not compiled again here.
+    """The budget test's model on its 4 devices of one host: the steps it compiled (read from
+    the compilation cache). The recompute policies are compared in test_gather_dtype.py."""
     return planner.plan(
-        GPTTrainer, gpt(*WIDE), policy, 8, compile=True, alternatives=False, compare_remat=False
-    )
+        GPTTrainer, gpt(*COMPILED_BUDGET), policy, 4, devices_per_host=1, compile=True,
+        alternatives=False, compare_remat=False,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("policy", [DP, ZERO, FSDP], ids=lambda policy: policy.name)
-def test_totals_and_compiled_arguments_equal_a_real_run_at_8_devices(policy):
+def test_totals_and_compiled_arguments_equal_a_real_run_on_4_devices(policy):
     plan = compiled_plan(policy)
     assert [option.policy for option in plan.options] == [policy]
-    trainer = GPTTrainer(gpt(*WIDE), policy)
+    topology = Topology.new(policy, devices=jax.devices()[:4])
+    trainer = GPTTrainer(gpt(*COMPILED_BUDGET), policy, topology)
     state = trainer.init_state()
     device = trainer.mesh.devices.flat[0]
     measured_params = device_bytes(state.params, device)
@@ -384,7 +387,7 @@ def test_totals_and_compiled_arguments_equal_a_real_run_at_8_devices(policy):
 
     # The closed-form ZeRO model, exactly the replicated leaves' bytes (and 8 bytes of Adam and
     # schedule counters) apart.
-    psi, n = trainer.num_params, 8
+    psi, n = trainer.num_params, 4
     closed = {"DP": 16 * psi, "ZeRO": 8 * psi + 8 * psi / n, "FSDP": 16 * psi / n}
     cf = plan.closed_form
     assert cf.kind == policy.name and cf.psi == psi and cf.replicas == n
