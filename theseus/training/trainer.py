@@ -363,9 +363,13 @@ class BaseTrainer(abc.ABC):
     def init_state(self, seed: int | None = None) -> TrainState:
         """Create the state directly in its layouts; it is never whole on one device."""
         seed = self.config.training.seed if seed is None else seed
-        init = jax.jit(self._init_fn, out_shardings=self.state_layout)
         with jax.set_mesh(self.topology.device_mesh):
-            return init(seed)
+            return self._init_program(seed)
+
+    @cached_property
+    def _init_program(self) -> Callable[[int], TrainState]:
+        """The jitted initialisation, traced once per trainer (the seed is an argument)."""
+        return jax.jit(self._init_fn, out_shardings=self.state_layout)
 
     def memory(
         self, policy: ShardingPolicy | None = None, mesh: Mesh | AbstractMesh | None = None
