@@ -45,9 +45,11 @@ from theseus.sharding.casting import cast_only_inputs
 
 
 def gpt_trainer(policy: ShardingPolicy, **training) -> GPTTrainer:
-    """GPT (3 layers): 32 examples a step, 4 microbatches."""
-    trainer = shared_trainer(equivalence_config(1 if policy.tp == 1 else 2, **training), policy)
-    assert trainer.batch_plan.accumulation_steps == 4
+    """GPT (3 layers): 32 examples a step, one microbatch (its default-emitter compile is 10%
+    shorter than four's; accumulation is the same in either dtype)."""
+    replicas = 8 // policy.tp
+    trainer = shared_trainer(equivalence_config(32 // replicas, **training), policy)
+    assert trainer.batch_plan.accumulation_steps == 1
     return trainer
 
 
