@@ -355,8 +355,9 @@ def test_sigkill_and_sigterm_then_resume_match_the_uninterrupted_run(tmp_path):
     resume starts from the newest committed step), then SIGTERM to the resumed run once it has
     trained (preemption: the current step is finished and saved, exit status 4). Every row's
     losses, validation losses and per-source validation losses equal an uninterrupted run's bit
-    for bit. (A resume from a SIGTERM's save, bit for bit, on another layout and process count:
-    tests/test_multiprocess.py; resumes on other layouts: tests/test_checkpoint.py.)
+    for bit. (A resume from a SIGTERM's save, on another layout and process count, to the
+    uninterrupted losses: tests/test_multiprocess.py; resumes on other layouts:
+    tests/test_checkpoint.py.)
 
     Every run logs to Weights & Biases, offline: the uninterrupted run's W&B run holds its
     metrics.jsonl, config and run.json; the resumed segment continues the killed one's W&B run
