@@ -10,6 +10,7 @@
   it; the recompute policies order by memory and FLOPs.
 """
 
+import dataclasses
 import functools
 from typing import ClassVar
 
@@ -192,18 +193,33 @@ def wide(policy, num_layers):
     return GPTTrainer(wide_config(num_layers), policy).compile()
 
 
+GATHERED_LAYER = 12 * 192 * 192 * 4  # one wide layer's matrices, float32
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerGrowth:
+    """From 3 to 6 wide layers under a policy: the temporaries each layer adds, and the trip
+    counts of the 3-layer step's loops that all-gather."""
+
+    per_layer: float
+    gather_trips: list[int]
+
+
+def layer_growth(policy: ShardingPolicy) -> LayerGrowth:
+    shallow, deep = wide(policy, 3), wide(policy, 6)
+    trips = [trip for _, trip in loop_bodies_with(shallow.executable.as_text(), "all-gather")]
+    return LayerGrowth((deep.temporaries - shallow.temporaries) / 3, trips)
+
+
 def test_with_full_recompute_fsdp_gathers_one_layer_at_a_time_inside_the_layer_loop():
     """Compile only, FSDP with full recompute, float32 layers of 1.8 MB: from 3 to 6 layers the
     temporaries grow by the saved residual stream and the layers' 1/8 shards of gradient, never
     by a gathered layer; the gather sits in the 3-trip layer loops."""
-    policy = ShardingPolicy(fsdp=True, activation_checkpointing="full")
-    shallow, deep = wide(policy, 3), wide(policy, 6)
+    growth = layer_growth(ShardingPolicy(fsdp=True, activation_checkpointing="full"))
     residual_per_layer = 1 * wide_config(3).model.block_size * 192 * 4  # (examples, seq, n_embd)
-    gathered_layer = 12 * 192 * 192 * 4
-    per_layer = (deep.temporaries - shallow.temporaries) / 3
-    assert per_layer <= 2 * residual_per_layer + 3 * gathered_layer / 8 < gathered_layer
-    trips = [trip for _, trip in loop_bodies_with(shallow.executable.as_text(), "all-gather")]
-    assert trips.count(3) == 2, trips  # forward, and again in the recomputed backward
+    assert growth.per_layer <= 2 * residual_per_layer + 3 * GATHERED_LAYER / 8 < GATHERED_LAYER
+    # Forward, and again in the recomputed backward.
+    assert growth.gather_trips.count(3) == 2, growth.gather_trips
 
 
 def test_without_checkpointing_the_backward_pass_gathers_each_layer_again():
@@ -211,15 +227,11 @@ def test_without_checkpointing_the_backward_pass_gathers_each_layer_again():
     layers the temporaries grow by the layers' activations and shards, not by a gathered copy of
     each layer (which the backward pass used to keep); the gather runs in the forward and the
     backward loop."""
-    policy = ShardingPolicy(fsdp=True)
-    shallow, deep = wide(policy, 3), wide(policy, 6)
-    gathered_layer = 12 * 192 * 192 * 4
-    per_layer = (deep.temporaries - shallow.temporaries) / 3
+    growth = layer_growth(ShardingPolicy(fsdp=True))
     # Measured: 0.92 MB per layer (activations, the layer's 1/8 shards of gradient and
     # accumulator); 2.69 MB when the backward pass kept each gathered layer (one layer more).
-    assert per_layer < gathered_layer, (per_layer, gathered_layer)
-    trips = [trip for _, trip in loop_bodies_with(shallow.executable.as_text(), "all-gather")]
-    assert trips.count(3) == 2, trips
+    assert growth.per_layer < GATHERED_LAYER, (growth.per_layer, GATHERED_LAYER)
+    assert growth.gather_trips.count(3) == 2, growth.gather_trips
 
 
 def test_plan_compares_recompute_policies():

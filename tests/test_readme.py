@@ -20,6 +20,8 @@ import pytest
 from cli_server import PYTHON_BLOCK
 from support import LLAMA31_8B_CONFIG, subprocess_env
 
+from theseus.plot import read_metrics
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 MAX_LINES = 400
@@ -241,7 +243,7 @@ def test_every_readme_command_runs(tmp_path):
         ("py-chain/00-gpt-train-pretrain", "py-chain/01-gpt-evaluate", 1e-6),
         ("lora", "lora", 1e-5),
     ):
-        *_, last = map(json.loads, (runs / run / "metrics.jsonl").read_text().splitlines())
+        last = read_metrics(runs / run)[-1]
         scores = json.loads((runs / evaluated / "eval.json").read_text())
         assert scores["step"] == last["step"]
         assert scores["val_loss"] == pytest.approx(last["val_loss"], rel=rtol), (run, scores)
