@@ -24,20 +24,22 @@ def test_families_are_registered_with_their_jobs():
     assert sorted(found) == ["gemma", "gpt", "llama", "mixtral", "olmo2", "olmoe", "qwen3_moe"]
     for name, family in found.items():
         assert family.name == name
-        pretrain, evaluate, preference = family.jobs
+        pretrain, evaluate, preference, rl = family.jobs
         assert family.jobs == (
             f"{name}/train/pretrain",
             f"{name}/evaluate",
             f"{name}/train/preference",
+            f"{name}/train/rl",
         )
         assert family.module in theseus.jobs.BUILTIN_FAMILIES
         assert family.module.rpartition(".")[2] == name
         assert all(
             get_job(job).trainer_class is family.trainer_class for job in (pretrain, evaluate)
         )
-        preference_trainer = get_job(preference).trainer_class
-        assert issubclass(preference_trainer, family.trainer_class)
-        assert preference_trainer is not family.trainer_class
+        for tuned in (preference, rl):
+            tuned_trainer = get_job(tuned).trainer_class
+            assert issubclass(tuned_trainer, family.trainer_class)
+            assert tuned_trainer is not family.trainer_class
     assert [found[n].trainer_class.__name__ for n in ("gpt", "llama", "olmo2", "gemma")] == [
         "GPTTrainer",
         "LlamaTrainer",

@@ -195,7 +195,7 @@ def test_top_k_top_p_and_greedy_limit_the_choice():
     choose = jax.jit(next_tokens, static_argnums=3)  # one compile for every setting
 
     def chosen(num_valid=4, **settings):
-        return set(np.asarray(choose(logits, keys, Sampling(**settings).arrays(), num_valid)))
+        return set(np.asarray(choose(logits, keys, Sampling(**settings).arrays(), num_valid).ids))
 
     assert chosen(temperature=0) == {0}
     assert chosen(temperature=1.0) == {0, 1, 2, 3}

@@ -50,11 +50,20 @@ def run_trainer(
     source_dir: str | Path | None = None,
 ) -> Any:
     """Train (as ``mode`` says) or evaluate with an already created trainer, as the job says."""
+    from theseus.posttraining.rollouts import RolloutData
+    from theseus.posttraining.trainer import RLTrainer
     from theseus.training.run.evaluation import evaluate
     from theseus.training.run.loop import train
 
     if job.action == "train":
-        return train(trainer, out_dir, mode=mode, evaluator=task_evaluator(trainer, out_dir, mode))
+        evaluator = task_evaluator(trainer, out_dir, mode)
+        # An RL run's steps read rollouts of its prompts; every other run's, its corpus.
+        data = (
+            RolloutData(trainer, Path(out_dir), base_dir=mode.init_from)
+            if isinstance(trainer, RLTrainer)
+            else None
+        )
+        return train(trainer, out_dir, mode=mode, evaluator=evaluator, data=data)
     return evaluate(trainer, out_dir, source_dir=source_dir)
 
 

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from theseus.config import read_yaml
 from theseus.model.family import Family
+from theseus.posttraining.trainer import rl_trainer_class
 from theseus.training.family import FamilyTrainer, trainer_class
 from theseus.training.preference_trainer import preference_trainer_class
 from theseus.training.run.evaluation import RUN_CONFIG
@@ -152,13 +153,15 @@ _FAMILY_JOBS: tuple[tuple[str, Action], ...] = (
     ("train/pretrain", "train"),
     ("evaluate", "evaluate"),
     ("train/preference", "train"),
+    ("train/rl", "train"),
 )
 
 
 def register_family(module: str) -> RegisteredFamily:
     """Import ``module`` (a dotted name), which defines ``FAMILY``, and register its jobs:
-    ``NAME/train/pretrain`` and ``NAME/evaluate`` with the family's trainer class, and
-    ``NAME/train/preference`` with its preference trainer."""
+    ``NAME/train/pretrain`` and ``NAME/evaluate`` with the family's trainer class,
+    ``NAME/train/preference`` with its preference trainer and ``NAME/train/rl`` with its RL
+    trainer."""
     family = importlib.import_module(module).FAMILY
     if not isinstance(family, Family):
         raise TypeError(f"{module}.FAMILY is {family!r}, not a theseus.model.family.Family")
@@ -171,10 +174,15 @@ def register_family(module: str) -> RegisteredFamily:
             )
         return existing
     trainer = trainer_class(family)
-    trainers = {"train/preference": preference_trainer_class(trainer)}
+    trainers = {
+        "train/preference": preference_trainer_class(trainer),
+        "train/rl": rl_trainer_class(trainer),
+    }
     descriptions = {
         "train/preference": f"preference-tune the {family.name} family's model on chosen/rejected "
         "pairs (DPO, robust DPO, IPO, hinge, RPO, ORPO, SimPO)",
+        "train/rl": f"online RL of the {family.name} family's model with verifiable rewards on "
+        "prompts (GRPO, BNPO, Dr. GRPO, DAPO, CISPO, GSPO)",
         **family.descriptions,
     }
     jobs = tuple(f"{family.name}/{suffix}" for suffix, _ in _FAMILY_JOBS)

@@ -32,7 +32,7 @@ from lm_eval.models.utils import (
 
 from theseus.config import is_int
 from theseus.data.tokens import TOKENIZER_FILE
-from theseus.inference.generate import Generator
+from theseus.inference.generator import Generator
 from theseus.inference.logits import load_run
 from theseus.inference.sampling import Sampling
 from theseus.inference.scoring import Scorer, bucket_widths

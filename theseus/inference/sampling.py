@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from theseus.config import is_int
 
@@ -53,10 +54,21 @@ def sample_keys(seed: jax.Array, rows: jax.Array, positions: jax.Array) -> jax.A
     )
 
 
+@struct.dataclass
+class Chosen:
+    """The ids chosen for each row (rows,) int32, and each one's log-probability (rows,)
+    float32 under the distribution it was drawn from: the logits over the temperature, with
+    what top-k and top-p cut off removed (0 for a greedy choice). RL keeps these as the
+    sampler's log-probabilities."""
+
+    ids: jax.Array
+    logps: jax.Array
+
+
 def next_tokens(
     logits: jax.Array, keys: jax.Array, settings: dict[str, jax.Array], num_valid: int
-) -> jax.Array:
-    """The chosen ids (rows,) int32 from float32 ``logits`` (rows, vocab), one key per row, with
+) -> Chosen:
+    """The :class:`Chosen` ids from float32 ``logits`` (rows, vocab), one key per row, with
     ``Sampling.arrays()`` as ``settings``; ids from ``num_valid`` on are never chosen (a
     vocabulary padded beyond the tokenizer's)."""
     vocab = logits.shape[-1]
@@ -75,4 +87,6 @@ def next_tokens(
     cutoff = jnp.where(top_p < 1, jnp.min(kept, axis=-1), -jnp.inf)  # (rows,)
     logits = jnp.where(logits < cutoff[:, None], -jnp.inf, logits)
     sampled = jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
-    return jnp.where(temperature > 0, sampled, greedy)
+    ids = jnp.where(temperature > 0, sampled, greedy)  # (rows,)
+    drawn = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), sampled[:, None], axis=-1)
+    return Chosen(ids, jnp.where(temperature > 0, drawn[:, 0], 0.0))

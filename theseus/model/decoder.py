@@ -29,7 +29,7 @@ from jax.typing import DTypeLike
 
 from theseus.model.attention import NO_WINDOW, AttentionMask, AttentionOptions, attention
 from theseus.model.family import Context
-from theseus.model.head import logits, target_logps
+from theseus.model.head import logits, sampled_logps, target_logps
 from theseus.model.layers import dropout, fold_in
 from theseus.model.lora import LoraSpec, add_adapters
 from theseus.model.parts import Norm, arrays, weights
@@ -151,10 +151,12 @@ class Outputs:
 class TargetLogps:
     """What a forward pass scored against targets gives: float32 ``logps`` (batch, seq), each
     target's log-probability (computed in chunks: :func:`theseus.model.head.target_logps`),
-    and the routing statistics as in :class:`Outputs`."""
+    and the routing statistics as in :class:`Outputs`; ``entropies`` (batch, seq) of each
+    position's distribution where asked for (:meth:`DecoderModel.sampled_logps`)."""
 
     logps: jax.Array
     routing: Any = None
+    entropies: jax.Array | None = None
 
 
 @dataclass(frozen=True)
@@ -319,6 +321,28 @@ class DecoderModel(nnx.Module):
         table = w.table if w.head is None else w.head  # (vocab, n_embd)
         args = (sk.compute_dtype, sk.logit_softcap, chunk)
         return TargetLogps(target_logps(w.final_norm, table, x, targets, *args), routing)
+
+    def sampled_logps(
+        self,
+        tokens: jax.Array,
+        targets: jax.Array,
+        keys: jax.Array | None = None,
+        *,
+        chunk: int,
+        temperature: float,
+        deterministic: bool = True,
+        segments: jax.Array | None = None,
+        positions: jax.Array | None = None,
+    ) -> TargetLogps:
+        """:meth:`target_logps` under the logits over ``temperature`` (what RL samples from
+        and trains), with each position's entropy."""
+        w, sk = arrays(self.weights()), self.skeleton
+        keys = self.dropout_keys(keys, deterministic)
+        x, routing = stream(w, tokens, sk, keys, segments=segments, positions=positions)
+        table = w.table if w.head is None else w.head  # (vocab, n_embd)
+        args = (sk.compute_dtype, sk.logit_softcap, chunk, temperature)
+        scored = sampled_logps(w.final_norm, table, x, targets, *args)
+        return TargetLogps(scored.logps, routing, scored.entropies)
 
     def dropout_keys(self, keys: jax.Array | None, deterministic: bool) -> jax.Array | None:
         """The per-example dropout ``keys`` a forward pass uses: None when it applies no

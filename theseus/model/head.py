@@ -15,14 +15,18 @@ sequence's (each position's log-softmax reads its own logits only).
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 import optax
+from flax import struct
 
 from theseus.model.attention import soft_cap
 from theseus.model.layers import dense
+
+T = TypeVar("T")
 
 #: What one chunk's float32 logits may take per device by default (:func:`default_chunk`).
 CHUNK_LOGITS_BYTES = 256 * 2**20
@@ -62,24 +66,66 @@ def target_logps(
 ) -> jax.Array:
     """Float32 log-probabilities (batch, seq) of int ``targets`` (batch, seq) under the logits
     of the stream ``x`` (batch, seq, n_embd), ``chunk`` positions at a time (see the module
-    docstring): the full chunks in a scan, the positions left over (fewer than ``chunk``) in
-    one more call of the same rematerialised body."""
-    h = final_norm(x, compute_dtype)  # (batch, seq, n_embd)
-    batch, seq, width = h.shape
+    docstring)."""
 
     def chunk_logps(h_c: jax.Array, t_c: jax.Array) -> jax.Array:
         """(batch, c, n_embd) and (batch, c) in, (batch, c) out."""
         z = head_logits(h_c, table, softcap)  # (batch, c, vocab) float32
         return -optax.softmax_cross_entropy_with_integer_labels(z, t_c)
 
+    return _chunked(chunk_logps, final_norm(x, compute_dtype), targets, chunk)
+
+
+@struct.dataclass
+class SampledLogps:
+    """Per target (batch, seq) float32: its log-probability under the logits over a sampling
+    temperature, and the entropy of that distribution."""
+
+    logps: jax.Array
+    entropies: jax.Array
+
+
+def sampled_logps(
+    final_norm: Any,
+    table: jax.Array,
+    x: jax.Array,
+    targets: jax.Array,
+    compute_dtype: Any,
+    softcap: float | None,
+    chunk: int,
+    temperature: float,
+) -> SampledLogps:
+    """:func:`target_logps` of the logits divided by ``temperature`` (the distribution RL
+    samples from and trains, as TRL's ``GRPOTrainer`` computes it), with each position's
+    entropy; ``chunk`` positions at a time."""
+
+    def chunk_scores(h_c: jax.Array, t_c: jax.Array) -> SampledLogps:
+        """(batch, c, n_embd) and (batch, c) in, (batch, c) each out."""
+        z = head_logits(h_c, table, softcap) / temperature  # (batch, c, vocab) float32
+        log_p = jax.nn.log_softmax(z, axis=-1)  # (batch, c, vocab)
+        chosen = jnp.take_along_axis(log_p, t_c[..., None], axis=-1)[..., 0]  # (batch, c)
+        return SampledLogps(chosen, -jnp.sum(jnp.exp(log_p) * log_p, axis=-1))
+
+    return _chunked(chunk_scores, final_norm(x, compute_dtype), targets, chunk)
+
+
+def _chunked(
+    score: Callable[[jax.Array, jax.Array], T], h: jax.Array, targets: jax.Array, chunk: int
+) -> T:
+    """``score`` of the normed stream ``h`` (batch, seq, n_embd) and ``targets`` (batch, seq),
+    whose results are pytrees of (batch, c) arrays, ``chunk`` positions at a time: the full
+    chunks in a scan, the positions left over (fewer than ``chunk``) in one more call of the
+    same rematerialised body."""
+    batch, seq, width = h.shape
     if seq <= chunk:  # the last op of the forward, the first of the backward: nothing to save
-        return chunk_logps(h, targets)
-    remat = jax.checkpoint(chunk_logps)
+        return score(h, targets)
+    remat = jax.checkpoint(score)
     full = seq // chunk * chunk
     hs = h[:, :full].reshape(batch, -1, chunk, width).swapaxes(0, 1)  # (n, batch, c, width)
     ts = targets[:, :full].reshape(batch, -1, chunk).swapaxes(0, 1)  # (n, batch, c)
     _, out = jax.lax.scan(lambda _, xs: (None, remat(*xs)), None, (hs, ts))
-    logps = out.swapaxes(0, 1).reshape(batch, full)  # (batch, full)
+    scores = jax.tree.map(lambda o: o.swapaxes(0, 1).reshape(batch, full), out)  # (batch, full)
     if full == seq:
-        return logps
-    return jnp.concatenate([logps, remat(h[:, full:], targets[:, full:])], axis=1)
+        return scores
+    rest = remat(h[:, full:], targets[:, full:])
+    return jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=1), scores, rest)

@@ -4,8 +4,9 @@ each source's fixed held-out batches, and the global batch of each step, placed 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,49 @@ import numpy as np
 
 from theseus.data import Mixture, MixtureSampler, load_mixture
 from theseus.distributed.join import check_same_everywhere
+from theseus.training.state import TrainState, reference_of
 from theseus.training.trainer import BaseTrainer
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """A step's global batch (sharded) and what making it measured on the host (an RL
+    step's rewards and completion lengths; none for a corpus), for the step's row."""
+
+    rows: jax.Array
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Validated:
+    """A validation pass: the mean loss (None where the data has none: RL's held-out prompts
+    are scored by their rewards), each source's (None for one source), and the other metrics,
+    on the device or the host, not read yet."""
+
+    loss: jax.Array | None
+    by_source: dict[str, jax.Array] | None
+    means: dict[str, Any]
+
+
+class RunData(Protocol):
+    """What the training loop reads: the batch of each step and the held-out data's scores.
+    A corpus (:class:`CorpusData`) or RL's prompts and their rollouts."""
+
+    @property
+    def description(self) -> str: ...
+
+    @property
+    def tokenizer(self) -> Path | None: ...  # copied into the run (None: none)
+
+    def facts(self) -> dict[str, Any]: ...  # run.json's entries on the data
+
+    def batch_shape(self) -> tuple[int, ...]: ...  # (accumulation, examples, *row shape)
+
+    def prepared(self, params: Any, run_dir: Path) -> RunData: ...  # from the start's params
+
+    def batch(self, step: int, position: int, state: TrainState) -> StepBatch: ...
+
+    def validate(self, state: TrainState) -> Validated: ...
 
 
 def load_data(trainer: BaseTrainer) -> Mixture:
@@ -99,6 +142,56 @@ def train_batch(
         ),
         shape,
     )
+
+
+@dataclass(frozen=True)
+class CorpusData:
+    """A run's corpus (one ``data.path`` or a mixture) as the loop reads it: each step's batch
+    drawn by position (made while the step before runs: it needs no state), and the
+    validation loss of the held-out batches."""
+
+    trainer: BaseTrainer
+    mixture: Mixture
+    validation: Validation
+    sampler: MixtureSampler
+
+    @classmethod
+    def of(cls, trainer: BaseTrainer, mixture: Mixture | None = None) -> CorpusData:
+        """The run's data (loaded and checked when not given: an error writes nothing)."""
+        mixture = load_data(trainer) if mixture is None else mixture
+        config = trainer.config.training
+        sampler = mixture.sampler(trainer.batch_plan.seq_len, config.seed)
+        return cls(trainer, mixture, validation_array(trainer, mixture), sampler)
+
+    @property
+    def description(self) -> str:
+        return self.mixture.description
+
+    @property
+    def tokenizer(self) -> Path | None:
+        return self.mixture.tokenizer
+
+    def facts(self) -> dict[str, Any]:
+        return data_facts(self.trainer, self.mixture)
+
+    def batch_shape(self) -> tuple[int, ...]:
+        return batch_shape(self.trainer, self.mixture)
+
+    def prepared(self, params: Any, run_dir: Path) -> CorpusData:
+        """With what the loss needs from the starting ``params`` (a preference run's reference
+        log-probabilities), which the held-out rows carry too."""
+        mixture = self.trainer.with_reference(self.mixture, params, run_dir)
+        return self if mixture is self.mixture else CorpusData.of(self.trainer, mixture)
+
+    def batch(self, step: int, position: int, state: TrainState) -> StepBatch:
+        del step, state  # a corpus's batches follow from the position alone
+        return StepBatch(train_batch(self.trainer, self.sampler, position, self.batch_shape()))
+
+    def validate(self, state: TrainState) -> Validated:
+        loss, by_source, means = self.validation.losses(
+            self.trainer, state.params, reference_of(state)
+        )
+        return Validated(loss, by_source, means)
 
 
 def _rows_of(batches: np.ndarray) -> Callable[[slice], np.ndarray]:

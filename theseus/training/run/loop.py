@@ -14,19 +14,11 @@ from typing import Any
 import jax
 
 from theseus.checkpoint.checkpointer import Checkpointer
-from theseus.data import MixtureSampler
 from theseus.distributed.join import describe_processes, is_main_process, main_process_logger
 from theseus.training.flops import count_flops
 from theseus.training.run.checkpointing import checkpoint_meta, saved_state
 from theseus.training.run.dashboards import GuardedDashboard, keep_missed, missed_rows
-from theseus.training.run.data import (
-    Validation,
-    batch_shape,
-    data_facts,
-    load_data,
-    train_batch,
-    validation_array,
-)
+from theseus.training.run.data import CorpusData, RunData
 from theseus.training.run.metrics import MetricsWriter, Tracker
 from theseus.training.run.mode import NEW_RUN, RunMode
 from theseus.training.run.preemption import PreemptionWatch
@@ -36,7 +28,7 @@ from theseus.training.run.stops import NonFiniteGuard, Preempted
 from theseus.training.run.tensorboard import MISSED_FILE, TENSORBOARD_DIR, TensorBoardWriter
 from theseus.training.run.throughput import speedometer
 from theseus.training.run.wandb_writer import RUN_ID_FILE, open_wandb, require_wandb
-from theseus.training.state import TrainState, reference_of
+from theseus.training.state import TrainState
 from theseus.training.summary import one_line_plan
 from theseus.training.trainer import BaseTrainer
 
@@ -76,9 +68,12 @@ def train(
     *,
     mode: RunMode = NEW_RUN,
     evaluator: Evaluator | None = None,
+    data: RunData | None = None,
 ) -> RunSummary:
     """Train to ``training.steps``, writing run records, metrics and checkpoints to ``out_dir``;
     ``evaluator`` scores the parameters every ``evaluation.interval`` steps and at the last.
+    ``data``: what the steps read (default: the run's corpus, :class:`CorpusData`; RL's
+    prompts and their rollouts are another).
 
     With ``mode.resume``, continue from the newest good checkpoint there: same data position,
     RNG and optimizer state, so the losses equal those of an uninterrupted run. Settings that
@@ -93,12 +88,9 @@ def train(
     batch_plan = trainer.batch_plan
     require_wandb(config.logging.wandb)  # before anything is written
     trainer.check_backend()
-    corpus = load_data(trainer)
-    validation = validation_array(trainer, corpus)
+    data = CorpusData.of(trainer) if data is None else data
     with started(trainer, out_dir, mode) as (checkpointer, start):
-        with_reference = trainer.with_reference(corpus, start.state.params, out_dir)
-        if with_reference is not corpus:  # the held-out rows carry it too
-            corpus, validation = with_reference, validation_array(trainer, with_reference)
+        data = data.prepared(start.state.params, out_dir)
         logger.info(describe_processes())  # the run's first line
         for change in start.changes:
             logger.info(f"resuming with a changed setting: {change.describe()}")
@@ -109,26 +101,24 @@ def train(
         logger.info(
             f"model: {trainer.num_params:,} parameters ({num_trained(trainer):,} trained); "
             f"policy {trainer.policy.describe()}; "
-            f"mesh {trainer.topology.mesh_shape}; data {corpus.description}"
+            f"mesh {trainer.topology.mesh_shape}; data {data.description}"
         )
         compile_start = time.perf_counter()
-        shape = batch_shape(trainer, corpus)
-        compiled = trainer.compile(shape)  # once, ahead of time: the loop calls its executable
+        compiled = trainer.compile(
+            data.batch_shape()
+        )  # once, ahead of time: the loop calls its executable
         compile_time_s = time.perf_counter() - compile_start
         speed = speedometer(trainer, count_flops(trainer))
         write_run_record(
             trainer,
             out_dir,
-            corpus=corpus,
+            data=data,
             state=start.state,
             compiled=compiled,
             resumes=start.resumes,
-            data=data_facts(trainer, corpus),
             speed={"compile_time_s": compile_time_s, **speed.facts()},
         )
-        initial_val_loss, _, _ = validation.losses(
-            trainer, start.state.params, reference_of(start.state)
-        )
+        initial_val_loss = data.validate(start.state).loss
         guard = NonFiniteGuard(
             config.training.nonfinite,
             config.training.max_skipped_steps,
@@ -161,9 +151,7 @@ def train(
                 trainer,
                 step_fn=compiled.executable,
                 start=start,
-                sampler=corpus.sampler(batch_plan.seq_len, config.training.seed),
-                shape=shape,
-                validation=validation,
+                data=data,
                 checkpointer=checkpointer,
                 metrics=metrics,
                 preemption=preemption,
@@ -178,7 +166,7 @@ def train(
         steps=config.training.steps,
         first_loss=losses[0] if losses else float("nan"),
         final_loss=losses[-1] if losses else float("nan"),
-        initial_val_loss=float(initial_val_loss),
+        initial_val_loss=float("nan") if initial_val_loss is None else float(initial_val_loss),
         final_val_loss=val_losses[-1] if val_losses else None,
         seconds=seconds,
     )
@@ -189,16 +177,15 @@ def _steps(
     *,
     step_fn: Callable[[TrainState, jax.Array], tuple[TrainState, dict]],
     start: StartingPoint,
-    sampler: MixtureSampler,
-    shape: tuple[int, ...],
-    validation: Validation,
+    data: RunData,
     checkpointer: Checkpointer,
     metrics: MetricsWriter,
     preemption: PreemptionWatch,
     evaluator: Evaluator | None,
 ) -> None:
     """The hot loop: dispatch step n, record step n - 1 (already computed), then make step
-    n + 1's batch while step n runs.
+    n + 1's batch while step n runs (a batch that needs step n's state, an RL rollout, waits
+    for it).
 
     Validation and saves run with the metrics' clock paused, after step n - 1 is recorded, and
     the next batch is ready before the clock restarts, so each row times its own step. At a
@@ -208,21 +195,17 @@ def _steps(
     """
     training = trainer.config.training
     state, position = start.state, start.data_position
-    batch = train_batch(trainer, sampler, position, shape)
+    batch = data.batch(start.first_step, position, state)
     for step in range(start.first_step, training.steps + 1):
-        state, step_metrics = step_fn(state, batch)
-        metrics.push(step, step_metrics)
+        state, step_metrics = step_fn(state, batch.rows)
+        metrics.push(step, step_metrics, batch.metrics)
         position += trainer.batch_plan.global_batch_size
         last = step == training.steps
         if not last:
-            batch = train_batch(
-                trainer, sampler, position, shape
-            )  # the next step's, while this runs
+            batch = data.batch(step + 1, position, state)  # the next step's, while this runs
         if step % training.validation_interval == 0 or last:
             with metrics.paused():
-                metrics.add_validation(
-                    *validation.losses(trainer, state.params, reference_of(state))
-                )
+                metrics.add_validation(data.validate(state))
         if evaluator is not None and (step % trainer.config.evaluation.interval == 0 or last):
             with metrics.paused():
                 metrics.add_scores(_scores(evaluator, state.params, step))

@@ -15,6 +15,7 @@ from typing import IO, Any, Protocol
 import jax
 
 from theseus.distributed.join import is_main_process
+from theseus.training.run.data import Validated
 from theseus.training.run.progress import Reporter
 from theseus.training.run.throughput import Speedometer, StepClock
 from theseus.training.trainer import BaseTrainer
@@ -26,6 +27,7 @@ class PendingStep:
 
     step: int
     metrics: dict[str, jax.Array]
+    host: dict[str, float] = field(default_factory=dict)  # measured making the step's batch
 
 
 class Tracker(Protocol):
@@ -98,11 +100,14 @@ class MetricsWriter:
             if self._file is not None:
                 self._file.close()
 
-    def push(self, step: int, metrics: dict[str, jax.Array]) -> None:
-        """Hold step ``step``'s metrics; record the step before it. A step that has already
-        finished (XLA:CPU runs small programs inline, at dispatch) is read and timed now."""
+    def push(
+        self, step: int, metrics: dict[str, jax.Array], host: dict[str, float] | None = None
+    ) -> None:
+        """Hold step ``step``'s metrics (and what the host measured making its batch, ``host``);
+        record the step before it. A step that has already finished (XLA:CPU runs small
+        programs inline, at dispatch) is read and timed now."""
         self.flush()
-        self._pending = PendingStep(step, metrics)
+        self._pending = PendingStep(step, metrics, dict(host or {}))
         if all(leaf.is_ready() for leaf in jax.tree.leaves(metrics)):  # no wait
             self._held_row()
 
@@ -116,20 +121,17 @@ class MetricsWriter:
         finally:
             self._clock.restart()
 
-    def add_validation(
-        self,
-        val_loss: jax.Array,
-        by_source: dict[str, jax.Array] | None,
-        means: dict[str, jax.Array] | None = None,
-    ) -> None:
-        """Put the held step's validation losses in its row, and the loss's other validation
-        metrics prefixed ``val_`` as ``val_loss`` is (waits for them: call it inside
-        :meth:`paused`)."""
+    def add_validation(self, validated: Validated) -> None:
+        """Put the held step's validation loss (where the data has one) in its row, each
+        source's, and the other validation metrics prefixed ``val_`` as ``val_loss`` is (waits
+        for them: call it inside :meth:`paused`)."""
         row = self._held_row()
-        row["val_loss"] = float(val_loss)
-        row |= {f"val_{name}": float(value) for name, value in jax.device_get(means or {}).items()}
-        if by_source is not None:
-            by_source = jax.device_get(by_source)
+        if validated.loss is not None:
+            row["val_loss"] = float(validated.loss)
+        means = jax.device_get(validated.means)
+        row |= {f"val_{name}": float(value) for name, value in means.items()}
+        if validated.by_source is not None:
+            by_source = jax.device_get(validated.by_source)
             row["val_loss_by_source"] = {name: float(v) for name, v in by_source.items()}
 
     def add_scores(self, scores: dict[str, float] | None) -> None:
@@ -150,6 +152,7 @@ class MetricsWriter:
         metrics = jax.device_get(pending.metrics)
         row: dict[str, Any] = {"step": pending.step}
         row |= {k: _value(v) for k, v in metrics.items()}
+        row |= pending.host
         row["trained_tokens"] = int(row["trained_tokens"])  # targets that trained (masked: fewer)
         # device_get returned when the step finished
         row |= self.speed.rates(self._clock.lap(), row["trained_tokens"])

@@ -12,8 +12,8 @@ from pathlib import Path
 from theseus.accounting.memory import CompiledStep
 from theseus.accounting.records import as_json
 from theseus.config import save_yaml
-from theseus.data import Mixture
 from theseus.distributed.join import is_main_process
+from theseus.training.run.data import RunData
 from theseus.training.run.identity import job_of_trainer
 from theseus.training.state import TrainState
 from theseus.training.summary import layouts_text
@@ -24,12 +24,11 @@ def write_run_record(
     trainer: BaseTrainer,
     out_dir: Path,
     *,
-    corpus: Mixture,
+    data: RunData,
     state: TrainState,
     compiled: CompiledStep,
     resumes: list[dict],
     speed: dict,
-    data: dict,
 ) -> None:
     """``run.json``, ``config.yaml`` and ``layouts.txt`` (main process), from the trainer."""
     if not is_main_process():
@@ -45,14 +44,14 @@ def write_run_record(
             "measured": as_json(trainer.measured_memory(state)),
         },
         "compiled_step_memory_per_device": as_json(compiled),
-        "data": corpus.description,
-        **data,
+        "data": data.description,
+        **data.facts(),
         "resumes": resumes,
     }
     (out_dir / "run.json").write_text(json.dumps(record, indent=2) + "\n")
     save_yaml(trainer.config, out_dir / "config.yaml")
-    if corpus.tokenizer is not None:  # `theseus generate` decodes with the run's own copy
-        shutil.copyfile(corpus.tokenizer, out_dir / "tokenizer.json")
+    if data.tokenizer is not None:  # `theseus generate` decodes with the run's own copy
+        shutil.copyfile(data.tokenizer, out_dir / "tokenizer.json")
     (out_dir / "layouts.txt").write_text(layouts_text(trainer) + "\n")
 
 
