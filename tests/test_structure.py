@@ -22,7 +22,7 @@ LAYERS = [
     ["data"],
     ["tokenization"],
     ["model"],
-    ["training"],
+    ["training", "posttraining"],
     ["training.run"],
     ["jobs", "plot"],
     ["inference", "hf"],
