@@ -26,6 +26,7 @@ LAYERS = [
     ["training.run"],
     ["jobs", "plot"],
     ["inference", "hf"],
+    ["posttraining"],
     ["plan"],
     ["execution"],
     ["cli", "__main__"],

@@ -1,0 +1,1 @@
+"""Post-training objectives: online RL with verifiable rewards (GRPO and its family)."""
