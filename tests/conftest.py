@@ -106,6 +106,7 @@ SHARED_GROUPS = {
     "test_harness": "huggingface",
     "test_moe_hf": "huggingface",
     "test_moe_lora": "huggingface",
+    "test_rl_rewards": "huggingface",  # its transformers reference needs the group's torch
 }
 FIRST = (
     "test_multiprocess",

@@ -33,6 +33,7 @@ LAYERS = [
     ["posttraining"],
     ["jobs", "plot"],
     ["inference", "hf"],
+    ["posttraining"],
     ["plan"],
     ["execution"],
     ["cli", "__main__"],

@@ -20,7 +20,7 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 PIECE_BYTES = 2**20  # a text document is read in pieces of whole lines of about this size
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
@@ -234,6 +234,19 @@ def json_value(line: bytes, where: str) -> object:
         return json.loads(line)
     except ValueError as error:
         raise ValueError(f"{where}, is not valid JSON ({error}); fix or remove that line") from None
+
+
+def parquet_rows(
+    item: InputFile, *, columns: list[str] | None = None
+) -> Iterator[tuple[dict[str, Any], str]]:
+    """Each row of a Parquet file as a dict of ``columns`` (all when None) and where it is."""
+    import pyarrow.parquet as pq
+
+    parquet = pq.ParquetFile(item.path)
+    for group in range(parquet.num_row_groups):
+        rows = parquet.read_row_group(group, columns=columns).to_pylist()
+        for row, record in enumerate(rows):
+            yield record, f"{item.path}, row group {group}, row {row}"
 
 
 def _parquet_texts(item: InputFile, text_field: str) -> Iterator[str]:

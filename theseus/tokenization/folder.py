@@ -50,6 +50,20 @@ SPECIAL_TOKEN_NAMES = (
     "cls_token",
     "mask_token",
 )
+# transformers' clean_up_tokenization: spaces before punctuation and contractions removed.
+_CLEAN_UP = (
+    (" .", "."),
+    (" ?", "?"),
+    (" !", "!"),
+    (" ,", ","),
+    (" ' ", "'"),
+    (" n't", "n't"),
+    (" 'm", "'m"),
+    (" 's", "'s"),
+    (" 've", "'ve"),
+    (" 're", "'re"),
+)
+_CLEAN_UP_BPE = "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"
 EOS_TOKEN = "<|endoftext|>"  # the end-of-text token of tokenizers theseus trains
 # End-of-text tokens of common tokenizers, looked for (in this order) in one without configuration.
 EOS_CANDIDATES = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "<|im_end|>")
@@ -163,6 +177,27 @@ class TokenizerFolder:
                 "token id or a list of them"
             )
         return tuple(dict.fromkeys(ids))
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool) -> str:
+        """The text of ``ids`` as transformers' ``decode`` (and ``batch_decode``) gives it: the
+        tokenizer's decoding, then ``clean_up_tokenization_spaces`` when
+        ``tokenizer_config.json`` sets it, which transformers 5 skips for a BPE model (it would
+        remove spaces the text has) unless the configuration insists."""
+        text = self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        config = self._settings
+        insists = config.get(_CLEAN_UP_BPE, False)
+        if config.get("clean_up_tokenization_spaces", False) and (
+            type(self.tokenizer.model).__name__ != "BPE" or insists
+        ):
+            for spaced, joined in _CLEAN_UP:
+                text = text.replace(spaced, joined)
+        return text
+
+    @functools.cached_property
+    def _settings(self) -> dict[str, Any]:
+        """``tokenizer_config.json`` (empty when the folder lacks it), read once: decoding
+        reads its flags for every text."""
+        return self._json(TOKENIZER_CONFIG_FILE) or {}
 
     def chat_template(self, template_file: str | os.PathLike | None = None):
         """The folder's :class:`~theseus.tokenization.chat.template.ChatTemplate`

@@ -22,6 +22,7 @@ from theseus.data.readers import (
     json_value,
     jsonl_lines,
     list_inputs,
+    parquet_rows,
     walk_sorted,
 )
 
@@ -184,8 +185,7 @@ def _raw_records(item: InputFile) -> Iterator[tuple[object, str]]:
     if item.kind == "parquet":
         import pyarrow.parquet as pq
 
-        parquet = pq.ParquetFile(item.path)
-        names = parquet.schema_arrow.names
+        names = pq.ParquetFile(item.path).schema_arrow.names
         columns = [c for c in RECORD_FIELDS if c in names]
         if not columns:
             raise ValueError(
@@ -193,10 +193,7 @@ def _raw_records(item: InputFile) -> Iterator[tuple[object, str]]:
                 f"'chosen' and 'rejected'; its columns: {', '.join(names)}); give it the "
                 "conversations or preference pairs"
             )
-        for group in range(parquet.num_row_groups):
-            rows = parquet.read_row_group(group, columns=columns).to_pylist()
-            for row, record in enumerate(rows):
-                yield record, f"{item.path}, row group {group}, row {row}"
+        yield from parquet_rows(item, columns=columns)
         return
     for line, number in jsonl_lines(item):
         yield line, f"{item.path}, line {number}"
