@@ -60,6 +60,8 @@ def make_prompts(path: Path, count: int, seed: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--generations", type=int, default=16)
     parser.add_argument("--work", type=Path, default=None)
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="rl_learns_"))
@@ -70,12 +72,12 @@ def main() -> None:
     command = [
         sys.executable, "-m", "theseus", "train", "--job", "gpt/train/rl", "--out", str(run),
         "--overwrite", "data.path=prompts.jsonl", "rl.tokenizer=tokenizer",
-        "rl.rewards=[rewards.py:modular_sum]", "rl.num_generations=8",
+        "rl.rewards=[rewards.py:modular_sum]", f"rl.num_generations={args.generations}",
         "rl.max_completion_length=3", "model.vocab_size=14", "model.n_layer=2",
         "model.n_embd=64", "model.n_head=4", "model.block_size=8", "training.seq_len=7",
-        "training.batch_size=64", "training.per_device_batch_size=64",
+        "training.batch_size=128", "training.per_device_batch_size=128",
         f"training.steps={args.steps}", "training.validation_interval=25",
-        "optimization.learning_rate=3e-3", "optimization.warmup_steps=5",
+        f"optimization.learning_rate={args.learning_rate}", "optimization.warmup_steps=5",
         "optimization.weight_decay=0.0", "data.validation_fraction=0.1",
         "checkpointing.interval=1000", "logging.progress_bar=false",
     ]  # fmt: skip
@@ -99,7 +101,7 @@ def main() -> None:
     except ImportError:
         return
     figure, axes = plt.subplots(figsize=(6, 3.5))
-    axes.plot(*zip(*curve, strict=True), label="train (each step's 64 completions)")
+    axes.plot(*zip(*curve, strict=True), label="train (each step's 128 completions)")
     axes.plot(*zip(*held, strict=True), "o-", label="held-out prompts")
     axes.set(xlabel="step", ylabel="mean reward", ylim=(-0.02, 1.02))
     axes.legend()

@@ -33,7 +33,6 @@ LAYERS = [
     ["posttraining"],
     ["jobs", "plot"],
     ["inference", "hf"],
-    ["posttraining"],
     ["plan"],
     ["execution"],
     ["cli", "__main__"],
