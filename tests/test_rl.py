@@ -44,7 +44,7 @@ SETTINGS = (
     "model.num_layers=2",
     "model.num_heads=4",
     "model.num_kv_heads=2",
-    "model.head_dim=6",
+    "model.head_dim=8",
     "model.max_position_embeddings=16",
     "training.seq_len=13",
     "training.batch_size=16",
@@ -122,9 +122,7 @@ LAYOUTS = [  # (policy, per-device batch): 16 completions, accumulation 2 under 
 ]
 
 
-@pytest.mark.parametrize(
-    ("policy", "per_device"), LAYOUTS, ids=[policy_id(p) for p, _ in LAYOUTS]
-)
+@pytest.mark.parametrize(("policy", "per_device"), LAYOUTS, ids=[policy_id(p) for p, _ in LAYOUTS])
 def test_every_layout_draws_the_same_completions(prompts, reference, tmp_path, policy, per_device):
     """DP, ZeRO, FSDP, tp=2 + FSDP with accumulation 2 and tp=4 + FSDP on 8 devices draw one
     device's completions token for token (a generation batch trained twice, rl.num_iterations=2,
@@ -143,7 +141,9 @@ def test_every_layout_draws_the_same_completions(prompts, reference, tmp_path, p
 def test_the_run_keeps_its_rollouts_and_trl_metrics(reference):
     """Every generation batch is in rollouts/<first step>.jsonl, one completion a line; the rows
     carry TRL's metric names; a second step on the same batch has ratios away from 1."""
-    lines = [json.loads(line) for line in (reference / "rollouts" / "1.jsonl").read_text().splitlines()]
+    lines = [
+        json.loads(line) for line in (reference / "rollouts" / "1.jsonl").read_text().splitlines()
+    ]
     assert len(lines) == 16
     first = lines[0]
     assert set(first) == {
@@ -154,7 +154,9 @@ def test_the_run_keeps_its_rollouts_and_trl_metrics(reference):
         ids = line["completion_ids"]
         assert END not in ids[:-1] and len(ids) <= 6  # cut after the first end token
         assert len(line["logps"]) == len(ids) == len(line["old_logps"])
-        assert line["completion"] == "".join(str(i) if i < 10 else "+="[i - 10] for i in ids if i < END)
+        assert line["completion"] == "".join(
+            str(i) if i < 10 else "+="[i - 10] for i in ids if i < END
+        )
     rows = read_metrics(reference)
     for name in (
         "reward", "reward_std", "rewards/modular_sum/mean", "rewards/modular_sum/std",
@@ -192,7 +194,7 @@ def test_bad_input_is_one_paragraph_and_exit_2(prompts, tmp_path):
         out = tmp_path / "run"
         result = invoke(
             "train", "--job", JOB, "--out", out, *rl_settings(prompts, *more),
-            "training.per_device_batch_size=16",
+            "training.per_device_batch_size=2",
         )  # fmt: skip
         assert result.exit_code == 2, result.output
         assert fragment in result.output and "Traceback" not in result.output, result.output

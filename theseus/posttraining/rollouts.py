@@ -249,7 +249,9 @@ class RolloutData:
             sampling=self.sampling,
             seed=seed,
             num_samples=trainer.rl.num_generations,
-            num_valid=self.codec.vocab_size,
+            # Every id of the model's vocabulary, as transformers' generate and the training
+            # log-probabilities have it (ids the tokenizer lacks decode to nothing).
+            num_valid=self.generator.decoder.vocab_size,
             width=trainer.prompt_width,
             stop=(lambda ids: bool(np.isin(ids, end).any(axis=1).all())) if end.size else None,
         )

@@ -45,8 +45,7 @@ class RLTrainer(FamilyTrainer):
     """A family's trainer on completion rows (subclassed per family: :func:`rl_trainer_class`)."""
 
     def __init__(self, config: TrainerConfig, policy, topology=None):
-        super().__init__(config, policy, topology)
-        rl, batch = self.rl, self.config.training.batch_size
+        rl, batch = config.rl, config.training.batch_size  # type: ignore[attr-defined]
         if batch % rl.num_generations:
             raise ValueError(
                 f"training.batch_size={batch} counts completions and must be a multiple of "
@@ -54,6 +53,7 @@ class RLTrainer(FamilyTrainer):
                 f"set training.batch_size to a multiple, e.g. "
                 f"{max(1, batch // rl.num_generations) * rl.num_generations}"
             )
+        super().__init__(config, policy, topology)
         if self.prompt_width < 1:
             raise ValueError(
                 f"rl.max_completion_length={rl.max_completion_length} leaves no room for a prompt "
