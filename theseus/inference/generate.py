@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +42,21 @@ logger = logging.getLogger(__name__)
 #: How often (in new tokens) ``Generator.generate_ids`` asks its ``stop`` whether to end: each
 #: question waits for the device, so it is not asked at every token.
 STOP_EVERY = 8
+
+
+class GenerationOptions(TypedDict, total=False):
+    """The keywords :func:`generate` and :func:`theseus.inference.chat.generate_chat` share,
+    with :func:`generate`'s meanings (``theseus generate`` passes them to either)."""
+
+    max_new_tokens: int
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    seed: int
+    tokenizer: str | Path | None
+    policy_changes: dict[str, Any] | None
+    job: str | None
+    base: str | Path | None
 
 
 @dataclass(frozen=True)
