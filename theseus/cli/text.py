@@ -176,7 +176,7 @@ def tokenize(
 
 @layout_options
 def generate(
-    run_dir: Annotated[Path, typer.Argument(help="run directory of `theseus train` (--out)")],
+    run_dir: Annotated[Path, typer.Argument(help="run directory (trained or imported)")],
     prompt: Annotated[
         list[str] | None, typer.Option(help="a prompt to complete (repeatable)")
     ] = None,
