@@ -1,6 +1,7 @@
 """The command line: bad input gets one paragraph, exit status 2, and loses no file; a run killed
 with SIGKILL and preempted with SIGTERM resumes and matches an uninterrupted run."""
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -100,6 +101,21 @@ def test_jobs_lists_registered_jobs():
     result = invoke("jobs")
     assert result.exit_code == 0
     assert "gpt/train/pretrain" in result.output and "gpt/evaluate" in result.output
+
+
+def test_import_hf_help_names_the_registered_families(monkeypatch):
+    """import-hf reads every registered family: its help lists them from the registry, each
+    with the Hugging Face model types it reads, a family registered later included."""
+    import theseus.jobs
+
+    mine = dataclasses.replace(theseus.jobs.families()["llama"], name="mine")
+    monkeypatch.setitem(theseus.jobs._FAMILIES, "mine", mine)
+    result = invoke("import-hf", "--help")
+    assert result.exit_code == 0, result.output
+    words = " ".join(result.output.split())
+    for name, registered in theseus.jobs.families().items():
+        assert f"{name}: {', '.join(registered.family.hf.model_types)}" in words, words
+    assert "mine: llama, mistral, qwen2, qwen3" in words
 
 
 def test_missing_and_empty_data_path(tmp_path):

@@ -350,3 +350,105 @@ def test_the_skeleton_has_fewer_fields_than_the_eighteen_before_typed_weights():
     (skeleton,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Skeleton"]
     fields = [n.target.id for n in skeleton.body if isinstance(n, ast.AnnAssign)]
     assert 5 <= len(fields) < 18, fields
+
+
+# Typed to the end: what training code passes around (a trainer, its config, a model or its
+# section) has its type, never `Any`, and what code reads of one is declared on its type, never
+# probed with a fallback (`getattr(model, "dropout", 0.0)`: a renamed field reads the fallback).
+TYPED_NAME = re.compile(r"(^|_)(trainer|model|config)(_|$)")  # trainer, base_model, config_class
+
+
+def is_any(annotation: ast.expr) -> bool:
+    """``Any`` itself, or one member of a union (``Any | None``, ``Optional[Any]``)."""
+    if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
+        annotation = ast.parse(annotation.value, mode="eval").body
+    if isinstance(annotation, ast.BinOp) and isinstance(annotation.op, ast.BitOr):
+        return is_any(annotation.left) or is_any(annotation.right)
+    if isinstance(annotation, ast.Subscript) and ast.unparse(annotation.value) in (
+        "Optional",
+        "typing.Optional",
+    ):
+        return is_any(annotation.slice)
+    return ast.unparse(annotation) in ("Any", "typing.Any")
+
+
+def last_name(node: ast.AST) -> str:
+    """The name ``x`` or ``a.b.x`` ends with ("" for anything else)."""
+    return node.id if isinstance(node, ast.Name) else getattr(node, "attr", "")
+
+
+def untyped_names(nodes: list[ast.AST]) -> list[str]:
+    """``line: name: annotation`` of each parameter and annotated name or attribute among
+    ``nodes`` named like a trainer, model or config whose annotation is ``Any``."""
+    found = []
+    for node in nodes:
+        if isinstance(node, ast.arg):
+            name, annotation = node.arg, node.annotation
+        elif isinstance(node, ast.AnnAssign):
+            name, annotation = last_name(node.target), node.annotation
+        else:
+            continue
+        if annotation is not None and TYPED_NAME.search(name) and is_any(annotation):
+            found.append(f"{node.lineno}: {name}: {ast.unparse(annotation)}")
+    return found
+
+
+def probed_reads(nodes: list[ast.AST]) -> list[str]:
+    """``line: code`` of each ``getattr(x, name, default)`` among ``nodes`` whose ``x`` (a
+    name, or an attribute's last name) is named like a trainer, model or config."""
+    found = []
+    for node in nodes:
+        if not (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "getattr"
+            and len(node.args) == 3
+        ):
+            continue
+        if TYPED_NAME.search(last_name(node.args[0])):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_finders_find_untyped_trainers_and_probed_models():
+    old = (
+        "def job_of_trainer(trainer: Any) -> str: ...\n"
+        "def open_wandb(config: 'Any | None', out_dir: Path): ...\n"
+        "class TrainerConfig(Section):\n"
+        "    if TYPE_CHECKING:\n"
+        "        model: Any = None\n"
+        "def kernel(self, base_trainer: Optional[Any], *, model_config: typing.Any): ...\n"
+        "def f(self):\n"
+        "    self.reference_model: Any = None\n"
+        "    return getattr(model, 'dropout', 0.0), getattr(self.config.model, 'x', None)\n"
+        "def g(trainer_class):\n"
+        "    return getattr(trainer_class, 'family', None)\n"
+    )
+    nodes = list(ast.walk(ast.parse(old)))
+    assert len(untyped_names(nodes)) == 6, untyped_names(nodes)
+    assert len(probed_reads(nodes)) == 3, probed_reads(nodes)
+    fine = (
+        "def f(trainer: BaseTrainer, params: Any, model: nnx.Module, hf: dict[str, Any]):\n"
+        "    config: TrainerConfig = trainer.config\n"
+        "    return getattr(trainer.layouts, name), getattr(leaf, 'sharding', None)\n"
+    )
+    nodes = list(ast.walk(ast.parse(fine)))
+    assert untyped_names(nodes) == [] and probed_reads(nodes) == []
+
+
+def test_training_code_types_its_trainers_models_and_configs():
+    found = {
+        name: hits
+        for name, path in sorted(MODULES.items())
+        if within(name, "training") and (hits := untyped_names(nodes_of(path)))
+    }
+    assert not found, f"give these their types (BaseTrainer, TrainerConfig, ...): {found}"
+
+
+def test_no_code_reads_a_model_or_config_with_a_fallback():
+    found = {
+        name: hits
+        for name, path in sorted(MODULES.items())
+        if (hits := probed_reads(nodes_of(path)))
+    }
+    assert not found, f"declare what is read on the type and read it by attribute: {found}"

@@ -201,8 +201,9 @@ def families() -> dict[str, RegisteredFamily]:
 def family_of(trainer_class: type[BaseTrainer]) -> RegisteredFamily | None:
     """The registered family whose model ``trainer_class`` trains (a subclass of a family's
     trainer too), or None for a trainer of its own model."""
-    family = getattr(trainer_class, "family", None)
-    return next((f for f in _FAMILIES.values() if f.family is family), None)
+    if not issubclass(trainer_class, FamilyTrainer):
+        return None
+    return next((f for f in _FAMILIES.values() if f.family is trainer_class.family), None)
 
 
 for _module in BUILTIN_FAMILIES:

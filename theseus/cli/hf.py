@@ -3,10 +3,12 @@ Registered by :mod:`theseus.cli.app`."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+from typer.core import TyperCommand
 
 from theseus.cli.options import (
     BaseRun,
@@ -24,6 +26,27 @@ from theseus.cli.options import (
 )
 
 
+class ListsFamilies(TyperCommand):
+    """A command whose ``--help`` ends with the registered families and the Hugging Face model
+    types each reads (``config.json``'s ``model_type``), asked of the registry only when that
+    help is shown: the registry loads JAX, which ``theseus --help`` never does."""
+
+    # (ctx, formatter): typer's own copy of click's types, which it does not export
+    def format_help(self, *args: Any, **kwargs: Any) -> None:
+        from theseus.jobs import families
+
+        listed = "; ".join(
+            f"{name}: {', '.join(registered.family.hf.model_types)}"
+            for name, registered in families().items()
+        )
+        shown = copy.copy(self)
+        shown.help = (
+            f"{self.help}\n\nThe registered families and the Hugging Face model types "
+            f"(config.json's model_type) each reads: {listed}."
+        )
+        TyperCommand.format_help(shown, *args, **kwargs)
+
+
 @process_options
 @layout_options
 def import_hf(
@@ -35,7 +58,7 @@ def import_hf(
     *,
     process: ProcessFlags,
 ) -> None:
-    """Import a Llama, Mistral, Qwen2, Qwen3 or GPT-2 checkpoint as a run directory.
+    """Import a Hugging Face checkpoint of a registered model family as a run directory.
 
     The weights are streamed into the storage layout of the given policy and the tokenizer files
     copied. In a multi-process job (`theseus launch`, --coordinator) each process reads only its

@@ -7,13 +7,15 @@ from typing import Annotated
 import typer
 
 from theseus.cli.options import user_errors
+from theseus.distributed.launch import LAUNCHABLE
 
 
 def launch(
     command: Annotated[
         list[str],
         typer.Argument(
-            help="after --, the theseus command every process runs: train ... or run ...",
+            help="after --, the theseus command every process runs: "
+            + ", ".join(f"{name} ..." for name in LAUNCHABLE),
             show_default=False,
         ),
     ],

@@ -27,7 +27,7 @@ from theseus.training.run.mode import RunMode
 Overrides = Annotated[
     list[str] | None,
     typer.Argument(
-        help="dotted config overrides, e.g. training.batch_size=16 model.n_layer=2",
+        help="dotted config overrides, e.g. training.batch_size=16 training.seq_len=64",
         show_default=False,
     ),
 ]
@@ -70,7 +70,10 @@ AllowChanges = Annotated[
     bool, typer.Option("--allow-changes", help="with --resume: accept settings that change numbers")
 ]
 Overwrite = Annotated[
-    bool, typer.Option("--overwrite", help="replace a previous run in the output directory")
+    bool,
+    typer.Option(
+        "--overwrite", help="replace what an earlier command wrote in the output directory"
+    ),
 ]
 Coordinator = Annotated[
     str | None,

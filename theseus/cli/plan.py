@@ -26,7 +26,8 @@ def plan_command(
         list[str] | None,
         typer.Argument(
             help=f"optional JOB (a registered job, default {DEFAULT_JOB}) or CONFIG.yaml (a "
-            "chain from `theseus configure`, or a GPT config), then dotted config overrides",
+            f"chain from `theseus configure`, or a config of {DEFAULT_JOB}), then dotted config "
+            "overrides",
             show_default=False,
         ),
     ] = None,
@@ -178,7 +179,7 @@ def hf_source(path: Path, job: str | None) -> PlanSource:
 
 def plan_source(source: str) -> PlanSource:
     """The source of ``theseus plan SOURCE``: a registered job, a chain YAML (its first step and
-    its policy) or a GPT config YAML."""
+    its policy) or a config YAML of the default job."""
     from theseus.config import read_yaml, validate
     from theseus.execution import Chain
     from theseus.jobs import get_job

@@ -176,7 +176,7 @@ def tokenize(
 
 @layout_options
 def generate(
-    run_dir: Annotated[Path, typer.Argument(help="run directory of `theseus train` (--out)")],
+    run_dir: Annotated[Path, typer.Argument(help="run directory (trained or imported)")],
     prompt: Annotated[
         list[str] | None, typer.Option(help="a prompt to complete (repeatable)")
     ] = None,
@@ -230,81 +230,64 @@ def generate(
     use_cpu_devices(cpu_devices)
     import json
 
-    if chat or messages is not None:
-        with user_errors():
-            if prompt or prompt_ids or prompt_file is not None or num_samples != 1:
-                raise ValueError(
-                    "--chat and --messages reply to conversations; drop --prompt, --prompt-ids, "
-                    "--prompt-file and --num-samples"
-                )
-            conversations = [[{"role": "user", "content": text}] for text in chat or []]
-            if messages is not None:
-                conversations += _conversations(messages)
-            import_modules(imports)
-            from theseus.inference.chat import generate_chat
-
-            replies = generate_chat(
-                run_dir,
-                conversations,
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                seed=seed,
-                tokenizer=tokenizer,
-                policy_changes=sharding,
-                job=job,
-                base=base,
-            )
-        if json_output:
-            from theseus.accounting.records import as_json
-
-            typer.echo(json.dumps(as_json(replies), indent=2))
-            return
-        for number, reply in enumerate(replies.replies):
-            if len(replies.replies) > 1:
-                typer.echo(f"--- conversation {number}", err=True)
-            typer.echo(reply.reply)
-        return
+    chatting = bool(chat) or messages is not None
     with user_errors():
+        if chatting and (prompt or prompt_ids or prompt_file is not None or num_samples != 1):
+            raise ValueError(
+                "--chat and --messages reply to conversations; drop --prompt, --prompt-ids, "
+                "--prompt-file and --num-samples"
+            )
+        conversations = [[{"role": "user", "content": text}] for text in chat or []]
+        if messages is not None:
+            conversations += _conversations(messages)
         prompts: list = list(prompt or [])
         prompts += [_token_ids(text) for text in prompt_ids or []]
         if prompt_file is not None:
             lines = prompt_file.read_text().splitlines()
             prompts += [line for line in lines if line.strip()]
         import_modules(imports)
+        from theseus.inference import Generation
         from theseus.inference import generate as generate_text
+        from theseus.inference.chat import ChatGeneration, generate_chat
+        from theseus.inference.generate import GenerationOptions
 
-        result = generate_text(
-            run_dir,
-            prompts,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            seed=seed,
-            num_samples=num_samples,
-            tokenizer=tokenizer,
-            policy_changes=sharding,
-            job=job,
-            base=base,
+        options: GenerationOptions = {
+            "max_new_tokens": max_new_tokens,
+            "temperature": temperature,
+            "top_k": top_k,
+            "top_p": top_p,
+            "seed": seed,
+            "tokenizer": tokenizer,
+            "policy_changes": sharding,
+            "job": job,
+            "base": base,
+        }
+        result: Generation | ChatGeneration = (
+            generate_chat(run_dir, conversations, **options)
+            if chatting
+            else generate_text(run_dir, prompts, num_samples=num_samples, **options)
         )
     if json_output:
         from theseus.accounting.records import as_json
 
         typer.echo(json.dumps(as_json(result), indent=2))
-        return
-    by_ids = len(prompt or [])  # prompts from this index on were given as token ids
-    for row, item in enumerate(result.completions):
-        typer.echo(f"--- prompt {item.prompt!r}, sample {item.sample}")
-        typer.echo(item.prompt + item.completion)
-        if by_ids <= row // num_samples < by_ids + len(prompt_ids or []):
-            typer.echo(f"--- token ids {item.prompt_ids} + {item.token_ids}")
-    typer.echo(
-        f"--- {result.new_tokens} new tokens per sample, {result.tokens_per_s:,.0f} tokens/s, "
-        f"checkpoint step {result.checkpoint_step}, {result.policy}",
-        err=True,
-    )
+    elif isinstance(result, ChatGeneration):
+        for number, reply in enumerate(result.replies):
+            if len(result.replies) > 1:
+                typer.echo(f"--- conversation {number}", err=True)
+            typer.echo(reply.reply)
+    else:
+        by_ids = len(prompt or [])  # prompts from this index on were given as token ids
+        for row, item in enumerate(result.completions):
+            typer.echo(f"--- prompt {item.prompt!r}, sample {item.sample}")
+            typer.echo(item.prompt + item.completion)
+            if by_ids <= row // num_samples < by_ids + len(prompt_ids or []):
+                typer.echo(f"--- token ids {item.prompt_ids} + {item.token_ids}")
+        typer.echo(
+            f"--- {result.new_tokens} new tokens per sample, {result.tokens_per_s:,.0f} "
+            f"tokens/s, checkpoint step {result.checkpoint_step}, {result.policy}",
+            err=True,
+        )
 
 
 def _conversations(path: Path) -> list:

@@ -42,8 +42,8 @@ def train(
     job: Annotated[
         str | None,
         typer.Option(
-            help="registered job: a training job, or an evaluate job (gpt/evaluate, "
-            "llama/evaluate) that scores the run in --out with that run's config [default: "
+            help="registered job (`theseus jobs` lists them): a training job, or an evaluate "
+            "job (FAMILY/evaluate) that scores the run in --out with that run's config [default: "
             f"the --init-from run's job, with --resume the run's, with --hf the model's "
             f"family's training job, else "
             f"{DEFAULT_JOB}]",
@@ -76,7 +76,7 @@ def train(
     *,
     flags: JobFlags,
 ) -> None:
-    """Train a job, or evaluate the run in --out (--job llama/evaluate).
+    """Train a job, or evaluate the run in --out (--job FAMILY/evaluate).
 
     The default job trains a GPT on built-in data unless data.path is given.
     """

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import jax
 import numpy as np
@@ -21,6 +21,21 @@ from theseus.inference.codec import Codec, resolve_codec
 from theseus.inference.generator import Generator, check_prompt_ids
 from theseus.inference.logits import load_run
 from theseus.inference.sampling import Sampling
+
+
+class GenerationOptions(TypedDict, total=False):
+    """The keywords :func:`generate` and :func:`theseus.inference.chat.generate_chat` share,
+    with :func:`generate`'s meanings (``theseus generate`` passes them to either)."""
+
+    max_new_tokens: int
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    seed: int
+    tokenizer: str | Path | None
+    policy_changes: dict[str, Any] | None
+    job: str | None
+    base: str | Path | None
 
 
 @dataclass(frozen=True)

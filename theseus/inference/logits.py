@@ -158,8 +158,13 @@ def logits(
         base=base,
     )
     trainer = loaded.trainer
-    vocab = trainer.config.model.vocab_size
-    ids = check_token_ids(token_ids, vocab)
+    decoder = trainer.decoder()
+    if decoder is None:
+        raise TypeError(
+            f"{type(trainer).__name__} has no vocabulary to check token ids against: its "
+            "decoder() returns None; override it (theseus.model.decode.Decoder)"
+        )
+    ids = check_token_ids(token_ids, decoder.vocab_size)
     rows, seq = ids.shape
     replicas = trainer.topology.replicas
     padded = np.zeros((math.ceil(rows / replicas) * replicas, seq), np.int32)

@@ -75,7 +75,7 @@ class Scorer:
                 "context length is unknown; override it (theseus.model.decode.Decoder)"
             )
         self.context_len = decoder.context_len
-        self.vocab_size = trainer.config.model.vocab_size
+        self.vocab_size = decoder.vocab_size
         self.rows = rows_per_replica * trainer.topology.replicas
         self.widths = bucket_widths(self.context_len)
         self._programs = ProgramCache(trainer.topology.device_mesh)  # by width

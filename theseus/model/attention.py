@@ -113,7 +113,8 @@ class AttentionOptions:
 class AttentionConfig(Section):
     """The attention settings of every family's model section: ``attention``, the kernel
     (:data:`Kernel`), and with ``attention_block_q`` and ``attention_block_k`` the blockwise
-    kernel's block sizes (None: the backend's default)."""
+    kernel's block sizes (None: the backend's default); :attr:`attention_dropout`, the rate of
+    dropout on the attention probabilities in training, which a family with dropout declares."""
 
     attention: Kernel = pydantic.Field(
         "auto",
@@ -126,6 +127,12 @@ class AttentionConfig(Section):
     attention_block_k: pydantic.StrictInt | None = pydantic.Field(
         None, gt=0, description="blockwise attention: keys per block; None: backend default"
     )
+
+    @property
+    def attention_dropout(self) -> float:
+        """The dropout rate on the attention probabilities in training: none, unless the family
+        has a dropout setting (GPT's ``dropout``), whose rate it is."""
+        return 0.0
 
     @property
     def attention_options(self) -> AttentionOptions:

@@ -12,7 +12,7 @@ from typing import Any
 from flax import nnx
 
 from theseus.accounting.activations import DecoderShape
-from theseus.config import Section
+from theseus.model.attention import AttentionConfig
 from theseus.model.decode import Decoder
 from theseus.sharding.axis import ShardingPlan
 
@@ -176,7 +176,7 @@ class Family:
 
     name: str
     trainer_name: str
-    config_class: type[Section]
+    config_class: type[AttentionConfig]
     model_class: Callable[..., nnx.Module]
     plan: ShardingPlan
     context: Callable[[Any], Context]

@@ -4,7 +4,7 @@ into :class:`~theseus.training.trainer.BaseTrainer`. The registry makes one subc
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +14,7 @@ from flax import nnx
 from theseus.accounting.activations import AttentionKernel, DecoderShape
 from theseus.accounting.preflight import check_context_length
 from theseus.data import Corpus
-from theseus.model.attention import DEFAULT_BLOCK, check_backend
+from theseus.model.attention import DEFAULT_BLOCK, AttentionConfig, check_backend
 from theseus.model.decode import Decoder
 from theseus.model.decoder import DecoderModel, TargetLogps, no_routing
 from theseus.model.family import Family
@@ -32,12 +32,21 @@ from theseus.training.losses import (
 from theseus.training.trainer import BaseTrainer, TrainerConfig
 
 
+class FamilyTrainerConfig(TrainerConfig):
+    """The shared sections plus a family's model section (:func:`trainer_class` adds it)."""
+
+    if TYPE_CHECKING:  # each family's config class declares its own model section
+        model: AttentionConfig = pydantic.Field(default_factory=AttentionConfig)
+
+
 class FamilyTrainer(BaseTrainer):
     """Next-token training of a family's model (pretraining, or fine-tuning with --init-from)."""
 
     family: ClassVar[Family]
+    config_class: ClassVar[type[FamilyTrainerConfig]]
+    config: FamilyTrainerConfig
 
-    def __init__(self, config: TrainerConfig, policy, topology=None):
+    def __init__(self, config: FamilyTrainerConfig, policy, topology=None):
         context = self.family.context(config.model)
         check_context_length(config.training, context.length, context.key)
         super().__init__(config, policy, topology)
@@ -124,7 +133,7 @@ class FamilyTrainer(BaseTrainer):
         """Positions per chunk of the loss: ``training.loss_chunk``, else
         :func:`~theseus.model.head.default_chunk` of the vocabulary and the examples per
         device."""
-        vocab, examples = self.config.model.vocab_size, self.batch_plan.per_device_batch_size
+        vocab, examples = self.decoder_shape().vocab_size, self.batch_plan.per_device_batch_size
         return self.config.training.loss_chunk or default_chunk(vocab, examples)
 
     def default_seq_len(self) -> int:
@@ -142,7 +151,7 @@ class FamilyTrainer(BaseTrainer):
         else the blockwise algorithm in the model's blocks (the fused kernels of GPUs and TPUs
         hold per-block memory as it does)."""
         model = self.config.model
-        if model.attention == "xla" or getattr(model, "dropout", 0.0) > 0:
+        if model.attention == "xla" or model.attention_dropout > 0:
             return AttentionKernel("xla")
         block_q = model.attention_block_q or DEFAULT_BLOCK
         return AttentionKernel("blockwise", block_q, model.attention_block_k or DEFAULT_BLOCK)
@@ -154,7 +163,7 @@ class FamilyTrainer(BaseTrainer):
         check_backend(self.config.model.attention)
 
     def check_corpus(self, corpus: Corpus) -> None:
-        vocab = self.config.model.vocab_size
+        vocab = self.decoder_shape().vocab_size
         if corpus.vocab_size > vocab:
             raise ValueError(
                 f"the data ({corpus.source}) has token ids up to {corpus.vocab_size - 1} but "
@@ -167,7 +176,7 @@ def trainer_class(family: Family) -> type[FamilyTrainer]:
     family's ``model`` section) named after it (``GPTTrainer``, ``GPTTrainerConfig``)."""
     config_class = pydantic.create_model(
         f"{family.trainer_name}Config",
-        __base__=TrainerConfig,
+        __base__=FamilyTrainerConfig,
         __module__=__name__,
         __doc__=f"{family.name} training: the shared sections plus the model's hyperparameters.",
         model=(family.config_class, pydantic.Field(default_factory=family.config_class)),

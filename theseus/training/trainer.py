@@ -74,7 +74,7 @@ class TrainerConfig(Section):
     finetune: FinetuneConfig = pydantic.Field(default_factory=FinetuneConfig)
     evaluation: EvaluationConfig = pydantic.Field(default_factory=EvaluationConfig)
     if TYPE_CHECKING:  # each trainer's config class declares its own model section
-        model: Any = None
+        model: Section = pydantic.Field(default_factory=Section)
 
 
 class BaseTrainer(abc.ABC):

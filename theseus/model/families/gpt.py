@@ -78,6 +78,11 @@ class GPTConfig(AttentionConfig):
         return self
 
     @property
+    def attention_dropout(self) -> float:
+        """``dropout``: GPT-2 drops attention probabilities at its one rate."""
+        return self.dropout
+
+    @property
     def n_attn(self) -> int:
         """Width of the q, k and v projections (all heads together)."""
         return self.n_embd

@@ -12,19 +12,19 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
 
 from theseus.tokenization.folder import TOKENIZER_FILES
+from theseus.training.trainer import BaseTrainer
 
-_JOB_OF_CLASS: dict[type, str] = {}
+_JOB_OF_CLASS: dict[type[BaseTrainer], str] = {}
 
 
-def record_training_job(trainer_class: type, name: str) -> None:
+def record_training_job(trainer_class: type[BaseTrainer], name: str) -> None:
     """``name`` is the training job of ``trainer_class`` unless the class already has one."""
     _JOB_OF_CLASS.setdefault(trainer_class, name)
 
 
-def job_of_trainer(trainer: Any) -> str | None:
+def job_of_trainer(trainer: BaseTrainer) -> str | None:
     """The training job of ``trainer``'s class (the class itself, not a base class)."""
     return _JOB_OF_CLASS.get(type(trainer))
 

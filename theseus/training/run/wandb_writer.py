@@ -23,6 +23,7 @@ from typing import Any
 
 from theseus.config import WandbConfig
 from theseus.distributed.join import is_main_process
+from theseus.training.trainer import TrainerConfig
 
 WANDB_DIR = "wandb"
 RUN_ID_FILE = "wandb-run.json"
@@ -120,7 +121,7 @@ class WandbWriter:
                 raise RuntimeError(f"W&B's service ended with status {ended.code}") from None
 
 
-def open_wandb(config: Any, out_dir: Path, *, resume: bool) -> WandbWriter | None:
+def open_wandb(config: TrainerConfig, out_dir: Path, *, resume: bool) -> WandbWriter | None:
     """The W&B writer of a run whose ``run.json`` is written (``config`` is the trainer's), on
     the main process when ``logging.wandb.project`` is set; else None.
 
