@@ -23,6 +23,7 @@ from theseus.posttraining.rows import cut_at_end
 from theseus.sharding.axis import ShardingPolicy
 from theseus.sharding.topology import Topology
 from theseus.training.run.mode import RunMode
+from theseus.training.run.stops import Preempted
 
 TOKENIZER = Path(__file__).with_name("fixtures") / "digits_tokenizer"  # 0-9 + = <eot>=12 <unk>
 END = 12
@@ -168,6 +169,58 @@ def test_the_run_keeps_its_rollouts_and_trl_metrics(reference):
     assert "val_reward" in rows[1] and "val_reward" in rows[2]
     assert rows[0]["sampling/importance_sampling_ratio/mean"] == pytest.approx(1, abs=1e-5)
     assert sorted(rollouts(reference)) == [1, 3]  # steps 1 and 2 train on one batch
+
+
+PREEMPTING = (
+    REWARD
+    + '''
+
+import os
+import signal
+from pathlib import Path
+
+
+def preempting_sum(prompts, completions, completion_ids, answer, trainer_state, **kwargs):
+    """modular_sum, and a SIGTERM to this process while step 1's rollout is scored, once."""
+    marker = Path(__file__).with_name("preempt-once")
+    if trainer_state.global_step == 1 and marker.exists():
+        marker.unlink()
+        os.kill(os.getpid(), signal.SIGTERM)
+    return modular_sum(prompts, completions, completion_ids, answer)
+'''
+)
+
+
+def test_a_sigterm_inside_a_generation_batch_resumes_bit_for_bit(prompts, reference, tmp_path):
+    """A SIGTERM while step 1's rollout is scored: step 1 is finished and saved; the resumed run
+    trains step 2 on step 1's generation batch, read back from rollouts/1.jsonl (its old
+    log-probabilities included), and draws step 3's: every number of the uninterrupted run, bit
+    for bit."""
+    rewards = tmp_path / "preempting.py"
+    rewards.write_text(PREEMPTING)
+    (tmp_path / "preempt-once").touch()
+    settings = rl_settings(
+        prompts, "training.per_device_batch_size=16", f"rl.rewards=[{rewards}:preempting_sum]"
+    )
+    out = tmp_path / "run"
+    with pytest.raises(Preempted, match="finished step 1 of 3"):
+        run_rl(out, settings, ShardingPolicy(), 1)
+    assert sorted(rollouts(out)) == [1]
+    run_rl(out, settings, ShardingPolicy(), 1, resume=True)
+    assert rollouts(out) == rollouts(reference)
+    timing = {"step_time_s", "tokens_per_s", "trained_tokens_per_s", "mfu"}
+
+    def numbers(run: Path) -> list[dict]:
+        return [
+            {
+                k.replace("preempting_sum", "modular_sum"): v
+                for k, v in row.items()
+                if k not in timing
+            }
+            for row in read_metrics(run)
+        ]
+
+    assert numbers(out) == numbers(reference)
 
 
 def test_completions_stop_at_the_first_end_id():

@@ -177,36 +177,29 @@ class RolloutData:
         """Generation ``index`` (first step ``first``) drawn from ``state`` and scored."""
         rl, trainer = self.trainer.rl, self.trainer
         chosen = self._prompts_of(index)
-        completions = self._generate(
-            state, chosen, _seed(trainer.config.training.seed, index, _SAMPLING)
-        )
+        seed = _seed(trainer.config.training.seed, index, _SAMPLING)
+        completions = self._generate(state, chosen, seed)
         records = self._rows_of(chosen)
         scores = self._scores(completions, records, step=first)
-        advantages = group_advantages(scores.total, rl.num_generations, rl.scale_rewards)
-        rows = self._rows(completions, advantages.advantages, None)
+        advantages = group_advantages(scores.total, rl.num_generations, rl.scale_rewards).advantages
+        rows = self._rows(completions, advantages, None)
         old = None
         if self._logps is not None:  # the drawing model's log-probabilities, kept as old
             per_target = generation_logps(trainer, self._logps, state.params, rows)
             old = _per_completion(per_target, completions, rl.max_completion_length)
-            rows = self._rows(completions, advantages.advantages, old)
-        lines = _lines(records, completions, scores, advantages.advantages, old, self)
+            rows = self._rows(completions, advantages, old)
+        lines = _lines(records, completions, scores, advantages, old, self)
         if is_main_process():
             folder = self.out_dir / ROLLOUTS
             folder.mkdir(parents=True, exist_ok=True)
             text = "".join(json.dumps(line, allow_nan=False) + "\n" for line in lines)
             (folder / f"{first}.jsonl").write_text(text)
-        metrics = {
-            **scores.metrics(),
-            "reward": advantages.reward,
-            "reward_std": advantages.reward_std,
-            "frac_reward_zero_std": advantages.frac_reward_zero_std,
-            **_length_metrics(completions),
-        }
-        return Generation(rows, metrics, _tokens(completions))
+        return Generation(rows, self._metrics(completions, scores), _tokens(completions))
 
     def _read(self, first: int) -> Generation:
         """The generation that step ``first`` drew, read back from ``rollouts/<first>.jsonl``
-        (a run resumed inside it)."""
+        (a run resumed inside it): its rows and metrics as drawn (what the reward functions
+        logged with ``log_metric`` aside)."""
         path = self.out_dir / ROLLOUTS / f"{first}.jsonl"
         if not path.is_file():
             raise ValueError(
@@ -215,26 +208,39 @@ class RolloutData:
                 "generation batch, or restore the run's rollouts folder"
             )
         lines = [json.loads(line) for line in path.read_text().splitlines()]
+        ids = [line["completion_ids"] for line in lines]
         completions = Completions(
             [line["prompt_ids"] for line in lines],
-            [line["completion_ids"] for line in lines],
+            ids,
             [line["logps"] for line in lines],
-            np.asarray(
-                [
-                    bool(ids) and ids[-1] in self.end_ids
-                    for ids in (line["completion_ids"] for line in lines)
-                ],
-                bool,
-            ),
+            np.asarray([bool(c) and c[-1] in self.end_ids for c in ids], bool),
+        )
+        names = [f.name for f in self.functions]
+        scores = Scores(
+            {n: _floats([line["rewards"][n] for line in lines]) for n in names},
+            _floats([line["reward"] for line in lines]),
         )
         advantages = np.asarray([line["advantage"] for line in lines], np.float32)
         old = None
         if self._logps is not None:
-            width = self.trainer.rl.max_completion_length
-            old = np.zeros((len(lines), width), np.float32)
+            old = np.zeros((len(lines), self.trainer.rl.max_completion_length), np.float32)
             for r, line in enumerate(lines):
                 old[r, : len(line["old_logps"])] = line["old_logps"]
-        return Generation(self._rows(completions, advantages, old), {}, _tokens(completions))
+        rows = self._rows(completions, advantages, old)
+        return Generation(rows, self._metrics(completions, scores), _tokens(completions))
+
+    def _metrics(self, completions: Completions, scores: Scores) -> dict[str, float]:
+        """TRL's metrics of a generation batch: its rewards (each function's, their weighted
+        sum, the groups of equal rewards) and its completion lengths."""
+        rl = self.trainer.rl
+        advantages = group_advantages(scores.total, rl.num_generations, rl.scale_rewards)
+        return {
+            **scores.metrics(),
+            "reward": advantages.reward,
+            "reward_std": advantages.reward_std,
+            "frac_reward_zero_std": advantages.frac_reward_zero_std,
+            **_length_metrics(completions),
+        }
 
     def _generate(self, state: TrainState, chosen: np.ndarray, seed: int) -> Completions:
         """``rl.num_generations`` completions of each prompt of ``chosen`` (indices), drawn
@@ -374,6 +380,11 @@ def _tokens(completions: Completions) -> int:
     return sum(
         len(p) + len(c) for p, c in zip(completions.prompt_ids, completions.ids, strict=True)
     )
+
+
+def _floats(values: list[float | None]) -> np.ndarray:
+    """Rewards read back (None: not scored) as float32 with NaN."""
+    return np.asarray([np.nan if v is None else v for v in values], np.float32)
 
 
 def _number(value: float) -> float | None:

@@ -29,7 +29,7 @@ from theseus.posttraining.rows import (
     OLD_LOGPS,
     SAMPLER_LOGPS,
 )
-from theseus.training.family import FamilyTrainer
+from theseus.training.family import FamilyTrainer, FamilyTrainerConfig
 from theseus.training.keys import Keys
 from theseus.training.losses import (
     TokenLoss,
@@ -38,13 +38,12 @@ from theseus.training.losses import (
     target_weights,
     with_routing,
 )
-from theseus.training.trainer import TrainerConfig
 
 
 class RLTrainer(FamilyTrainer):
     """A family's trainer on completion rows (subclassed per family: :func:`rl_trainer_class`)."""
 
-    def __init__(self, config: TrainerConfig, policy, topology=None):
+    def __init__(self, config: FamilyTrainerConfig, policy, topology=None):
         rl, batch = config.rl, config.training.batch_size  # type: ignore[attr-defined]
         if batch % rl.num_generations:
             raise ValueError(
