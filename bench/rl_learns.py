@@ -74,8 +74,8 @@ def main() -> None:
         "--overwrite", "data.path=prompts.jsonl", "rl.tokenizer=tokenizer",
         "rl.rewards=[rewards.py:modular_sum]", f"rl.num_generations={args.generations}",
         "rl.max_completion_length=3", "model.vocab_size=14", "model.n_layer=2",
-        "model.n_embd=64", "model.n_head=4", "model.block_size=8", "training.seq_len=7",
-        "training.batch_size=128", "training.per_device_batch_size=128",
+        "model.n_embd=128", "model.n_head=4", "model.block_size=8", "training.seq_len=7",
+        "training.batch_size=256", "training.per_device_batch_size=256",
         f"training.steps={args.steps}", "training.validation_interval=25",
         f"optimization.learning_rate={args.learning_rate}", "optimization.warmup_steps=5",
         "optimization.weight_decay=0.0", "data.validation_fraction=0.1",
@@ -101,7 +101,7 @@ def main() -> None:
     except ImportError:
         return
     figure, axes = plt.subplots(figsize=(6, 3.5))
-    axes.plot(*zip(*curve, strict=True), label="train (each step's 128 completions)")
+    axes.plot(*zip(*curve, strict=True), label="train (each step's 256 completions)")
     axes.plot(*zip(*held, strict=True), "o-", label="held-out prompts")
     axes.set(xlabel="step", ylabel="mean reward", ylim=(-0.02, 1.02))
     axes.legend()

@@ -50,21 +50,16 @@ def run_trainer(
     source_dir: str | Path | None = None,
 ) -> Any:
     """Train (as ``mode`` says) or evaluate with an already created trainer, as the job says."""
-    from theseus.posttraining.rollouts import RolloutData
-    from theseus.posttraining.trainer import RLTrainer
+    from theseus.posttraining.rollouts import rollout_data
     from theseus.training.run.evaluation import evaluate
     from theseus.training.run.loop import train
 
     if job.action == "train":
         evaluator = task_evaluator(trainer, out_dir, mode)
-        # An RL run's steps read rollouts of its prompts; every other run's, its corpus.
-        data = (
-            RolloutData(trainer, Path(out_dir), base_dir=mode.init_from)
-            if isinstance(trainer, RLTrainer)
-            else None
-        )
+        data = rollout_data(trainer, Path(out_dir), base_dir=mode.init_from)
         return train(trainer, out_dir, mode=mode, evaluator=evaluator, data=data)
-    return evaluate(trainer, out_dir, source_dir=source_dir)
+    data = rollout_data(trainer, Path(source_dir or out_dir))
+    return evaluate(trainer, out_dir, source_dir=source_dir, data=data)
 
 
 def task_evaluator(trainer: BaseTrainer, out_dir: str | Path, mode: RunMode) -> Any:

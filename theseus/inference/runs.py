@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from theseus.jobs import get_job, job_of_run
 from theseus.sharding.axis import ShardingPolicy
 from theseus.sharding.topology import Topology
 from theseus.training.run.evaluation import evaluate as evaluate_checkpoint
-from theseus.training.run.evaluation import run_config
+from theseus.training.run.evaluation import run_config, score_text
 from theseus.training.trainer import BaseTrainer, TrainerConfig
 
 logger = main_process_logger(__name__)  # every process of a job reads alike: one says so
@@ -90,14 +90,16 @@ class Evaluation:
     run_dir: str
     job: str
     step: int
-    val_loss: float
+    val_loss: float | None  # None: the data has no loss (an RL run's held-out prompts)
     val_loss_by_source: dict[str, float] | None
     policy: str
+    metrics: dict[str, float] = field(default_factory=dict)  # the loss's others; RL's rewards
 
     def describe(self) -> str:
         return (
-            f"evaluated {self.run_dir} at step {self.step}: validation loss {self.val_loss:.4f} "
-            f"({self.job}, {self.policy}); written to {self.run_dir}/eval.json"
+            f"evaluated {self.run_dir} at step {self.step}: "
+            f"{score_text(self.val_loss, self.metrics)} ({self.job}, {self.policy}); written "
+            f"to {self.run_dir}/eval.json"
         )
 
 
@@ -129,9 +131,13 @@ def evaluate(
         return config if chosen else batch_for_replicas(config, topology.replicas)
 
     trainer = reading_trainer(trainer_class, config_for, policy, policy_changes, devices)
-    result = evaluate_checkpoint(
-        trainer, run_dir, source_dir=run_dir, base_dir=Path(base) if base else None
-    )
+    # Imported here: the generator's package (this one) is still initialising when
+    # posttraining's modules import it.
+    from theseus.posttraining.rollouts import rollout_data
+
+    base_dir = Path(base) if base else None
+    data = rollout_data(trainer, run_dir, base_dir=base_dir)
+    result = evaluate_checkpoint(trainer, run_dir, source_dir=run_dir, base_dir=base_dir, data=data)
     return Evaluation(
         str(run_dir),
         name,
@@ -139,6 +145,7 @@ def evaluate(
         result.val_loss,
         result.val_loss_by_source,
         trainer.policy.describe(),
+        result.metrics,
     )
 
 

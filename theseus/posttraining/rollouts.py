@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from theseus.distributed.join import is_main_process
-from theseus.inference.codec import Codec, resolve_codec
+from theseus.inference.codec import Codec, TokenizerCodec, resolve_codec
 from theseus.inference.generator import Generator
 from theseus.inference.sampling import Sampling
 from theseus.posttraining.objective import aggregation_weights, group_advantages, metric_weights
@@ -40,8 +40,11 @@ from theseus.posttraining.rewards import RewardFunction, Scores, load_reward, sc
 from theseus.posttraining.rows import RL_FIELDS, Completions, completion_rows, cut_at_end
 from theseus.posttraining.scoring import generation_logps, logps_step
 from theseus.posttraining.trainer import RLTrainer
+from theseus.tokenization.folder import TOKENIZER_FILE
 from theseus.training.run.data import StepBatch, Validated
+from theseus.training.run.identity import copy_tokenizer_files
 from theseus.training.state import TrainState
+from theseus.training.trainer import BaseTrainer
 
 ROLLOUTS = "rollouts"
 _ORDER, _SAMPLING, _VALIDATION = 0x5EED, 0x5A3B, 0x7A11  # keep the seeded streams apart
@@ -64,6 +67,7 @@ class RolloutData:
     def __init__(self, trainer: RLTrainer, out_dir: Path, *, base_dir: Path | None = None):
         self.trainer, self.out_dir = trainer, Path(out_dir)
         config, rl = trainer.config, trainer.rl
+        check_rollouts(trainer)
         if not config.data.path:
             raise ValueError(
                 "an RL run reads prompts from data.path (JSON Lines or Parquet records with a "
@@ -77,9 +81,12 @@ class RolloutData:
             )
         self.functions: list[RewardFunction] = [load_reward(spec) for spec in rl.rewards]
         self.records = read_prompts(config.data.path)
+        # The run's own copy first (a resumed or evaluated run, wherever it moved), then
+        # rl.tokenizer, then the --init-from run's.
+        own = (self.out_dir / TOKENIZER_FILE).is_file()
         dirs = [self.out_dir, *([base_dir] if base_dir is not None else [])]
         vocab = trainer.decoder().vocab_size
-        self.codec: Codec = resolve_codec(dirs, rl.tokenizer, None, vocab)
+        self.codec: Codec = resolve_codec(dirs, None if own else rl.tokenizer, None, vocab)
         self.prompt_ids = encode_prompts(self.records, self.codec)  # type: ignore[arg-type]
         self._check_lengths()
         self.split = held_out(
@@ -103,8 +110,7 @@ class RolloutData:
 
     @property
     def tokenizer(self) -> Path | None:
-        folder = getattr(self.codec, "folder", None)
-        return None if folder is None else folder.tokenizer_file
+        return None  # prepared() keeps the tokenizer folder's files in the run
 
     def facts(self) -> dict[str, Any]:
         rl = self.trainer.rl
@@ -125,7 +131,13 @@ class RolloutData:
         return (*plan.shape[:2], RL_FIELDS, self.trainer.seq_len + 1)
 
     def prepared(self, params: Any, run_dir: Path) -> RolloutData:
-        del params, run_dir  # rollouts are drawn from each step's own state
+        """The prompts' tokenizer files kept in the run (its end ids and chat template too),
+        which generation, evaluation and a resume read wherever the run moves; the rollouts
+        are drawn from each step's own state."""
+        del params
+        folder = self.codec.folder if isinstance(self.codec, TokenizerCodec) else None
+        if folder is not None and folder.path.resolve() != run_dir.resolve() and is_main_process():
+            copy_tokenizer_files(folder.path, run_dir)
         return self
 
     def batch(self, step: int, position: int, state: TrainState) -> StepBatch:
@@ -149,16 +161,17 @@ class RolloutData:
         assert self._tokens_seen is not None  # counted when the buffer was filled
         return StepBatch(placed, {**generation.metrics, "num_tokens": float(self._tokens_seen)})
 
-    def validate(self, state: TrainState) -> Validated:
+    def validate(self, params: Any, reference: Any = None) -> Validated:
         """The held-out prompts' rewards and completion lengths (``val_reward``...), from
         completions drawn with a fixed seed: as many prompts as a generation batch has (the
         held-out ones over again when there are fewer); none without held-out prompts."""
+        del reference  # rewards score completions, not a reference
         held = self.split.validation
         if held.size == 0:
             return Validated(None, None, {})
         chosen = held[np.arange(self.num_prompts) % held.size]
         seed = _seed(self.trainer.config.training.seed, 0, _VALIDATION)
-        completions = self._generate(state, chosen, seed)
+        completions = self._generate(params, chosen, seed)
         records = self._rows_of(chosen)
         scores = self._scores(completions, records, step=0)
         return Validated(None, None, {**scores.metrics(), **_length_metrics(completions)})
@@ -178,7 +191,7 @@ class RolloutData:
         rl, trainer = self.trainer.rl, self.trainer
         chosen = self._prompts_of(index)
         seed = _seed(trainer.config.training.seed, index, _SAMPLING)
-        completions = self._generate(state, chosen, seed)
+        completions = self._generate(state.params, chosen, seed)
         records = self._rows_of(chosen)
         scores = self._scores(completions, records, step=first)
         advantages = group_advantages(scores.total, rl.num_generations, rl.scale_rewards).advantages
@@ -242,11 +255,11 @@ class RolloutData:
             **_length_metrics(completions),
         }
 
-    def _generate(self, state: TrainState, chosen: np.ndarray, seed: int) -> Completions:
+    def _generate(self, params: Any, chosen: np.ndarray, seed: int) -> Completions:
         """``rl.num_generations`` completions of each prompt of ``chosen`` (indices), drawn
-        from ``state``'s parameters in the compute layout."""
+        from ``params`` (storage layout) in the compute layout."""
         trainer = self.trainer
-        self.generator.params = jax.device_put(state.params, trainer.layouts.compute)
+        self.generator.params = jax.device_put(params, trainer.layouts.compute)
         prompts = [self.prompt_ids[i] for i in chosen]
         end = np.asarray(self.end_ids, np.int64)
         generated = self.generator.generate_ids(
@@ -345,6 +358,25 @@ class RolloutData:
             )
 
 
+def check_rollouts(trainer: RLTrainer) -> None:
+    """Refuse a batch that is not whole groups of completions and rows with no room for a
+    prompt (what a run that reads the model alone, generation or export, never needs)."""
+    rl, batch = trainer.rl, trainer.config.training.batch_size
+    if batch % rl.num_generations:
+        raise ValueError(
+            f"training.batch_size={batch} counts completions and must be a multiple of "
+            f"rl.num_generations={rl.num_generations} (each prompt's group of completions); set "
+            f"training.batch_size to a multiple, e.g. "
+            f"{max(1, batch // rl.num_generations) * rl.num_generations}"
+        )
+    if trainer.prompt_width < 1:
+        raise ValueError(
+            f"rl.max_completion_length={rl.max_completion_length} leaves no room for a prompt in "
+            f"rows of training.seq_len={trainer.seq_len} tokens (prompt + completion); raise "
+            "training.seq_len (within the model's context) or lower rl.max_completion_length"
+        )
+
+
 def _seed(seed: int, index: int, stream: int) -> int:
     """A uint32 sampling seed of the run's ``seed``, a generation ``index`` and a ``stream``."""
     return int(np.random.SeedSequence([seed, index, stream]).generate_state(1)[0])
@@ -417,3 +449,13 @@ def _lines(
             line["old_logps"] = [float(x) for x in old[r, : len(ids)]]
         lines.append(line)
     return lines
+
+
+def rollout_data(
+    trainer: BaseTrainer, out_dir: Path, *, base_dir: Path | None = None
+) -> RolloutData | None:
+    """What an RL trainer's steps and evaluation read (its prompts' rollouts); None for every
+    other trainer (it reads its corpus)."""
+    if not isinstance(trainer, RLTrainer):
+        return None
+    return RolloutData(trainer, out_dir, base_dir=base_dir)

@@ -29,7 +29,7 @@ from theseus.posttraining.rows import (
     OLD_LOGPS,
     SAMPLER_LOGPS,
 )
-from theseus.training.family import FamilyTrainer, FamilyTrainerConfig
+from theseus.training.family import FamilyTrainer
 from theseus.training.keys import Keys
 from theseus.training.losses import (
     TokenLoss,
@@ -42,23 +42,6 @@ from theseus.training.losses import (
 
 class RLTrainer(FamilyTrainer):
     """A family's trainer on completion rows (subclassed per family: :func:`rl_trainer_class`)."""
-
-    def __init__(self, config: FamilyTrainerConfig, policy, topology=None):
-        rl, batch = config.rl, config.training.batch_size  # type: ignore[attr-defined]
-        if batch % rl.num_generations:
-            raise ValueError(
-                f"training.batch_size={batch} counts completions and must be a multiple of "
-                f"rl.num_generations={rl.num_generations} (each prompt's group of completions); "
-                f"set training.batch_size to a multiple, e.g. "
-                f"{max(1, batch // rl.num_generations) * rl.num_generations}"
-            )
-        super().__init__(config, policy, topology)
-        if self.prompt_width < 1:
-            raise ValueError(
-                f"rl.max_completion_length={rl.max_completion_length} leaves no room for a prompt "
-                f"in rows of training.seq_len={self.seq_len} tokens (prompt + completion); raise "
-                "training.seq_len (within the model's context) or lower rl.max_completion_length"
-            )
 
     @property
     def rl(self) -> RLSection:

@@ -14,7 +14,7 @@ import numpy as np
 
 from theseus.data import Mixture, MixtureSampler, load_mixture
 from theseus.distributed.join import check_same_everywhere
-from theseus.training.state import TrainState, reference_of
+from theseus.training.state import TrainState
 from theseus.training.trainer import BaseTrainer
 
 
@@ -56,7 +56,7 @@ class RunData(Protocol):
 
     def batch(self, step: int, position: int, state: TrainState) -> StepBatch: ...
 
-    def validate(self, state: TrainState) -> Validated: ...
+    def validate(self, params: Any, reference: Any = None) -> Validated: ...  # storage layout
 
 
 def load_data(trainer: BaseTrainer) -> Mixture:
@@ -187,10 +187,10 @@ class CorpusData:
         del step, state  # a corpus's batches follow from the position alone
         return StepBatch(train_batch(self.trainer, self.sampler, position, self.batch_shape()))
 
-    def validate(self, state: TrainState) -> Validated:
-        loss, by_source, means = self.validation.losses(
-            self.trainer, state.params, reference_of(state)
-        )
+    def validate(self, params: Any, reference: Any = None) -> Validated:
+        """The held-out batches' loss of ``params`` (and the state's ``reference`` copy,
+        where it holds one)."""
+        loss, by_source, means = self.validation.losses(self.trainer, params, reference)
         return Validated(loss, by_source, means)
 
 

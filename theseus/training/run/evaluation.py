@@ -9,11 +9,13 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import jax
+
 from theseus.checkpoint.checkpointer import Checkpointer
 from theseus.config import CHECKPOINTS, ConfigError, ConfigT, read_yaml, validate
 from theseus.distributed.join import is_main_process
 from theseus.training.run.checkpointing import restore_params, restore_reference
-from theseus.training.run.data import load_data, validation_array
+from theseus.training.run.data import CorpusData, RunData, load_data
 from theseus.training.trainer import BaseTrainer, TrainerConfig
 
 RUN_CONFIG = "config.yaml"
@@ -82,15 +84,23 @@ class EvalResult:
     out_dir: str
     source: str
     step: int
-    val_loss: float
+    val_loss: float | None  # None: the data has no loss (RL's held-out prompts)
     val_loss_by_source: dict[str, float] | None = None
     metrics: dict[str, float] = field(default_factory=dict)  # the loss's others (rewards/...)
 
     def describe(self) -> str:
         return (
-            f"evaluated {self.source} at step {self.step}: validation loss {self.val_loss:.4f}; "
-            f"written to {self.out_dir}/eval.json"
+            f"evaluated {self.source} at step {self.step}: "
+            f"{score_text(self.val_loss, self.metrics)}; written to {self.out_dir}/eval.json"
         )
+
+
+def score_text(val_loss: float | None, metrics: dict[str, float]) -> str:
+    """What an evaluation scored, in words: its validation loss, or (an RL run's held-out
+    prompts, which have none) their mean reward."""
+    if val_loss is not None:
+        return f"validation loss {val_loss:.4f}"
+    return f"held-out reward {metrics.get('reward', float('nan')):.4f}"
 
 
 def evaluate(
@@ -99,11 +109,14 @@ def evaluate(
     *,
     source_dir: str | Path | None = None,
     base_dir: Path | None = None,
+    data: RunData | None = None,
 ) -> EvalResult:
     """Validation loss of the newest good checkpoint in ``source_dir`` (default: ``out_dir``),
     restored into this trainer's layouts (a fine-tuning run's base found as
     ``checkpointing.base_location`` says, ``base_dir`` naming it); written to
-    ``out_dir/eval.json``. The caller reports the result (``EvalResult.describe``) once."""
+    ``out_dir/eval.json``. ``data``: what is held out (default: the run's corpus; an RL run's
+    held-out prompts, scored by their rewards). The caller reports the result
+    (``EvalResult.describe``) once."""
     out_dir = Path(out_dir)
     source = Path(source_dir) if source_dir is not None else out_dir
     if not (source / CHECKPOINTS).is_dir():
@@ -112,22 +125,21 @@ def evaluate(
             "the run directory of a training job"
         )
     check_same_model(trainer.config, source)
-    corpus = load_data(trainer)
-    validation = validation_array(trainer, corpus)
+    corpus = load_data(trainer) if data is None else None
     # Read-only: a training job may still be saving there.
     with Checkpointer(source / CHECKPOINTS, read_only=True) as checkpointer:
         storage = trainer.layouts.storage
         restored = restore_params(trainer, checkpointer, storage, base_dir=base_dir)
         reference = restore_reference(trainer, checkpointer, restored.step)
-    evaluated = trainer.for_evaluation(corpus, restored.state, source)
-    if evaluated is not corpus:  # a preference run's held-out rows carry the reference
-        validation = validation_array(trainer, evaluated)
-    val_loss, on_device, means = validation.losses(trainer, restored.state, reference)
+    if corpus is not None:  # a preference run's held-out rows carry the reference
+        data = CorpusData.of(trainer, trainer.for_evaluation(corpus, restored.state, source))
+    assert data is not None
+    validated = data.validate(restored.state, reference)
+    on_device = validated.by_source
     by_source = None if on_device is None else {k: float(v) for k, v in on_device.items()}
-    metrics = {name: float(value) for name, value in means.items()}
-    result = EvalResult(
-        str(out_dir), str(source), restored.step, float(val_loss), by_source, metrics
-    )
+    metrics = {name: float(value) for name, value in jax.device_get(validated.means).items()}
+    val_loss = None if validated.loss is None else float(validated.loss)
+    result = EvalResult(str(out_dir), str(source), restored.step, val_loss, by_source, metrics)
     if is_main_process():
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "eval.json").write_text(

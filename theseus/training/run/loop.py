@@ -28,7 +28,7 @@ from theseus.training.run.stops import NonFiniteGuard, Preempted
 from theseus.training.run.tensorboard import MISSED_FILE, TENSORBOARD_DIR, TensorBoardWriter
 from theseus.training.run.throughput import speedometer
 from theseus.training.run.wandb_writer import RUN_ID_FILE, open_wandb, require_wandb
-from theseus.training.state import TrainState
+from theseus.training.state import TrainState, reference_of
 from theseus.training.summary import one_line_plan
 from theseus.training.trainer import BaseTrainer
 
@@ -47,13 +47,24 @@ class RunSummary:
     initial_val_loss: float
     final_val_loss: float | None
     seconds: float
+    rewards: tuple[float, float] | None = None  # an RL run's first and final step's mean reward
+    val_rewards: tuple[float, float] | None = None  # its held-out prompts', before and after
 
     def describe(self) -> str:
-        val = f"{self.final_val_loss:.4f}" if self.final_val_loss is not None else "n/a"
+        if self.rewards is not None:  # an RL run: its rewards say more than its loss
+            first, final = self.rewards
+            scores = f"reward {first:.4f} → {final:.4f}"
+            if self.val_rewards is not None:
+                scores += f"; held-out reward {self.val_rewards[0]:.4f} → {self.val_rewards[1]:.4f}"
+        else:
+            val = f"{self.final_val_loss:.4f}" if self.final_val_loss is not None else "n/a"
+            scores = (
+                f"loss {self.first_loss:.4f} → {self.final_loss:.4f}; validation loss "
+                f"{self.initial_val_loss:.4f} → {val}"
+            )
         return (
-            f"done: steps {self.first_step}-{self.steps} in {self.seconds:.1f} s; loss "
-            f"{self.first_loss:.4f} → {self.final_loss:.4f}; validation loss "
-            f"{self.initial_val_loss:.4f} → {val}; records in {self.out_dir}"
+            f"done: steps {self.first_step}-{self.steps} in {self.seconds:.1f} s; {scores}; "
+            f"records in {self.out_dir}"
         )
 
 
@@ -118,7 +129,7 @@ def train(
             resumes=start.resumes,
             speed={"compile_time_s": compile_time_s, **speed.facts()},
         )
-        initial_val_loss = data.validate(start.state).loss
+        initial = data.validate(start.state.params, reference_of(start.state))
         guard = NonFiniteGuard(
             config.training.nonfinite,
             config.training.max_skipped_steps,
@@ -159,7 +170,10 @@ def train(
             )
         seconds = time.perf_counter() - began
         checkpointer.wait()
-    losses, val_losses = metrics.history.losses, metrics.history.val_losses
+    history = metrics.history
+    losses, val_losses = history.losses, history.val_losses
+    initial_val_loss = initial.loss
+    initial_reward = jax.device_get(initial.means).get("reward")
     return RunSummary(
         out_dir=str(out_dir),
         first_step=start.first_step,
@@ -169,6 +183,12 @@ def train(
         initial_val_loss=float("nan") if initial_val_loss is None else float(initial_val_loss),
         final_val_loss=val_losses[-1] if val_losses else None,
         seconds=seconds,
+        rewards=(history.rewards[0], history.rewards[-1]) if history.rewards else None,
+        val_rewards=(
+            (float(initial_reward), history.val_rewards[-1])
+            if initial_reward is not None and history.val_rewards
+            else None
+        ),
     )
 
 
@@ -205,7 +225,7 @@ def _steps(
             batch = data.batch(step + 1, position, state)  # the next step's, while this runs
         if step % training.validation_interval == 0 or last:
             with metrics.paused():
-                metrics.add_validation(data.validate(state))
+                metrics.add_validation(data.validate(state.params, reference_of(state)))
         if evaluator is not None and (step % trainer.config.evaluation.interval == 0 or last):
             with metrics.paused():
                 metrics.add_scores(_scores(evaluator, state.params, step))

@@ -46,6 +46,8 @@ class MetricsHistory:
 
     losses: list[float] = field(default_factory=list)
     val_losses: list[float] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)  # an RL run's
+    val_rewards: list[float] = field(default_factory=list)
 
 
 class MetricsWriter:
@@ -168,6 +170,10 @@ class MetricsWriter:
         self.history.losses.append(row["loss"])
         if "val_loss" in row:
             self.history.val_losses.append(row["val_loss"])
+        if "reward" in row:
+            self.history.rewards.append(row["reward"])
+        if "val_reward" in row:
+            self.history.val_rewards.append(row["val_reward"])
         if self._file is not None:
             self._file.write(json.dumps(strict_json_row(row), allow_nan=False) + "\n")
             self._file.flush()
