@@ -35,11 +35,16 @@ from theseus.jobs import families as registered_families
 from theseus.jobs import get_job
 from theseus.plan import plan
 from theseus.plot import read_metrics
+from theseus.posttraining.preference.objective import (
+    METRICS,
+    PairLogps,
+    PreferenceConfig,
+    pair_losses,
+)
+from theseus.posttraining.preference.reference import REFERENCE_FILE, split_reference
 from theseus.sharding.axis import ShardingPolicy
 from theseus.sharding.topology import Topology
 from theseus.training.keys import validation_keys
-from theseus.training.preference import METRICS, PairLogps, PreferenceConfig, pair_losses
-from theseus.training.reference import REFERENCE_FILE, split_reference
 from theseus.training.run.checkpointing import checkpoint_meta, restore_reference, restore_target
 from theseus.training.state import reference_of
 

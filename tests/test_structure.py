@@ -325,10 +325,9 @@ def test_the_key_test_finder_finds_key_tests():
     assert len(key_tests(weights)) == 1, key_tests(weights)
 
 
-# The model code, and the training code that reads a model's weights or a pair's log-probabilities
-# (preference losses, their trainer, the reference pass).
-TYPED_CODE = ["model/**/*.py", "training/preference*.py", "training/pair_logps.py",
-              "training/reference.py"]  # fmt: skip
+# The model code, and the post-training code that reads a model's weights or a pair's
+# log-probabilities (preference losses, their rows and trainer, the reference pass).
+TYPED_CODE = ["model/**/*.py", "posttraining/preference/*.py"]
 
 
 def test_no_branch_on_the_presence_of_a_dict_key_in_model_code():

@@ -1,6 +1,7 @@
-"""Per-example completion log-probabilities of pair rows (:mod:`theseus.data.pairs`), by
-segment sums of the targets' log-probabilities, which the model computes a chunk of positions at
-a time (:meth:`~theseus.training.family.FamilyTrainer.target_logps`): no array grows with the
+"""Pair rows (:mod:`theseus.data.pairs`) as the preference loss reads them: per-example
+completion log-probabilities, by segment sums of the targets' log-probabilities, which the model
+computes a chunk of positions at a time
+(:meth:`~theseus.training.family.FamilyTrainer.target_logps`): no array grows with the
 vocabulary beyond one chunk's logits.
 
 Segment ``s`` of a row sums the log-probabilities of its trained targets (token ``i + 1`` of
@@ -17,8 +18,8 @@ from flax import struct
 
 from theseus.data.packing import SEGMENTS
 from theseus.data.pairs import REFERENCE
+from theseus.posttraining.preference.objective import PairLogps
 from theseus.training.losses import row_fields, target_weights
-from theseus.training.preference import PairLogps
 
 
 def segment_sums(values: jax.Array, segments: jax.Array, num_segments: int) -> jax.Array:

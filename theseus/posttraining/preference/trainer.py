@@ -1,6 +1,6 @@
 """Preference tuning of a model family (``NAME/train/preference``): the family's trainer reading
 pair rows (:mod:`theseus.data.pairs`) and adding up a preference loss
-(:mod:`theseus.training.preference`) per pair.
+(:mod:`theseus.posttraining.preference.objective`) per pair.
 
 ``training.batch_size`` counts rows: one pair each under ``preference.layout=padded``, as many
 whole pairs as fit under ``packed`` (the default). The loss is the mean over the pairs of the
@@ -8,9 +8,9 @@ global batch (a sum and a count, as next-token losses are a sum over tokens and 
 no layout, accumulation or packing changes it. The reference is the model the run starts from;
 for a LoRA run the same parameters with the adapters switched off, so no second copy is held.
 ``precomputed`` (the default) computes it once before training
-(:mod:`theseus.training.reference`), ``live`` in every step: from the base with the adapters off
-(LoRA), or from a frozen copy of the starting parameters that the state holds beside the
-trained ones (full fine-tuning: the one setting that holds a second copy).
+(:mod:`theseus.posttraining.preference.reference`), ``live`` in every step: from the base with
+the adapters off (LoRA), or from a frozen copy of the starting parameters that the state holds
+beside the trained ones (full fine-tuning: the one setting that holds a second copy).
 """
 
 from __future__ import annotations
@@ -27,18 +27,18 @@ from flax import nnx
 from theseus.data import Mixture
 from theseus.data.pairs import PairLayout, PairRows
 from theseus.model.lora import with_zero_adapters
-from theseus.sharding.topology import UnderMesh
-from theseus.training import reference
-from theseus.training.family import FamilyTrainer
-from theseus.training.keys import Keys
-from theseus.training.losses import TokenLoss, with_routing
-from theseus.training.pair_logps import (
+from theseus.posttraining.preference import reference
+from theseus.posttraining.preference.objective import METRICS, PreferenceConfig, pair_losses
+from theseus.posttraining.preference.rows import (
     completion_logps,
     reference_pairs,
     row_pairs,
     stored_reference,
 )
-from theseus.training.preference import METRICS, PreferenceConfig, pair_losses
+from theseus.sharding.topology import UnderMesh
+from theseus.training.family import FamilyTrainer
+from theseus.training.keys import Keys
+from theseus.training.losses import TokenLoss, with_routing
 
 
 class PreferenceSection(PreferenceConfig):
@@ -69,7 +69,7 @@ class PreferenceTrainer(FamilyTrainer):
 
     def with_reference(self, mixture: Mixture, params: Any, run_dir: Path) -> Mixture:
         """With ``preference.reference=precomputed``: the pair rows carrying the reference
-        (:func:`theseus.training.reference.with_reference`)."""
+        (:func:`theseus.posttraining.preference.reference.with_reference`)."""
         if self.preference.reference_mode != "precomputed":
             return mixture
         return reference.with_reference(self, mixture, params, run_dir)
@@ -96,7 +96,8 @@ class PreferenceTrainer(FamilyTrainer):
 
     @cached_property
     def reference_step(self) -> UnderMesh:
-        """The jitted reference pass (:func:`theseus.training.reference.reference_step`)."""
+        """The jitted reference pass
+        (:func:`theseus.posttraining.preference.reference.reference_step`)."""
         return reference.reference_step(self)
 
     def reference_model(self, model: nnx.Module, frozen: nnx.Module | None = None) -> nnx.Module:

@@ -32,7 +32,7 @@ from theseus.training.trainer import TrainerConfig
 
 class PreferenceTrainer(Protocol):
     """What the pass reads of a preference trainer
-    (:class:`~theseus.training.preference_trainer.PreferenceTrainer`)."""
+    (:class:`~theseus.posttraining.preference.trainer.PreferenceTrainer`)."""
 
     @property
     def context(self) -> TrainerContext: ...
