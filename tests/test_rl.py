@@ -238,7 +238,7 @@ def test_bad_input_is_one_paragraph_and_exit_2(prompts, tmp_path):
     no_prompt = tmp_path / "bad.jsonl"
     no_prompt.write_text(json.dumps({"question": "1+1="}) + "\n")
     cases = [
-        (["training.batch_size=14"], "multiple of rl.num_generations=4"),
+        (["rl.num_generations=3"], "multiple of rl.num_generations=3"),
         ([f"data.path={no_prompt}"], "prompt"),
         (["rl.rewards=[nowhere.py:f]"], "nowhere.py"),
         (["rl.max_completion_length=13"], "rl.max_completion_length=13"),

@@ -14,7 +14,6 @@ from its rollouts file, which holds everything its rows are made of.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ from theseus.posttraining.prompts import (
     reward_columns,
 )
 from theseus.posttraining.rewards import RewardFunction, Scores, load_reward, score
+from theseus.posttraining.rollout_files import ROLLOUTS, KeptRollouts, read_rollouts, write_rollouts
 from theseus.posttraining.rows import RL_FIELDS, Completions, completion_rows, cut_at_end
 from theseus.posttraining.scoring import generation_logps, logps_step
 from theseus.posttraining.trainer import RLTrainer
@@ -46,7 +46,6 @@ from theseus.training.run.identity import copy_tokenizer_files
 from theseus.training.state import TrainState
 from theseus.training.trainer import BaseTrainer
 
-ROLLOUTS = "rollouts"
 _ORDER, _SAMPLING, _VALIDATION = 0x5EED, 0x5A3B, 0x7A11  # keep the seeded streams apart
 
 
@@ -201,46 +200,22 @@ class RolloutData:
             per_target = generation_logps(trainer, self._logps, state.params, rows)
             old = _per_completion(per_target, completions, rl.max_completion_length)
             rows = self._rows(completions, advantages, old)
-        lines = _lines(records, completions, scores, advantages, old, self)
         if is_main_process():
-            folder = self.out_dir / ROLLOUTS
-            folder.mkdir(parents=True, exist_ok=True)
-            text = "".join(json.dumps(line, allow_nan=False) + "\n" for line in lines)
-            (folder / f"{first}.jsonl").write_text(text)
+            texts = [decode_completion(ids, self.codec) for ids in completions.ids]  # type: ignore[arg-type]
+            kept = KeptRollouts(completions, scores, advantages, old)
+            write_rollouts(self.out_dir / ROLLOUTS, first, [r.prompt for r in records], texts, kept)
         return Generation(rows, self._metrics(completions, scores), _tokens(completions))
 
     def _read(self, first: int) -> Generation:
         """The generation that step ``first`` drew, read back from ``rollouts/<first>.jsonl``
         (a run resumed inside it): its rows and metrics as drawn (what the reward functions
         logged with ``log_metric`` aside)."""
-        path = self.out_dir / ROLLOUTS / f"{first}.jsonl"
-        if not path.is_file():
-            raise ValueError(
-                f"resuming at a step inside the generation batch that step {first} drew needs "
-                f"{path}, which is missing; resume from a checkpoint at the first step of a "
-                "generation batch, or restore the run's rollouts folder"
-            )
-        lines = [json.loads(line) for line in path.read_text().splitlines()]
-        ids = [line["completion_ids"] for line in lines]
-        completions = Completions(
-            [line["prompt_ids"] for line in lines],
-            ids,
-            [line["logps"] for line in lines],
-            np.asarray([bool(c) and c[-1] in self.end_ids for c in ids], bool),
-        )
+        width = self.trainer.rl.max_completion_length if self._logps is not None else None
         names = [f.name for f in self.functions]
-        scores = Scores(
-            {n: _floats([line["rewards"][n] for line in lines]) for n in names},
-            _floats([line["reward"] for line in lines]),
-        )
-        advantages = np.asarray([line["advantage"] for line in lines], np.float32)
-        old = None
-        if self._logps is not None:
-            old = np.zeros((len(lines), self.trainer.rl.max_completion_length), np.float32)
-            for r, line in enumerate(lines):
-                old[r, : len(line["old_logps"])] = line["old_logps"]
-        rows = self._rows(completions, advantages, old)
-        return Generation(rows, self._metrics(completions, scores), _tokens(completions))
+        kept = read_rollouts(self.out_dir / ROLLOUTS, first, self.end_ids, names, width)
+        rows = self._rows(kept.completions, kept.advantages, kept.old_logps)
+        metrics = self._metrics(kept.completions, kept.scores)
+        return Generation(rows, metrics, _tokens(kept.completions))
 
     def _metrics(self, completions: Completions, scores: Scores) -> dict[str, float]:
         """TRL's metrics of a generation batch: its rewards (each function's, their weighted
@@ -412,43 +387,6 @@ def _tokens(completions: Completions) -> int:
     return sum(
         len(p) + len(c) for p, c in zip(completions.prompt_ids, completions.ids, strict=True)
     )
-
-
-def _floats(values: list[float | None]) -> np.ndarray:
-    """Rewards read back (None: not scored) as float32 with NaN."""
-    return np.asarray([np.nan if v is None else v for v in values], np.float32)
-
-
-def _number(value: float) -> float | None:
-    return None if math.isnan(value) else float(value)
-
-
-def _lines(
-    records: list[PromptRecord],
-    completions: Completions,
-    scores: Scores,
-    advantages: np.ndarray,
-    old: np.ndarray | None,
-    data: RolloutData,
-) -> list[dict[str, Any]]:
-    """One line per completion of the rollouts file."""
-    lines = []
-    for r, record in enumerate(records):
-        ids = completions.ids[r]
-        line = {
-            "prompt": record.prompt,
-            "completion": decode_completion(ids, data.codec),  # type: ignore[arg-type]
-            "prompt_ids": completions.prompt_ids[r],
-            "completion_ids": ids,
-            "rewards": {name: _number(v[r]) for name, v in scores.per_function.items()},
-            "reward": _number(scores.total[r]),
-            "advantage": float(advantages[r]),
-            "logps": [float(x) for x in np.asarray(completions.sampler_logps[r], np.float32)],
-        }
-        if old is not None:
-            line["old_logps"] = [float(x) for x in old[r, : len(ids)]]
-        lines.append(line)
-    return lines
 
 
 def rollout_data(
