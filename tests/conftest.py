@@ -107,6 +107,7 @@ SHARED_GROUPS = {
     "test_moe_hf": "huggingface",
     "test_moe_lora": "huggingface",
     "test_rl_rewards": "huggingface",  # its transformers reference needs the group's torch
+    "test_rl_trl": "huggingface",  # TRL's GRPOTrainer on a transformers model
 }
 FIRST = (
     "test_multiprocess",
