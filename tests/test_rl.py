@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
-from support import LOSS_RTOL, invoke, policy_id
+from support import LOSS_RTOL, invoke, policy_id, subprocess_env
 
 from theseus.config import apply_overrides
 from theseus.execution import run_trainer
@@ -88,12 +90,13 @@ def rl_settings(prompts: tuple[Path, Path], *more: str) -> list[str]:
 
 
 def run_rl(out: Path, settings: list[str], policy: ShardingPolicy, num_devices: int, **mode):
-    """An RL run in this process on the first ``num_devices`` devices."""
+    """An RL run in this process on the first ``num_devices`` devices; its trainer."""
     job = get_job(JOB)
     config = apply_overrides(job.trainer_class.config_class(), settings)
     topology = Topology.new(policy, devices=jax.devices()[:num_devices])
     trainer = job.trainer_class(config, policy, topology)
-    return run_trainer(job, trainer, out, mode=RunMode(**mode))
+    run_trainer(job, trainer, out, mode=RunMode(**mode))
+    return trainer
 
 
 def rollouts(run: Path) -> dict[int, list[list[int]]]:
@@ -137,6 +140,25 @@ def test_every_layout_draws_the_same_completions(prompts, reference, tmp_path, p
         np.testing.assert_allclose(
             [r[name] for r in got], [r[name] for r in want], rtol=LOSS_RTOL, err_msg=name
         )
+
+
+def test_two_processes_draw_one_devices_completions(prompts, reference, tmp_path):
+    """`theseus launch -n 2` (2 processes × 4 devices, tp=2 + FSDP, accumulation 2): process 0
+    writes the rollouts, which are one device's token for token, and the losses are its own
+    within 1e-5."""
+    out = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "theseus", "launch", "-n", "2", "--cpu-devices-per-process", "4",
+        "--", "train", "--job", JOB, "--out", str(out), "--tp", "2", "--fsdp",
+        *rl_settings(prompts, "training.per_device_batch_size=2"),
+    ]  # fmt: skip
+    result = subprocess.run(
+        command, env=subprocess_env(), capture_output=True, text=True, timeout=300, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert rollouts(out) == rollouts(reference)
+    got, want = read_metrics(out), read_metrics(reference)
+    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], rtol=LOSS_RTOL)
 
 
 def test_the_run_keeps_its_rollouts_and_trl_metrics(reference):
@@ -221,6 +243,25 @@ def test_a_sigterm_inside_a_generation_batch_resumes_bit_for_bit(prompts, refere
         ]
 
     assert numbers(out) == numbers(reference)
+
+
+def test_lora_scores_its_reference_with_the_adapters_off(prompts, reference, tmp_path):
+    """A LoRA run --init-from a run, with a KL to its reference (rl.beta > 0): the reference is
+    the base with the adapters off, so the state holds the base once; the KL is 0 while the
+    adapters are (zero-initialised), and grows once they train."""
+    settings = rl_settings(
+        prompts,
+        "training.per_device_batch_size=16",
+        "finetune.lora_rank=4",
+        "rl.beta=0.04",
+        "rl.num_iterations=1",
+        "optimization.learning_rate=1e-2",
+    )
+    out = tmp_path / "lora"
+    trainer = run_rl(out, settings, ShardingPolicy(), 1, init_from=reference)
+    assert not trainer.holds_reference
+    kls = [row["kl"] for row in read_metrics(out)]
+    assert kls[0] == 0 and kls[1] > 0 and kls[2] > 0, kls
 
 
 def test_completions_stop_at_the_first_end_id():
