@@ -62,6 +62,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--generations", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=256, help="completions a step")
+    parser.add_argument("--width", type=int, default=64, help="model.n_embd")
+    parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--work", type=Path, default=None)
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="rl_learns_"))
@@ -72,10 +75,10 @@ def main() -> None:
     command = [
         sys.executable, "-m", "theseus", "train", "--job", "gpt/train/rl", "--out", str(run),
         "--overwrite", "data.path=prompts.jsonl", "rl.tokenizer=tokenizer",
-        "rl.rewards=[rewards.py:modular_sum]", f"rl.num_generations={args.generations}",
+        "rl.rewards=[rewards.py:modular_sum]", f"rl.num_generations={args.generations}", f"rl.temperature={args.temperature}",
         "rl.max_completion_length=3", "model.vocab_size=14", "model.n_layer=2",
-        "model.n_embd=128", "model.n_head=4", "model.block_size=8", "training.seq_len=7",
-        "training.batch_size=256", "training.per_device_batch_size=256",
+        f"model.n_embd={args.width}", "model.n_head=4", "model.block_size=8", "training.seq_len=7",
+        f"training.batch_size={args.batch}", f"training.per_device_batch_size={args.batch}",
         f"training.steps={args.steps}", "training.validation_interval=25",
         f"optimization.learning_rate={args.learning_rate}", "optimization.warmup_steps=5",
         "optimization.weight_decay=0.0", "data.validation_fraction=0.1",
@@ -101,7 +104,7 @@ def main() -> None:
     except ImportError:
         return
     figure, axes = plt.subplots(figsize=(6, 3.5))
-    axes.plot(*zip(*curve, strict=True), label="train (each step's 256 completions)")
+    axes.plot(*zip(*curve, strict=True), label=f"train (each step's {args.batch} completions)")
     axes.plot(*zip(*held, strict=True), "o-", label="held-out prompts")
     axes.set(xlabel="step", ylabel="mean reward", ylim=(-0.02, 1.02))
     axes.legend()

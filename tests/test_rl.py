@@ -19,6 +19,7 @@ from support import LOSS_RTOL, invoke, policy_id, subprocess_env
 
 from theseus.config import apply_overrides
 from theseus.execution import run_trainer
+from theseus.inference.generator import Generator
 from theseus.jobs import get_job
 from theseus.plot import read_metrics
 from theseus.posttraining.rows import cut_at_end
@@ -108,12 +109,27 @@ def rollouts(run: Path) -> dict[int, list[list[int]]]:
     return found
 
 
+#: The generation programs the reference run built (batch shapes), one per compilation.
+REFERENCE_PROGRAMS: list[tuple] = []
+
+
 @pytest.fixture(scope="module")
 def reference(prompts, tmp_path_factory) -> Path:
-    """The one-device run every layout is compared with."""
+    """The one-device run every layout is compared with (the generation programs it compiles
+    counted in REFERENCE_PROGRAMS)."""
     out = tmp_path_factory.mktemp("rl_one") / "run"
     settings = rl_settings(prompts, "training.per_device_batch_size=16")
-    run_rl(out, settings, ShardingPolicy(), 1)
+    original = Generator._programs_for
+
+    def counted(self, *key):
+        REFERENCE_PROGRAMS.append(key)
+        return original(self, *key)
+
+    Generator._programs_for = counted  # type: ignore[method-assign]
+    try:
+        run_rl(out, settings, ShardingPolicy(), 1)
+    finally:
+        Generator._programs_for = original  # type: ignore[method-assign]
     return out
 
 
@@ -191,6 +207,9 @@ def test_the_run_keeps_its_rollouts_and_trl_metrics(reference):
     assert "val_reward" in rows[1] and "val_reward" in rows[2]
     assert rows[0]["sampling/importance_sampling_ratio/mean"] == pytest.approx(1, abs=1e-5)
     assert sorted(rollouts(reference)) == [1, 3]  # steps 1 and 2 train on one batch
+    # Two generation batches and three held-out generations: one compiled prefill and step.
+    assert len(REFERENCE_PROGRAMS) == 1, REFERENCE_PROGRAMS
+    assert all(row["rollout/tokens_per_s"] > 0 for row in rows)
 
 
 PREEMPTING = (
@@ -231,6 +250,7 @@ def test_a_sigterm_inside_a_generation_batch_resumes_bit_for_bit(prompts, refere
     run_rl(out, settings, ShardingPolicy(), 1, resume=True)
     assert rollouts(out) == rollouts(reference)
     timing = {"step_time_s", "tokens_per_s", "trained_tokens_per_s", "mfu"}
+    timing |= {"rollout/generate_s", "rollout/score_s", "rollout/tokens_per_s"}
 
     def numbers(run: Path) -> list[dict]:
         return [

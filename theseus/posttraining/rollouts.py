@@ -14,6 +14,7 @@ from its rollouts file, which holds everything its rows are made of.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,14 @@ class Generation:
     rows: np.ndarray  # (completions, RL_FIELDS, seq_len + 1)
     metrics: dict[str, float]
     tokens: int  # prompt and completion tokens (TRL's num_tokens counts them)
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """A generation's completions and its rate (new tokens per second, prefill included)."""
+
+    completions: Completions
+    tokens_per_s: float
 
 
 class RolloutData:
@@ -170,9 +179,10 @@ class RolloutData:
             return Validated(None, None, {})
         chosen = held[np.arange(self.num_prompts) % held.size]
         seed = _seed(self.trainer.config.training.seed, 0, _VALIDATION)
-        completions = self._generate(params, chosen, seed)
+        completions = self._generate(params, chosen, seed).completions
         records = self._rows_of(chosen)
-        scores = self._scores(completions, records, step=0)
+        texts = [decode_completion(ids, self.codec) for ids in completions.ids]  # type: ignore[arg-type]
+        scores = self._scores(completions, records, texts, step=0)
         return Validated(None, None, {**scores.metrics(), **_length_metrics(completions)})
 
     # --- generations -----------------------------------------------------------------------
@@ -190,9 +200,15 @@ class RolloutData:
         rl, trainer = self.trainer.rl, self.trainer
         chosen = self._prompts_of(index)
         seed = _seed(trainer.config.training.seed, index, _SAMPLING)
-        completions = self._generate(state.params, chosen, seed)
-        records = self._rows_of(chosen)
-        scores = self._scores(completions, records, step=first)
+        # The state is the step before's, still computing: the rollout's clock starts when it is.
+        params = jax.block_until_ready(state.params)
+        began = time.perf_counter()
+        sampled = self._generate(params, chosen, seed)
+        generated = time.perf_counter()
+        completions, records = sampled.completions, self._rows_of(chosen)
+        texts = [decode_completion(ids, self.codec) for ids in completions.ids]  # type: ignore[arg-type]
+        scores = self._scores(completions, records, texts, step=first)
+        scored = time.perf_counter()
         advantages = group_advantages(scores.total, rl.num_generations, rl.scale_rewards).advantages
         rows = self._rows(completions, advantages, None)
         old = None
@@ -201,10 +217,15 @@ class RolloutData:
             old = _per_completion(per_target, completions, rl.max_completion_length)
             rows = self._rows(completions, advantages, old)
         if is_main_process():
-            texts = [decode_completion(ids, self.codec) for ids in completions.ids]  # type: ignore[arg-type]
             kept = KeptRollouts(completions, scores, advantages, old)
             write_rollouts(self.out_dir / ROLLOUTS, first, [r.prompt for r in records], texts, kept)
-        return Generation(rows, self._metrics(completions, scores), _tokens(completions))
+        timing = {  # where a rollout's time goes (the step's own time is step_time_s)
+            "rollout/generate_s": generated - began,
+            "rollout/score_s": scored - generated,
+            "rollout/tokens_per_s": sampled.tokens_per_s,
+        }
+        metrics = self._metrics(completions, scores) | timing
+        return Generation(rows, metrics, _tokens(completions))
 
     def _read(self, first: int) -> Generation:
         """The generation that step ``first`` drew, read back from ``rollouts/<first>.jsonl``
@@ -230,7 +251,7 @@ class RolloutData:
             **_length_metrics(completions),
         }
 
-    def _generate(self, params: Any, chosen: np.ndarray, seed: int) -> Completions:
+    def _generate(self, params: Any, chosen: np.ndarray, seed: int) -> Sampled:
         """``rl.num_generations`` completions of each prompt of ``chosen`` (indices), drawn
         from ``params`` (storage layout) in the compute layout."""
         trainer = self.trainer
@@ -251,12 +272,12 @@ class RolloutData:
         )
         self.generator.params = None
         rows = [p for p in prompts for _ in range(trainer.rl.num_generations)]
-        return cut_at_end(rows, generated.ids, generated.logps, self.end_ids)
+        completions = cut_at_end(rows, generated.ids, generated.logps, self.end_ids)
+        return Sampled(completions, generated.tokens_per_s)
 
     def _scores(
-        self, completions: Completions, records: list[PromptRecord], *, step: int
+        self, completions: Completions, records: list[PromptRecord], texts: list[str], *, step: int
     ) -> Scores:
-        texts = [decode_completion(ids, self.codec) for ids in completions.ids]  # type: ignore[arg-type]
         return score(
             self.functions,
             self.trainer.rl.weights,
