@@ -302,12 +302,19 @@ class RolloutData:
             rl.loss, trained, steps=steps, accumulation=accumulation, max_completion_length=width
         )
         metrics = metric_weights(trained, steps=steps, accumulation=accumulation)
+        clips = metric_weights(
+            trained,
+            steps=steps,
+            accumulation=accumulation,
+            per_sequence=rl.importance_sampling == "sequence",
+        )
         return completion_rows(
             completions,
             trained=trained,
             advantages=advantages,
             loss_weights=loss_weights * per_step,
             metric_weights=metrics * per_step,
+            clip_weights=clips * per_step,
             old_logps=old,
             row_tokens=self.trainer.seq_len + 1,
         )

@@ -4,9 +4,10 @@ A completion row is int32 ``(RL_FIELDS, seq_len + 1)``: the segmented row of
 :mod:`theseus.data.packing` (tokens: the prompt then the completion; mask: 1 on the completion
 tokens that train; segment 1 on both, 0 on the padding after them), then float32 fields stored as
 their bits, each at the position of the token it belongs to: the completion's advantage (at
-position 0), each completion token's loss weight and metric weight (what TRL's aggregation makes
-of it, :func:`~theseus.posttraining.objective.aggregation_weights`, times the completions of a
-step), its log-probability when the rollout was drawn under the model (the old one, where a
+position 0), each completion token's loss weight, metric weight and clip-metric weight (what TRL's
+aggregation makes of it, :func:`~theseus.posttraining.objective.aggregation_weights` and
+:func:`~theseus.posttraining.objective.metric_weights`, times the completions of a step; the clip
+ratios of sequence-level importance sampling are means over sequences), its log-probability when the rollout was drawn under the model (the old one, where a
 batch trains several steps) and under the sampler.
 """
 
@@ -19,8 +20,8 @@ import numpy as np
 
 from theseus.data.packing import MASK, SEGMENTS, TOKENS
 
-ADVANTAGE, LOSS_WEIGHT, METRIC_WEIGHT, OLD_LOGPS, SAMPLER_LOGPS = range(3, 8)
-RL_FIELDS = 8
+ADVANTAGE, LOSS_WEIGHT, METRIC_WEIGHT, CLIP_WEIGHT, OLD_LOGPS, SAMPLER_LOGPS = range(3, 9)
+RL_FIELDS = 9
 
 
 @dataclass(frozen=True)
@@ -77,11 +78,13 @@ def completion_rows(
     advantages: np.ndarray,
     loss_weights: np.ndarray,
     metric_weights: np.ndarray,
+    clip_weights: np.ndarray,
     old_logps: np.ndarray | None,
     row_tokens: int,
 ) -> np.ndarray:
     """The rows (completions, RL_FIELDS, row_tokens) of ``completions``: ``trained``,
-    ``loss_weights`` and ``metric_weights`` (completions, width) per completion token,
+    ``loss_weights``, ``metric_weights`` and ``clip_weights`` (completions, width) per completion
+    token,
     ``advantages`` (completions,), ``old_logps`` (completions, width) or None (zeros: the step
     takes the current ones)."""
     rows = np.zeros((len(completions.ids), RL_FIELDS, row_tokens), np.int32)
@@ -96,6 +99,7 @@ def completion_rows(
         floats[r, ADVANTAGE, 0] = advantages[r]
         floats[r, LOSS_WEIGHT, start:end] = loss_weights[r, :n]
         floats[r, METRIC_WEIGHT, start:end] = metric_weights[r, :n]
+        floats[r, CLIP_WEIGHT, start:end] = clip_weights[r, :n]
         floats[r, SAMPLER_LOGPS, start:end] = completions.sampler_logps[r]
         if old_logps is not None:
             floats[r, OLD_LOGPS, start:end] = old_logps[r, :n]

@@ -24,6 +24,7 @@ from theseus.posttraining.config import RLSection
 from theseus.posttraining.objective import token_terms
 from theseus.posttraining.rows import (
     ADVANTAGE,
+    CLIP_WEIGHT,
     LOSS_WEIGHT,
     METRIC_WEIGHT,
     OLD_LOGPS,
@@ -122,14 +123,19 @@ class RLTrainer(FamilyTrainer):
         assert policy.entropies is not None
         values = {
             "entropy": jax.lax.stop_gradient(policy.entropies),
-            "clip_ratio/low_mean": terms.low_clipped,
-            "clip_ratio/high_mean": terms.high_clipped,
-            "clip_ratio/region_mean": terms.region_clipped,
             "sampling/sampling_logp_difference/mean": jnp.abs(current - sampler),
             "sampling/importance_sampling_ratio/mean": jnp.exp(current - sampler),
             "kl": terms.kl,
         }
-        sums = {name: jnp.sum(values[name] * metric * trained) for name in self.metric_names()}
+        sums = {
+            name: jnp.sum(values[name] * metric * trained)
+            for name in self.metric_names()
+            if name in values
+        }
+        clip = floats(CLIP_WEIGHT)  # over tokens, or (GSPO) over sequences, empty ones too
+        sums["clip_ratio/low_mean"] = jnp.sum(terms.low_clipped * clip)
+        sums["clip_ratio/high_mean"] = jnp.sum(terms.high_clipped * clip)
+        sums["clip_ratio/region_mean"] = jnp.sum(terms.region_clipped * clip)
         loss = TokenLoss(
             jnp.sum(terms.loss * weights * trained),
             jnp.asarray(rows.shape[0], jnp.int32),
