@@ -81,7 +81,8 @@ def main() -> None:
         f"training.batch_size={args.batch}", f"training.per_device_batch_size={args.batch}",
         f"training.steps={args.steps}", "training.validation_interval=25",
         f"optimization.learning_rate={args.learning_rate}", "optimization.warmup_steps=5",
-        "optimization.weight_decay=0.0", "data.validation_fraction=0.1",
+        "optimization.weight_decay=0.0", "optimization.min_learning_rate_ratio=1.0",
+        "data.validation_fraction=0.1",
         "checkpointing.interval=1000", "logging.progress_bar=false",
     ]  # fmt: skip
     print("$", " ".join(command[2:]), flush=True)

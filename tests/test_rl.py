@@ -284,6 +284,24 @@ def test_lora_scores_its_reference_with_the_adapters_off(prompts, reference, tmp
     assert kls[0] == 0 and kls[1] > 0 and kls[2] > 0, kls
 
 
+def test_a_family_with_experts_adds_its_routing_loss(prompts, tmp_path):
+    """qwen3_moe/train/rl: the step adds the load-balancing loss to the RL objective and
+    records it beside TRL's metrics."""
+    job = get_job("qwen3_moe/train/rl")
+    settings = [
+        s for s in rl_settings(prompts, "training.per_device_batch_size=16") if "num_kv" not in s
+    ]
+    moe = ["model.num_experts=4", "model.num_experts_per_tok=2", "model.moe_intermediate_size=16"]
+    config = apply_overrides(
+        job.trainer_class.config_class(), [*settings, *moe, "training.steps=1"]
+    )
+    topology = Topology.new(ShardingPolicy(), devices=jax.devices()[:1])
+    trainer = job.trainer_class(config, ShardingPolicy(), topology)
+    run_trainer(job, trainer, tmp_path / "run")
+    (row,) = read_metrics(tmp_path / "run")
+    assert row["aux_loss"] > 0 and "expert_load" in row and "reward" in row
+
+
 def test_completions_stop_at_the_first_end_id():
     new = np.asarray([[3, 12, 5, 12], [4, 4, 4, 4], [12, 1, 1, 1]])
     logps = -np.arange(12, dtype=np.float32).reshape(3, 4)
