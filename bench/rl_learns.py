@@ -65,6 +65,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256, help="completions a step")
     parser.add_argument("--width", type=int, default=64, help="model.n_embd")
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--beta", type=float, default=0.0, help="KL to the random start")
     parser.add_argument("--work", type=Path, default=None)
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="rl_learns_"))
@@ -75,7 +76,7 @@ def main() -> None:
     command = [
         sys.executable, "-m", "theseus", "train", "--job", "gpt/train/rl", "--out", str(run),
         "--overwrite", "data.path=prompts.jsonl", "rl.tokenizer=tokenizer",
-        "rl.rewards=[rewards.py:modular_sum]", f"rl.num_generations={args.generations}", f"rl.temperature={args.temperature}",
+        "rl.rewards=[rewards.py:modular_sum]", f"rl.num_generations={args.generations}", f"rl.temperature={args.temperature}", f"rl.beta={args.beta}",
         "rl.max_completion_length=3", "model.vocab_size=14", "model.n_layer=2",
         f"model.n_embd={args.width}", "model.n_head=4", "model.block_size=8", "training.seq_len=7",
         f"training.batch_size={args.batch}", f"training.per_device_batch_size={args.batch}",

@@ -10,61 +10,35 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
+from theseus.model.decoder import DecoderModel
 from theseus.posttraining.trainer import RLTrainer
 from theseus.sharding.topology import UnderMesh
-from theseus.training import gathering
-from theseus.training.keys import validation_keys
+from theseus.training.keys import Keys
 from theseus.training.losses import row_fields, segment_positions
-from theseus.training.step import batch_sharding
+from theseus.training.step import jitted_scoring_pass
 
 
 def logps_step(trainer: RLTrainer) -> UnderMesh:
     """Storage-layout parameters and (num, examples, RL_FIELDS, seq_len + 1) rows in, each
     target's log-probability at ``rl.temperature`` (num, examples, seq_len) out, replicated."""
-    context, entry, rl = trainer.context, trainer.entry, trainer.rl
+    temperature = trainer.rl.temperature
 
-    def run(params: Any, batches: jax.Array) -> jax.Array:
-        params = jax.lax.with_sharding_constraint(params, entry.layout)
-        keys = validation_keys(batches.shape[:2])
+    def logps(model: nnx.Module, rows: jax.Array, keys: Keys) -> jax.Array:
+        assert isinstance(model, DecoderModel), type(model)  # every family's model is one
+        tokens, _, segments = row_fields(rows)  # each (examples, seq_len + 1)
+        segments = segments[:, :-1]  # (examples, seq_len)
+        return model.sampled_logps(
+            tokens[:, :-1],
+            tokens[:, 1:],
+            keys.examples,
+            chunk=trainer.loss_chunk,
+            temperature=temperature,
+            segments=segments,
+            positions=segment_positions(segments),
+        ).logps
 
-        def one(carry: None, inputs: tuple[jax.Array, jax.Array]) -> tuple[None, jax.Array]:
-            rows, examples = inputs
-            tokens, _, segments = row_fields(rows)  # each (examples, seq_len + 1)
-            segments = segments[:, :-1]  # (examples, seq_len)
-
-            def logps(params: Any) -> jax.Array:
-                model = nnx.merge(context.graphdef, params)
-                return model.sampled_logps(
-                    tokens[:, :-1],
-                    tokens[:, 1:],
-                    examples,
-                    chunk=trainer.loss_chunk,
-                    temperature=rl.temperature,
-                    segments=segments,
-                    positions=segment_positions(segments),
-                ).logps
-
-            return None, gathering.loss_with_layouts(
-                logps,
-                params,
-                context.layouts,
-                None,
-                cast_dtype=context.gather_dtype,
-                remat=context.policy.activation_checkpointing,
-                experts=context.policy.experts,
-            )
-
-        return jax.lax.scan(one, None, (batches, keys.examples))[1]
-
-    step = jax.jit(
-        run,
-        in_shardings=(context.layouts.storage, batch_sharding(context.mesh)),
-        out_shardings=NamedSharding(context.mesh, P()),
-    )
-    return UnderMesh(step, context.topology.device_mesh)
+    return jitted_scoring_pass(trainer.context, trainer.entry, logps)
 
 
 def generation_logps(

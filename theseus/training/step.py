@@ -244,6 +244,47 @@ def jitted_validation_step(context: TrainerContext, entry: gathering.Entry) -> U
     return UnderMesh(step, context.topology.device_mesh)
 
 
+def jitted_scoring_pass(
+    context: TrainerContext,
+    entry: gathering.Entry,
+    score: Callable[[nnx.Module, jax.Array, Keys], jax.Array],
+) -> UnderMesh:
+    """A jitted pass of ``score(model, rows, keys)`` (no gradient) over (num, examples, ...)
+    batches of rows, a microbatch at a time, the parameters in storage gathered as the step
+    gathers them (per layer under FSDP); the scores (num, ...) out, replicated. What a
+    preference run's precomputed reference and an RL batch's old log-probabilities are."""
+
+    def run(params: Any, batches: jax.Array) -> jax.Array:
+        params = jax.lax.with_sharding_constraint(params, entry.layout)
+        keys = validation_keys(batches.shape[:2])
+
+        def one(carry: None, inputs: tuple[jax.Array, jax.Array]) -> tuple[None, jax.Array]:
+            rows, examples = inputs
+
+            def scored(params: Any) -> jax.Array:
+                model = nnx.merge(context.graphdef, params)
+                return score(model, rows, Keys(examples, keys.step))
+
+            return None, gathering.loss_with_layouts(
+                scored,
+                params,
+                context.layouts,
+                None,
+                cast_dtype=context.gather_dtype,
+                remat=context.policy.activation_checkpointing,
+                experts=context.policy.experts,
+            )
+
+        return jax.lax.scan(one, None, (batches, keys.examples))[1]
+
+    step = jax.jit(
+        run,
+        in_shardings=(context.layouts.storage, batch_sharding(context.mesh)),
+        out_shardings=NamedSharding(context.mesh, P()),
+    )
+    return UnderMesh(step, context.topology.device_mesh)
+
+
 def put_batch(
     mesh: Mesh | AbstractMesh, rows_for: Callable[[slice], np.ndarray], shape: tuple[int, ...]
 ) -> jax.Array:

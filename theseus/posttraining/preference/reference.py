@@ -14,8 +14,6 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from theseus.accounting.preflight import BatchPlan
 from theseus.data import Mixture
@@ -25,8 +23,8 @@ from theseus.distributed.join import is_main_process
 from theseus.sharding.topology import UnderMesh
 from theseus.training import gathering
 from theseus.training.context import TrainerContext
-from theseus.training.keys import Keys, validation_keys
-from theseus.training.step import batch_sharding
+from theseus.training.keys import Keys
+from theseus.training.step import jitted_scoring_pass
 from theseus.training.trainer import TrainerConfig
 
 
@@ -65,38 +63,11 @@ _CHUNK = 16  # microbatches a call of the pass reads
 def reference_step(trainer: PreferenceTrainer) -> UnderMesh:
     """Storage-layout parameters and (num, examples, PAIR_FIELDS, seq_len + 1) rows in, the
     reference's per-segment log-probabilities (num, examples, seq_len + 2) out, replicated."""
-    context, entry = trainer.context, trainer.entry
 
-    def run(params: Any, batches: jax.Array) -> jax.Array:
-        params = jax.lax.with_sharding_constraint(params, entry.layout)
-        keys = validation_keys(batches.shape[:2])
+    def logps(model: nnx.Module, rows: jax.Array, keys: Keys) -> jax.Array:
+        return trainer.reference_logps(trainer.reference_model(model), rows, keys)
 
-        def one(carry: None, inputs: tuple[jax.Array, jax.Array]) -> tuple[None, jax.Array]:
-            rows, examples = inputs
-
-            def logps(params: Any) -> jax.Array:
-                model = nnx.merge(context.graphdef, params)
-                reference = trainer.reference_model(model)
-                return trainer.reference_logps(reference, rows, Keys(examples, keys.step))
-
-            return None, gathering.loss_with_layouts(
-                logps,
-                params,
-                context.layouts,
-                None,
-                cast_dtype=context.gather_dtype,
-                remat=context.policy.activation_checkpointing,
-                experts=context.policy.experts,
-            )
-
-        return jax.lax.scan(one, None, (batches, keys.examples))[1]
-
-    step = jax.jit(
-        run,
-        in_shardings=(context.layouts.storage, batch_sharding(context.mesh)),
-        out_shardings=NamedSharding(context.mesh, P()),
-    )
-    return UnderMesh(step, context.topology.device_mesh)
+    return jitted_scoring_pass(trainer.context, trainer.entry, logps)
 
 
 def split_reference(trainer: PreferenceTrainer, sampler: PairSampler, params: Any) -> np.ndarray:
