@@ -1,8 +1,8 @@
 """Result dataclasses as JSON: one encoder for every record theseus writes or prints.
 
 A mapping becomes an object of its items; a dataclass an object of its fields, where a field's
-``metadata["json"]`` renames it (``None`` leaves it out) and a class's ``json_properties`` adds
-computed values (property → key).
+``metadata["json"]`` renames it (``None`` leaves it out; ``omit_none``: out while its value is
+None) and a class's ``json_properties`` adds computed values (property → key).
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ import pydantic
 from jax.sharding import PartitionSpec
 
 
-def json_field(key: str | None, **options: Any) -> Any:
-    """A dataclass field written under ``key`` in JSON (``None``: not written)."""
-    return dataclasses.field(metadata={"json": key}, **options)
+def json_field(key: str | None, *, omit_none: bool = False, **options: Any) -> Any:
+    """A dataclass field written under ``key`` in JSON (``None``: not written; ``omit_none``:
+    not written while its value is None, so records without it keep their keys)."""
+    return dataclasses.field(metadata={"json": key, "omit_none": omit_none}, **options)
 
 
 def as_json(value: Any) -> Any:
@@ -28,9 +29,9 @@ def as_json(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         out = {}
         for field in dataclasses.fields(value):
-            key = field.metadata.get("json", field.name)
-            if key is not None:
-                out[key] = as_json(getattr(value, field.name))
+            key, item = field.metadata.get("json", field.name), getattr(value, field.name)
+            if key is not None and not (item is None and field.metadata.get("omit_none")):
+                out[key] = as_json(item)
         for attribute, key in getattr(value, "json_properties", {}).items():
             out[key] = as_json(getattr(value, attribute))
         return out

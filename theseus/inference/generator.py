@@ -30,7 +30,7 @@ from theseus.config import check_int
 from theseus.inference.programs import Program, ProgramCache, global_array
 from theseus.inference.sampling import Sampling, next_tokens, sample_keys
 from theseus.model.decode import ROWS
-from theseus.sharding.axis import Axis, partition_spec
+from theseus.sharding.axis import Axis, Rule, ShardingPlan, ShardingPolicy, partition_spec
 from theseus.sharding.layout import abstract_with
 from theseus.training.trainer import BaseTrainer
 
@@ -65,7 +65,7 @@ class Generator:
         self.decoder = decoder
         self.params = params
         self.mesh = trainer.mesh
-        self.rules = (*trainer.plan.rules(trainer.policy, "compute"), (ROWS, Axis.BATCH))
+        self.rules = cache_rules(trainer.plan, trainer.policy)
         self._programs = ProgramCache(trainer.topology.device_mesh)
         self.replicated = NamedSharding(self.mesh, P())
 
@@ -117,7 +117,7 @@ class Generator:
             prompt = prompts[row // num_samples]
             tokens[row, : len(prompt)] = prompt
             row_lengths[row] = len(prompt)
-        prefill, step = self._compiled(padded, width, width + new, num_valid)
+        prefill, step = self.compiled(padded, width, width + new, num_valid)
         row_sharding = NamedSharding(self.mesh, P(Axis.BATCH))
         controls = {"seed": np.uint32(seed), **sampling.arrays()}
         # Every process holds the same prompts; each places the rows of its own devices.
@@ -164,8 +164,11 @@ class Generator:
                 )
         return lengths
 
-    def _compiled(self, num_rows: int, width: int, cache_len: int, num_valid: int):
-        """The prefill and the decode step for this batch shape, compiled once each."""
+    def compiled(
+        self, num_rows: int, width: int, cache_len: int, num_valid: int
+    ) -> tuple[jax.stages.Compiled, ...]:
+        """The prefill and the decode step for this batch shape, compiled once each (nothing
+        allocated: ``theseus plan --compile`` reads their ``memory_analysis()``)."""
         key = (num_rows, width, cache_len, num_valid)
         return self._programs(key, lambda: self._programs_for(*key))
 
@@ -219,6 +222,12 @@ class Generator:
             Program(prefill, (params, tokens, row_ints, row_ints, controls), outputs),
             Program(step, (params, cache, chosen, row_ints, row_ints, controls), outputs, (1,)),
         )
+
+
+def cache_rules(plan: ShardingPlan, policy: ShardingPolicy) -> tuple[Rule, ...]:
+    """How the cache's logical names resolve under ``policy``: the model's compute rules (its
+    key and value heads as training splits their projections) and its rows over ``batch``."""
+    return (*plan.rules(policy, "compute"), (ROWS, Axis.BATCH))
 
 
 def _stacked(chosen: list[jax.Array], num_rows: int) -> np.ndarray:

@@ -117,12 +117,15 @@ def _total(option: PolicyOption) -> int:
 
 def _needs(option: PolicyOption) -> str:
     """What ``option`` needs per device, in words: the model state, and the activations when
-    they are known."""
+    they are known (an RL job's: and its rollout)."""
     assert option.totals is not None  # only valid options are described
     state = f"model state needs {format_bytes(option.totals.total)}"
-    if option.activations is None:
+    if option.activations is not None:
+        state = f"{state} + activations {format_bytes(option.activations.total)}"
+    if option.rollout is None:
         return state
-    return f"{state} + activations {format_bytes(option.activations.total)}"
+    rollout = option.totals.persistent + option.rollout.generation
+    return f"the larger of its step ({state}) and its rollout ({format_bytes(rollout)})"
 
 
 def _communicated(plan_: Plan) -> int:

@@ -23,6 +23,8 @@ from theseus.accounting.preflight import BatchPlan, preflight
 from theseus.config import apply_overrides
 from theseus.plan.policies import candidate_policies, communication_key
 from theseus.plan.results import ClosedForm, Plan, PolicyOption, RematOption, Verdict
+from theseus.plan.rollout import CompiledRollout, compile_rollout, rollout_memory
+from theseus.posttraining.trainer import RLTrainer
 from theseus.sharding.axis import MESH_AXES, REMAT_POLICIES, Axis, ShardingPolicy, partition_spec
 from theseus.sharding.layout import LayoutError, shard_shape
 from theseus.sharding.topology import Topology, mesh_grid_shape, resolve_devices_per_host
@@ -46,11 +48,13 @@ def plan(
     (``alternatives=False``: this policy alone, which is faster).
 
     Memory per device is the model state plus one microbatch's activations
-    (:mod:`theseus.accounting.activations`); with ``device_memory`` (bytes per device) the
-    verdict fails when that sum does not fit.
+    (:mod:`theseus.accounting.activations`); an RL job's is the larger of that step and its
+    rollout (:mod:`theseus.plan.rollout`); with ``device_memory`` (bytes per device) the
+    verdict fails when it does not fit.
 
     Works from abstract shapes only; nothing the size of the model is allocated. ``compile=True``
-    also compiles the real train step on the first ``num_devices`` devices of this process and
+    also compiles the real train step (an RL job's: on completion rows, and its generation
+    programs) on the first ``num_devices`` devices of this process and
     adds its ``memory_analysis()`` (only when the verdict is ok) and, with ``compare_remat``,
     compiles the same policy under every recompute policy to compare their peaks and FLOPs
     (:data:`~theseus.sharding.axis.REMAT_POLICIES`). Raises ``ValueError`` for bad
@@ -85,6 +89,7 @@ def plan(
         if candidate == policy:
             chosen, batch_plan = option, candidate_batch
     compiled: CompiledStep | None = None
+    compiled_rollout: CompiledRollout | None = None
     remat: tuple[RematOption, ...] = ()
     verdict = chosen.verdict
     if verdict.ok and device_memory is not None:
@@ -94,7 +99,10 @@ def plan(
             verdict, gathering=gathering(shapes, policy, chosen.mesh_shape)
         )
         if compile:
-            compiled = _device_trainer(trainer_class, config, policy, num_devices).compile()
+            device = _device_trainer(trainer_class, config, policy, num_devices)
+            compiled = device.compile()
+            if isinstance(device, RLTrainer):
+                compiled_rollout = compile_rollout(device)
         if compiled is not None and compare_remat:
             remat = remat_options(trainer_class, config, policy, num_devices, compiled)
     return Plan(
@@ -115,18 +123,20 @@ def plan(
         remat=remat,
         activations=chosen.activations,
         device_memory=device_memory,
+        rollout=chosen.rollout,
+        compiled_rollout=compiled_rollout,
     )
 
 
 def memory_verdict(option: PolicyOption, device_memory: int) -> Verdict:
-    """Ok when ``option``'s model state and one microbatch's activations fit in
-    ``device_memory`` bytes per device, else the failure with what to change."""
+    """Ok when ``option``'s model state and one microbatch's activations (an RL job's: and its
+    rollout) fit in ``device_memory`` bytes per device, else the failure with what to change."""
     total = option.total
     if total is None or total <= device_memory:
         return option.verdict
     assert option.totals is not None  # a total has the model state in it
-    state, acts = option.totals.total, option.activations
-    parts = f"model state {format_bytes(state)}"
+    state, acts, rollout = option.totals, option.activations, option.rollout
+    parts = f"model state {format_bytes(state.total)}"
     if acts is not None:
         parts += (
             f" + activations {format_bytes(acts.total)} of one microbatch (recompute "
@@ -136,11 +146,23 @@ def memory_verdict(option: PolicyOption, device_memory: int) -> Verdict:
     more = (
         "Recompute more (--activation-checkpointing dots or full), lower" if recompute else "Lower"
     )
+    more += " training.per_device_batch_size"
+    if rollout is not None:
+        parts = (
+            f"the larger of the training step, {parts} + completion rows "
+            f"{format_bytes(rollout.batch)}, and the rollout, parameters and optimizer state "
+            f"{format_bytes(state.persistent)} + generation {format_bytes(rollout.generation)}: "
+            f"{rollout.describe()}"
+        )
+        more += (
+            " (the step), lower training.batch_size × rl.steps_per_generation (the rollout's "
+            "rows) or training.seq_len"
+        )
     return Verdict(
         False,
         f"out of memory: {option.name} needs {format_bytes(total)} per device ({parts}) but a "
-        f"device has {format_bytes(device_memory)}. {more} training.per_device_batch_size, "
-        "shard more (--fsdp, --tp) or add devices; --budget chooses for you.",
+        f"device has {format_bytes(device_memory)}. {more}, shard more (--fsdp, --tp) or add "
+        "devices; --budget chooses for you.",
     )
 
 
@@ -217,7 +239,10 @@ def _option(
             verdict = Verdict(False, verdict.error, layout_error)
     zero_model = closed_form(shapes, policy, mesh_shape[Axis.BATCH], totals)
     acts = activations(shapes, policy, batch_plan, totals, mesh_shape)
-    option = PolicyOption(policy, mesh_shape, totals, verdict, rank, zero_model, acts)
+    rollout = None
+    if isinstance(shapes, RLTrainer) and batch_plan is not None and totals is not None:
+        rollout = rollout_memory(shapes, policy, batch_plan, mesh_shape)
+    option = PolicyOption(policy, mesh_shape, totals, verdict, rank, zero_model, acts, rollout)
     return option, batch_plan
 
 

@@ -24,28 +24,40 @@ def render(p: Plan) -> str:
     lines += ["", p.closed_form.describe()] if p.closed_form is not None else []
     lines += ["", *_replicated(p.replicated, p)] if p.replicated is not None else []
     lines += ["", *_compiled(p.compiled)] if p.compiled is not None else []
+    lines += [p.compiled_rollout.describe()] if p.compiled_rollout is not None else []
     lines += ["", *_remat(p.remat, p.policy.activation_checkpointing)] if p.remat else []
     lines += ["", *_budget(p.budget)] if p.budget is not None else []
     return "\n".join([*lines, "", *_verdict(p)])
 
 
 def _memory(p: Plan) -> list[str]:
+    rl = any(option.rollout is not None for option in p.options)  # an RL job's plan
     lines = [
         "per-device memory in bytes: model state (parameters as stored, float32 gradient "
         "accumulator, optimizer state) and the activations of one microbatch"
+        + (
+            "; the rollout: parameters and optimizer state and what the generation holds; peak: "
+            "the larger of the training step (with its completion rows) and the rollout"
+            if rl
+            else ""
+        )
     ]
     header = ["", "policy", "mesh", "params", "gradient sum", "optimizer", "model state"]
-    header += ["activations", "sum", "verdict"]
+    header += ["activations", "rollout", "peak"] if rl else ["activations", "sum"]
+    header.append("verdict")
     table = []
     for option in p.options:
         mark = "*" if option.policy == p.policy else ""
         mesh = f"{option.mesh_shape[Axis.BATCH]}×{option.mesh_shape[Axis.SHARD]}"
-        cells = ["-", "-", "-", "-", "-", "-"]
+        cells = ["-"] * (7 if rl else 6)
         if option.totals is not None:
-            t, acts = option.totals, option.activations
+            t, acts, rollout = option.totals, option.activations, option.rollout
             cells = [_num(t.params), _num(t.grad_accumulator), _num(t.optimizer), _num(t.total)]
-            total = memory_sum(t, acts)
-            cells += ["-" if acts is None else format_bytes(acts.total), format_bytes(total)]
+            cells.append("-" if acts is None else format_bytes(acts.total))
+            if rl:
+                generation = None if rollout is None else t.persistent + rollout.generation
+                cells.append("-" if generation is None else format_bytes(generation))
+            cells.append(format_bytes(memory_sum(t, acts, rollout)))
         summary = option.verdict.summary
         summary = summary if len(summary) <= 72 else summary[:71] + "…"
         table.append([mark, option.name, mesh, *cells, summary])
@@ -56,7 +68,7 @@ def _memory(p: Plan) -> list[str]:
     )
     if p.policy.experts != "none":
         lines.append(f"  {p.policy.name}{expert_exchange(p.policy)}")
-    return [*lines, *_activations(p)]
+    return [*lines, *_activations(p), *_rollout(p)]
 
 
 def _activations(p: Plan) -> list[str]:
@@ -74,11 +86,35 @@ def _activations(p: Plan) -> list[str]:
         f"chunks of {_num(a.loss_chunk)} positions; freed before the layers' backward) + other "
         f"{format_bytes(a.other)}"
     ]
-    if p.device_memory is not None:
+    if p.device_memory is not None and p.rollout is None:
         assert p.total is not None  # activations are estimated with the model state only
         lines.append(
             f"  sum {format_bytes(p.total)} per device against {format_bytes(p.device_memory)} "
             "of device memory"
+        )
+    return lines
+
+
+def _rollout(p: Plan) -> list[str]:
+    """An RL job's rollout and the peak of its step."""
+    r, t = p.rollout, p.totals
+    if r is None or t is None:
+        return []
+    step = t.total + r.batch + (0 if p.activations is None else p.activations.total)
+    assert p.total is not None  # a rollout is planned with the model state only
+    lines = [
+        f"rollout of {p.name}, {_num(r.rows)} completions a generation batch "
+        f"({_num(r.rows_per_device)} per device): {format_bytes(r.generation)} "
+        f"({_num(r.generation)} bytes) beyond the parameters and optimizer state = {r.describe()}",
+        f"  peak {format_bytes(p.total)} per device: the larger of the training step "
+        f"{format_bytes(step)} (model state, activations and its completion rows "
+        f"{format_bytes(r.batch)}) and the rollout {format_bytes(t.persistent + r.generation)} "
+        "(parameters, optimizer state and the generation)",
+    ]
+    if p.device_memory is not None:
+        lines.append(
+            f"  peak {format_bytes(p.total)} per device against "
+            f"{format_bytes(p.device_memory)} of device memory"
         )
     return lines
 
@@ -151,8 +187,10 @@ def _verdict(p: Plan) -> list[str]:
                 f"{format_bytes(p.device_memory)}"
             ]
         elif p.total is not None:
+            what = "model state and activations"
+            what = "the larger of the training step and the rollout" if p.rollout else what
             memory = [
-                f"  memory: {format_bytes(p.total)} per device (model state and activations), "
+                f"  memory: {format_bytes(p.total)} per device ({what}), "
                 "not checked against a device: pass --device-memory (e.g. 80GiB)"
             ]
         return ["verdict: ok (the pre-flight check of a training run passes)", *gathering, *memory]

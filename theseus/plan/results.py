@@ -11,6 +11,7 @@ from theseus.accounting.memory import CompiledStep, MemoryTotals
 from theseus.accounting.records import json_field
 from theseus.accounting.text import number_text as _num
 from theseus.plan.policies import communication
+from theseus.plan.rollout import CompiledRollout, RolloutMemory
 from theseus.sharding.axis import ShardingPolicy
 from theseus.training.summary import PlanRow, ReplicatedShare
 
@@ -86,8 +87,8 @@ class ClosedForm:
 @dataclass(frozen=True)
 class PolicyOption:
     """One policy on the same devices: its mesh, model-state totals, activation memory of one
-    microbatch, verdict and rank in the communication order (0 = least; see
-    :mod:`theseus.plan.policies`)."""
+    microbatch, an RL job's rollout, verdict and rank in the communication order (0 = least;
+    see :mod:`theseus.plan.policies`)."""
 
     policy: ShardingPolicy
     mesh_shape: dict[str, int] = json_field("mesh")
@@ -96,6 +97,7 @@ class PolicyOption:
     rank: int = json_field("communication_rank", default=0)
     closed_form: ClosedForm | None = None  # tp=1 with fp32 AdamW only
     activations: ActivationMemory | None = None  # None: the batch or the model is not known
+    rollout: RolloutMemory | None = json_field("rollout", omit_none=True, default=None)  # RL
 
     json_properties: ClassVar[dict[str, str]] = {
         "name": "name",
@@ -110,8 +112,9 @@ class PolicyOption:
     @property
     def total(self) -> int | None:
         """Model state plus one microbatch's activations per device (the model state alone
-        when the activations are not known; None when a layout cannot hold some tensor)."""
-        return memory_sum(self.totals, self.activations)
+        when the activations are not known; None when a layout cannot hold some tensor); an RL
+        job's: the larger of its training step and its rollout."""
+        return memory_sum(self.totals, self.activations, self.rollout)
 
     @property
     def communication(self) -> str:
@@ -119,19 +122,34 @@ class PolicyOption:
 
 
 @overload
-def memory_sum(totals: MemoryTotals, activations: ActivationMemory | None) -> int: ...
+def memory_sum(
+    totals: MemoryTotals,
+    activations: ActivationMemory | None,
+    rollout: RolloutMemory | None = None,
+) -> int: ...
 
 
 @overload
-def memory_sum(totals: None, activations: ActivationMemory | None) -> None: ...
+def memory_sum(
+    totals: None, activations: ActivationMemory | None, rollout: RolloutMemory | None = None
+) -> None: ...
 
 
-def memory_sum(totals: MemoryTotals | None, activations: ActivationMemory | None) -> int | None:
+def memory_sum(
+    totals: MemoryTotals | None,
+    activations: ActivationMemory | None,
+    rollout: RolloutMemory | None = None,
+) -> int | None:
     """Per-device bytes of the model state and one microbatch's activations (None: no model
-    state, a layout cannot hold some tensor)."""
+    state, a layout cannot hold some tensor). With an RL job's ``rollout``: the larger of that
+    training step (with its completion rows) and the generation, each on top of the parameters
+    and optimizer state."""
     if totals is None:
         return None
-    return totals.total + (0 if activations is None else activations.total)
+    step = totals.total + (0 if activations is None else activations.total)
+    if rollout is None:
+        return step
+    return max(step + rollout.batch, totals.persistent + rollout.generation)
 
 
 class Reason(NamedTuple):
@@ -186,6 +204,10 @@ class Plan:
     remat: tuple[RematOption, ...] = json_field("remat_policies", default=())
     activations: ActivationMemory | None = None
     device_memory: int | None = json_field("device_memory_bytes", default=None)
+    rollout: RolloutMemory | None = json_field("rollout", omit_none=True, default=None)  # RL
+    compiled_rollout: CompiledRollout | None = json_field(
+        "compiled_rollout", omit_none=True, default=None
+    )
 
     json_properties: ClassVar[dict[str, str]] = {
         "policy_record": "policy",
@@ -199,8 +221,9 @@ class Plan:
 
     @property
     def total(self) -> int | None:
-        """Model state plus one microbatch's activations per device."""
-        return memory_sum(self.totals, self.activations)
+        """Model state plus one microbatch's activations per device (an RL job's: the larger
+        of its training step and its rollout)."""
+        return memory_sum(self.totals, self.activations, self.rollout)
 
     @property
     def name(self) -> str:

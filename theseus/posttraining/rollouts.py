@@ -38,7 +38,7 @@ from theseus.posttraining.prompts import (
 )
 from theseus.posttraining.rewards import RewardFunction, Scores, load_reward, score
 from theseus.posttraining.rollout_files import ROLLOUTS, KeptRollouts, read_rollouts, write_rollouts
-from theseus.posttraining.rows import RL_FIELDS, Completions, completion_rows, cut_at_end
+from theseus.posttraining.rows import Completions, completion_rows, cut_at_end
 from theseus.posttraining.scoring import generation_logps, logps_step
 from theseus.posttraining.trainer import RLTrainer
 from theseus.tokenization.folder import TOKENIZER_FILE
@@ -135,8 +135,7 @@ class RolloutData:
         }
 
     def batch_shape(self) -> tuple[int, ...]:
-        plan = self.trainer.batch_plan
-        return (*plan.shape[:2], RL_FIELDS, self.trainer.seq_len + 1)
+        return self.trainer.batch_shape
 
     def prepared(self, params: Any, run_dir: Path) -> RolloutData:
         """The prompts' tokenizer files kept in the run (its end ids and chat template too),
@@ -189,7 +188,7 @@ class RolloutData:
 
     @property
     def num_completions(self) -> int:
-        return self.trainer.batch_plan.global_batch_size * self.trainer.rl.steps_per_generation
+        return self.trainer.num_completions
 
     @property
     def num_prompts(self) -> int:

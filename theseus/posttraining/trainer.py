@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import pydantic
 from flax import nnx
 
+from theseus.accounting.memory import CompiledStep
 from theseus.model.decoder import DecoderModel
 from theseus.model.lora import with_zero_adapters
 from theseus.posttraining.config import RLSection
@@ -28,6 +29,7 @@ from theseus.posttraining.rows import (
     LOSS_WEIGHT,
     METRIC_WEIGHT,
     OLD_LOGPS,
+    RL_FIELDS,
     SAMPLER_LOGPS,
 )
 from theseus.training.family import FamilyTrainer
@@ -52,6 +54,22 @@ class RLTrainer(FamilyTrainer):
     def prompt_width(self) -> int:
         """The most tokens a prompt may have: the rows' sequence length less the completion's."""
         return self.seq_len - self.rl.max_completion_length
+
+    @property
+    def batch_shape(self) -> tuple[int, ...]:
+        """A step's global batch of completion rows: (accumulation, examples, RL_FIELDS,
+        seq_len + 1) int32."""
+        return (*self.batch_plan.shape[:2], RL_FIELDS, self.seq_len + 1)
+
+    @property
+    def num_completions(self) -> int:
+        """Completions of one generation batch: ``training.batch_size`` for each of the
+        ``rl.steps_per_generation`` steps it feeds."""
+        return self.batch_plan.global_batch_size * self.rl.steps_per_generation
+
+    def compile(self, batch_shape: tuple[int, ...] | None = None) -> CompiledStep:
+        """The step compiled ahead of time for completion rows (default :attr:`batch_shape`)."""
+        return super().compile(self.batch_shape if batch_shape is None else batch_shape)
 
     @property
     def holds_reference(self) -> bool:
