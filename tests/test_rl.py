@@ -22,7 +22,7 @@ from theseus.execution import run_trainer
 from theseus.inference.generator import Generator
 from theseus.jobs import get_job
 from theseus.plot import read_metrics
-from theseus.posttraining.rows import cut_at_end
+from theseus.posttraining.rl.rows import cut_at_end
 from theseus.sharding.axis import ShardingPolicy
 from theseus.sharding.topology import Topology
 from theseus.training.run.mode import RunMode

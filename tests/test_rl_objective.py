@@ -1,4 +1,4 @@
-"""The GRPO family's objective (theseus/posttraining/objective.py) against TRL 1.16's own
+"""The GRPO family's objective (theseus/posttraining/rl/objective.py) against TRL 1.16's own
 GRPOTrainer code on the same numbers (float32): its ``_compute_loss`` on a stand-in trainer whose
 model returns the test's log-probabilities, its gradient by torch autograd, the metrics it logs,
 and its advantages."""
@@ -17,7 +17,7 @@ import pytest
 from hf_reference import libraries
 from support import trl_module
 
-from theseus.posttraining.objective import (
+from theseus.posttraining.rl.objective import (
     ObjectiveSettings,
     aggregation_weights,
     group_advantages,

@@ -22,7 +22,7 @@ from hf_reference import libraries
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from theseus.inference.codec import ByteCodec, TokenizerCodec
-from theseus.posttraining.prompts import (
+from theseus.posttraining.rl.prompts import (
     completion_for,
     decode_completion,
     encode_prompt,
@@ -31,7 +31,7 @@ from theseus.posttraining.prompts import (
     read_prompts,
     reward_columns,
 )
-from theseus.posttraining.rewards import (
+from theseus.posttraining.rl.rewards import (
     RewardError,
     RewardFunction,
     accuracy,
@@ -174,9 +174,9 @@ def test_rewards_load_from_a_file_or_a_module_and_bad_specs_say_why(tmp_path, mo
     loaded = load_reward("rewards/mine.py:length_reward")
     assert loaded.name == "length_reward"
     assert loaded.fn(prompts=["p"], completions=["abc"], completion_ids=[[1]], answer=[1]) == [6.0]
-    builtin = load_reward("theseus.posttraining.rewards:accuracy")
+    builtin = load_reward("theseus.posttraining.rl.rewards:accuracy")
     assert builtin == RewardFunction("accuracy", accuracy)
-    assert load_reward("theseus.posttraining.rewards:think_format").name == "think_format"
+    assert load_reward("theseus.posttraining.rl.rewards:think_format").name == "think_format"
 
     def refused(spec, *words):
         with pytest.raises(ValueError) as error:

@@ -325,9 +325,14 @@ def test_the_key_test_finder_finds_key_tests():
     assert len(key_tests(weights)) == 1, key_tests(weights)
 
 
-# The model code, and the post-training code that reads a model's weights or a pair's
-# log-probabilities (preference losses, their rows and trainer, the reference pass).
-TYPED_CODE = ["model/**/*.py", "posttraining/preference/*.py"]
+# The model code, and the post-training code that reads a model's weights or log-probabilities
+# (preference losses, their rows and trainer, the reference pass; RL's objective, rows, trainer
+# and scoring pass; not the readers of users' records and reward modules).
+TYPED_CODE = [
+    "model/**/*.py",
+    "posttraining/preference/*.py",
+    *(f"posttraining/rl/{name}.py" for name in ("objective", "rows", "trainer", "scoring")),
+]
 
 
 def test_no_branch_on_the_presence_of_a_dict_key_in_model_code():

@@ -50,7 +50,7 @@ def run_trainer(
     source_dir: str | Path | None = None,
 ) -> Any:
     """Train (as ``mode`` says) or evaluate with an already created trainer, as the job says."""
-    from theseus.posttraining.rollouts import rollout_data
+    from theseus.posttraining.rl.rollouts import rollout_data
     from theseus.training.run.evaluation import evaluate
     from theseus.training.run.loop import train
 

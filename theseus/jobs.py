@@ -13,7 +13,7 @@ from typing import Any, Literal
 from theseus.config import read_yaml
 from theseus.model.family import Family
 from theseus.posttraining.preference.trainer import preference_trainer_class
-from theseus.posttraining.trainer import rl_trainer_class
+from theseus.posttraining.rl.trainer import rl_trainer_class
 from theseus.training.family import FamilyTrainer, trainer_class
 from theseus.training.run.evaluation import RUN_CONFIG
 from theseus.training.run.identity import record_training_job

@@ -133,7 +133,7 @@ def evaluate(
     trainer = reading_trainer(trainer_class, config_for, policy, policy_changes, devices)
     # Imported here: the generator's package (this one) is still initialising when
     # posttraining's modules import it.
-    from theseus.posttraining.rollouts import rollout_data
+    from theseus.posttraining.rl.rollouts import rollout_data
 
     base_dir = Path(base) if base else None
     data = rollout_data(trainer, run_dir, base_dir=base_dir)

@@ -24,7 +24,7 @@ from theseus.config import apply_overrides
 from theseus.plan.policies import candidate_policies, communication_key
 from theseus.plan.results import ClosedForm, Plan, PolicyOption, RematOption, Verdict
 from theseus.plan.rollout import CompiledRollout, compile_rollout, rollout_memory
-from theseus.posttraining.trainer import RLTrainer
+from theseus.posttraining.rl.trainer import RLTrainer
 from theseus.sharding.axis import MESH_AXES, REMAT_POLICIES, Axis, ShardingPolicy, partition_spec
 from theseus.sharding.layout import LayoutError, shard_shape
 from theseus.sharding.topology import Topology, mesh_grid_shape, resolve_devices_per_host

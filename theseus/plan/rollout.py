@@ -50,8 +50,8 @@ from theseus.accounting.preflight import BatchPlan
 from theseus.accounting.records import json_field
 from theseus.accounting.text import number_text
 from theseus.inference.generator import Generator, cache_rules
-from theseus.posttraining.rows import RL_FIELDS
-from theseus.posttraining.trainer import RLTrainer
+from theseus.posttraining.rl.rows import RL_FIELDS
+from theseus.posttraining.rl.trainer import RLTrainer
 from theseus.sharding.axis import ShardingPolicy, partition_spec
 from theseus.sharding.layout import shard_shape
 

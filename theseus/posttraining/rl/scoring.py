@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 
 from theseus.model.decoder import DecoderModel
-from theseus.posttraining.trainer import RLTrainer
+from theseus.posttraining.rl.trainer import RLTrainer
 from theseus.sharding.topology import UnderMesh
 from theseus.training.keys import Keys
 from theseus.training.losses import row_fields, segment_positions

@@ -5,8 +5,8 @@ A completion row is int32 ``(RL_FIELDS, seq_len + 1)``: the segmented row of
 tokens that train; segment 1 on both, 0 on the padding after them), then float32 fields stored as
 their bits, each at the position of the token it belongs to: the completion's advantage (at
 position 0), each completion token's loss weight, metric weight and clip-metric weight (what TRL's
-aggregation makes of it, :func:`~theseus.posttraining.objective.aggregation_weights` and
-:func:`~theseus.posttraining.objective.metric_weights`, times the completions of a step; the clip
+aggregation makes of it, :func:`~theseus.posttraining.rl.objective.aggregation_weights` and
+:func:`~theseus.posttraining.rl.objective.metric_weights`, times the completions of a step; the clip
 ratios of sequence-level importance sampling are means over sequences), its log-probability when the rollout was drawn under the model (the old one, where a
 batch trains several steps) and under the sampler.
 """

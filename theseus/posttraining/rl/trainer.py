@@ -1,6 +1,6 @@
 """Online RL of a model family (``NAME/train/rl``): the family's trainer reading completion rows
-(:mod:`theseus.posttraining.rows`) and adding up TRL's GRPO-family loss
-(:mod:`theseus.posttraining.objective`) on the shared step.
+(:mod:`theseus.posttraining.rl.rows`) and adding up TRL's GRPO-family loss
+(:mod:`theseus.posttraining.rl.objective`) on the shared step.
 
 ``training.batch_size`` counts completions (``rl.num_generations`` per prompt), split over
 accumulation and replicas as every batch is. Each completion token carries its loss weight (TRL's
@@ -21,9 +21,9 @@ from flax import nnx
 from theseus.accounting.memory import CompiledStep
 from theseus.model.decoder import DecoderModel
 from theseus.model.lora import with_zero_adapters
-from theseus.posttraining.config import RLSection
-from theseus.posttraining.objective import token_terms
-from theseus.posttraining.rows import (
+from theseus.posttraining.rl.config import RLSection
+from theseus.posttraining.rl.objective import token_terms
+from theseus.posttraining.rl.rows import (
     ADVANTAGE,
     CLIP_WEIGHT,
     LOSS_WEIGHT,

@@ -4,7 +4,7 @@ calls them in ``_calculate_rewards``.
 A reward function takes keyword arguments: ``prompts``, ``completions`` (texts, or for
 conversational prompts a list holding one assistant message each), ``completion_ids`` (each
 completion's token ids), one keyword per column of the prompt records
-(:func:`theseus.posttraining.prompts.reward_columns`), and TRL's helpers ``trainer_state`` (here
+(:func:`theseus.posttraining.rl.prompts.reward_columns`), and TRL's helpers ``trainer_state`` (here
 a :class:`RewardState` holding ``global_step`` alone), ``log_extra(column, values)`` and
 ``log_metric(name, value)``; so it ends with ``**kwargs``. It returns one number per completion,
 ``None`` for a completion it does not score. TRL's ``environments`` (tool environments), reward
@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from theseus.posttraining.verifiers import accuracy, think_format
+from theseus.posttraining.rl.verifiers import accuracy, think_format
 
 __all__ = [
     "RewardError",
@@ -112,7 +112,7 @@ def load_reward(spec: str) -> RewardFunction:
     if not colon or not where or not name:
         raise ValueError(
             f"reward {spec!r} names no function; give path/to/file.py:function or "
-            "package.module:function (e.g. theseus.posttraining.rewards:accuracy)"
+            "package.module:function (e.g. theseus.posttraining.rl.rewards:accuracy)"
         )
     module = _import_file(spec, Path(where)) if _is_path(where) else _import_module(spec, where)
     if not hasattr(module, name):

@@ -1,7 +1,7 @@
 """The built-in reward functions, verifiable checks with TRL's signature (``**kwargs`` takes
 the other keywords): ``accuracy`` (the completion's final number against the ``answer`` column)
 and ``think_format`` (reasoning in a think block, then an answer). Both are importable as
-``theseus.posttraining.rewards:accuracy`` and ``theseus.posttraining.rewards:think_format``.
+``theseus.posttraining.rl.rewards:accuracy`` and ``theseus.posttraining.rl.rewards:think_format``.
 """
 
 from __future__ import annotations

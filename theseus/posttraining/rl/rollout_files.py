@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from theseus.posttraining.rewards import Scores
-from theseus.posttraining.rows import Completions
+from theseus.posttraining.rl.rewards import Scores
+from theseus.posttraining.rl.rows import Completions
 
 ROLLOUTS = "rollouts"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pydantic
 
 from theseus.config import Section
-from theseus.posttraining.objective import (
+from theseus.posttraining.rl.objective import (
     ImportanceSampling,
     LossType,
     ObjectiveSettings,

@@ -26,8 +26,8 @@ from theseus.distributed.join import is_main_process
 from theseus.inference.codec import Codec, TokenizerCodec, resolve_codec
 from theseus.inference.generator import Generator
 from theseus.inference.sampling import Sampling
-from theseus.posttraining.objective import aggregation_weights, group_advantages, metric_weights
-from theseus.posttraining.prompts import (
+from theseus.posttraining.rl.objective import aggregation_weights, group_advantages, metric_weights
+from theseus.posttraining.rl.prompts import (
     PromptRecord,
     completion_for,
     decode_completion,
@@ -36,11 +36,16 @@ from theseus.posttraining.prompts import (
     read_prompts,
     reward_columns,
 )
-from theseus.posttraining.rewards import RewardFunction, Scores, load_reward, score
-from theseus.posttraining.rollout_files import ROLLOUTS, KeptRollouts, read_rollouts, write_rollouts
-from theseus.posttraining.rows import Completions, completion_rows, cut_at_end
-from theseus.posttraining.scoring import generation_logps, logps_step
-from theseus.posttraining.trainer import RLTrainer
+from theseus.posttraining.rl.rewards import RewardFunction, Scores, load_reward, score
+from theseus.posttraining.rl.rollout_files import (
+    ROLLOUTS,
+    KeptRollouts,
+    read_rollouts,
+    write_rollouts,
+)
+from theseus.posttraining.rl.rows import Completions, completion_rows, cut_at_end
+from theseus.posttraining.rl.scoring import generation_logps, logps_step
+from theseus.posttraining.rl.trainer import RLTrainer
 from theseus.tokenization.folder import TOKENIZER_FILE
 from theseus.training.run.data import StepBatch, Validated
 from theseus.training.run.identity import copy_tokenizer_files
@@ -84,7 +89,7 @@ class RolloutData:
         if not rl.rewards:
             raise ValueError(
                 "rl.rewards names no reward function; give at least one, e.g. "
-                "'rl.rewards=[theseus.posttraining.rewards:accuracy]' or "
+                "'rl.rewards=[theseus.posttraining.rl.rewards:accuracy]' or "
                 "'rl.rewards=[my_rewards.py:correct]'"
             )
         self.functions: list[RewardFunction] = [load_reward(spec) for spec in rl.rewards]
