@@ -2,10 +2,12 @@
 only for the digit ``(a + b) mod 10`` followed by the end token: the user's path, command by
 command. A tokenizer folder of 14 tokens (the digits, ``+``, ``=``, ``<|endoftext|>``, an unknown
 token), a prompt file, a reward file, then `theseus train --job gpt/train/rl` with DAPO (TRL's
-default loss). Prints the mean reward of every 10th step and of the held-out prompts, and writes
-the curve to ``rl_learns.json`` (and ``rl_learns.png`` where matplotlib draws).
+default loss), 32 completions of each of 16 prompts a step, a constant learning rate of 1e-3 and a
+KL to the random start (``rl.beta=0.04``: it keeps the policy from collapsing onto wrong digits,
+which it does without). Prints the mean reward of every 10th step and of the held-out prompts, and
+writes the curve to ``rl_learns.json`` (and ``rl_learns.png`` where matplotlib draws).
 
-    python bench/rl_learns.py [--steps 150] [--work DIR]
+    python bench/rl_learns.py [--steps 1000] [--beta 0.04] [--work DIR]
 """
 
 from __future__ import annotations
@@ -59,13 +61,13 @@ def make_prompts(path: Path, count: int, seed: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
-    parser.add_argument("--generations", type=int, default=16)
-    parser.add_argument("--batch", type=int, default=256, help="completions a step")
+    parser.add_argument("--generations", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=512, help="completions a step")
     parser.add_argument("--width", type=int, default=64, help="model.n_embd")
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--beta", type=float, default=0.0, help="KL to the random start")
+    parser.add_argument("--beta", type=float, default=0.04, help="KL to the random start")
     parser.add_argument("--work", type=Path, default=None)
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="rl_learns_"))
