@@ -3,7 +3,7 @@ log-probabilities, loss and gradients as the whole sequence's logits (a length t
 of the chunk, a mask, Gemma's soft cap and tied head), and a compiled step that holds no
 (sequence, vocabulary) buffer. Task scoring (theseus.inference.scoring) runs the head in chunks
 too: the same log-likelihoods and greedy flags, and no (tokens, vocabulary) buffer at 32,768
-tokens."""
+tokens. MFU's FLOPs count the head the chunked loss recomputes."""
 
 import re
 
@@ -27,6 +27,7 @@ from theseus.inference.scoring import Scorer, scored_window
 from theseus.model.head import default_chunk
 from theseus.sharding.axis import ShardingPolicy
 from theseus.sharding.topology import Topology
+from theseus.training.flops import xla_flops_per_token
 
 GEMMA_FAMILY = FAMILIES["gemma"].family
 # Prime dimensions apart from every other: 31 positions (no multiple of the chunk of 8), a
@@ -189,3 +190,17 @@ def test_scoring_32768_tokens_holds_no_tokens_by_vocabulary_buffer():
     program = scorer.program(seq)
     assert not [s for s in array_shapes(program.as_text()) if seq in s and vocab in s]
     assert program.memory_analysis().temp_size_in_bytes < 2**30
+
+
+def test_flops_count_the_head_the_chunked_loss_recomputes():
+    """A 1-layer Llama (31 positions, vocabulary 211, width 40): in chunks of 8 the head runs
+    again in the backward, 2 × 211 × 40 more FLOPs per token than one chunk, and XLA's count of
+    the step grows by that within 10% (the recomputed softmax besides)."""
+    matmuls = 6 * (40 * (64 + 2 * 16 + 64 + 3 * 48) + 40 * VOCAB)  # q, k, v, o, MLP; head
+    attention = 12 * SEQ * 64  # q kᵀ and probs v over 31 keys, 8 heads of 8
+    recomputed = 2 * 40 * VOCAB
+    one, chunked = one_layer_llama(SEQ), one_layer_llama(CHUNK)
+    assert one.flops_per_token() == matmuls + attention == 147408
+    assert chunked.flops_per_token() == matmuls + attention + recomputed == 164288
+    added = xla_flops_per_token(chunked) - xla_flops_per_token(one)
+    assert 1 <= added / recomputed <= 1.1, added
