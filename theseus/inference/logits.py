@@ -10,10 +10,10 @@ under FSDP the model is never whole on a device.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import jax
 import numpy as np
@@ -31,6 +31,8 @@ from theseus.sharding.topology import Topology
 from theseus.training import gathering
 from theseus.training.run.checkpointing import base_location, params_target, with_base
 from theseus.training.trainer import BaseTrainer
+
+Value = TypeVar("Value")  # what a function of the model returns: logits, scores
 
 
 @dataclass(frozen=True)
@@ -125,15 +127,21 @@ def check_token_ids(token_ids: Any, vocab_size: int) -> np.ndarray:
     return ids.astype(np.int32)
 
 
-def model_logits(trainer: BaseTrainer, params: Any, tokens: jax.Array) -> jax.Array:
-    """Float32 logits (rows, seq, vocab) of ``tokens`` from storage-layout ``params``: each
-    layer gathered inside the layer scan, as in the trainer's loss."""
+def with_model(trainer: BaseTrainer, params: Any, fn: Callable[[Any], Value]) -> Value:
+    """``fn`` of the trainer's model over storage-layout ``params``: each layer gathered inside
+    the layer scan, as in the trainer's loss."""
     params = jax.lax.with_sharding_constraint(params, trainer.entry.layout)
 
     def run(p):
-        return nnx.merge(trainer.graphdef, p)(tokens)
+        return fn(nnx.merge(trainer.graphdef, p))
 
     return gathering.loss_with_layouts(run, params, trainer.layouts, None)
+
+
+def model_logits(trainer: BaseTrainer, params: Any, tokens: jax.Array) -> jax.Array:
+    """Float32 logits (rows, seq, vocab) of ``tokens`` from storage-layout ``params``
+    (:func:`with_model`)."""
+    return with_model(trainer, params, lambda model: model(tokens))
 
 
 def logits(

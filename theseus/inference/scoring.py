@@ -3,11 +3,14 @@
 A request is a context and a continuation, as token ids. Its tokens (the last ``context_len + 1``
 when longer, as the evaluation harness truncates) are scored by one forward pass whose float32
 logits give the continuation's summed log-probability and whether greedy decoding would produce
-it. Requests are sorted by length and cut into batches of ``rows`` (idle rows fill the last);
-each batch is right-padded to the smallest of a few widths (powers of two up to the context), so a
-whole evaluation compiles at most one program a width. The parameters stay in their storage
-layout (each layer gathered inside the layer scan, as in training): under FSDP the model is never
-whole on a device.
+it. A family's model runs the head as training's loss does, a chunk of positions at a time
+(:func:`theseus.model.head.scored_targets`; ``training.loss_chunk``, else
+:func:`~theseus.model.head.default_chunk` of the rows a device scores), so no logits (rows,
+width, vocab) exist and any context that trains can be scored. Requests are sorted by length
+and cut into batches of ``rows`` (idle rows fill the last); each batch is right-padded to the
+smallest of a few widths (powers of two up to the context), so a whole evaluation compiles at
+most one program a width. The parameters stay in their storage layout (each layer gathered
+inside the layer scan, as in training): under FSDP the model is never whole on a device.
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from theseus.config import check_int
-from theseus.inference.logits import model_logits
+from theseus.inference.logits import with_model
 from theseus.inference.programs import Program, ProgramCache, global_array
+from theseus.model.decoder import DecoderModel
+from theseus.model.head import ScoredTargets, default_chunk, scores_of_logits
 from theseus.sharding.axis import Axis
 from theseus.sharding.layout import abstract_with
 from theseus.training.trainer import BaseTrainer
@@ -77,6 +82,8 @@ class Scorer:
         self.context_len = decoder.context_len
         self.vocab_size = decoder.vocab_size
         self.rows = rows_per_replica * trainer.topology.replicas
+        loss_chunk = trainer.config.training.loss_chunk
+        self.chunk = loss_chunk or default_chunk(self.vocab_size, rows_per_replica)
         self.widths = bucket_widths(self.context_len)
         self._programs = ProgramCache(trainer.topology.device_mesh)  # by width
 
@@ -117,26 +124,27 @@ class Scorer:
             tokens[row, :length] = kept[:-1]
             targets[row, :length] = kept[1:]
             scored[row, length - num_scored : length] = True
-        program = self._program(width)
+        program = self.program(width)
         sharding = NamedSharding(self.trainer.mesh, P(Axis.BATCH, None))
         inputs = [global_array(a, sharding) for a in (tokens, targets, scored)]
         logprobs, greedy = program(self.params, *inputs)
         return np.asarray(jax.device_get(logprobs)), np.asarray(jax.device_get(greedy))
 
-    def _program(self, width: int) -> Any:
+    def program(self, width: int) -> jax.stages.Compiled:
+        """The compiled program that scores batches of ``width`` positions (compiled at its
+        first use)."""
         (program,) = self._programs(width, lambda: (self._program_for(width),))
         return program
 
     def _program_for(self, width: int) -> Program:
-        trainer = self.trainer
+        trainer, chunk = self.trainer, self.chunk
 
         def score(params, tokens, targets, scored):
-            logits = model_logits(trainer, params, tokens)  # (rows, width, vocab) float32
-            logprobs = jax.nn.log_softmax(logits, axis=-1)
-            picked = jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]
-            greedy = jnp.argmax(logits, axis=-1) == targets  # (rows, width)
-            total = jnp.sum(jnp.where(scored, picked, 0.0), axis=-1)  # (rows,)
-            return total, jnp.all(greedy | ~scored, axis=-1)
+            scores = with_model(
+                trainer, params, lambda model: scored_targets(model, tokens, targets, chunk)
+            )  # (rows, width) each
+            total = jnp.sum(jnp.where(scored, scores.logps, 0.0), axis=-1)  # (rows,)
+            return total, jnp.all(scores.greedy | ~scored, axis=-1)
 
         rows = NamedSharding(trainer.mesh, P(Axis.BATCH, None))
         replicated = NamedSharding(trainer.mesh, P())
@@ -144,3 +152,12 @@ class Scorer:
         ints = jax.ShapeDtypeStruct((self.rows, width), jnp.int32, sharding=rows)
         flags = jax.ShapeDtypeStruct((self.rows, width), jnp.bool_, sharding=rows)
         return Program(score, (params, ints, ints, flags), (replicated, replicated))
+
+
+def scored_targets(model: Any, tokens: jax.Array, targets: jax.Array, chunk: int) -> ScoredTargets:
+    """Each of ``targets``' log-probability and greedy flag (rows, width) after int ``tokens``
+    (rows, width): a family's model runs its head ``chunk`` positions at a time; any other
+    model gives its whole logits (rows, width, vocab), which are scored at once."""
+    if isinstance(model, DecoderModel):
+        return model.scored_targets(tokens, targets, chunk=chunk)
+    return scores_of_logits(model(tokens), targets)

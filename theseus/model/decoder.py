@@ -29,7 +29,7 @@ from jax.typing import DTypeLike
 
 from theseus.model.attention import NO_WINDOW, AttentionMask, AttentionOptions, attention
 from theseus.model.family import Context
-from theseus.model.head import logits, sampled_logps, target_logps
+from theseus.model.head import ScoredTargets, logits, sampled_logps, scored_targets, target_logps
 from theseus.model.layers import dropout, fold_in
 from theseus.model.lora import LoraSpec, add_adapters
 from theseus.model.parts import Norm, arrays, weights
@@ -321,6 +321,16 @@ class DecoderModel(nnx.Module):
         table = w.table if w.head is None else w.head  # (vocab, n_embd)
         args = (sk.compute_dtype, sk.logit_softcap, chunk)
         return TargetLogps(target_logps(w.final_norm, table, x, targets, *args), routing)
+
+    def scored_targets(self, tokens: jax.Array, targets: jax.Array, *, chunk: int) -> ScoredTargets:
+        """Each target's log-probability and greedy flag (:class:`ScoredTargets`) of int
+        ``tokens`` against ``targets`` (both (batch, seq)), without dropout, the head run
+        ``chunk`` positions at a time: what task scoring reads."""
+        w, sk = arrays(self.weights()), self.skeleton
+        x, _ = stream(w, tokens, sk, None)  # routing statistics: training's only
+        table = w.table if w.head is None else w.head  # (vocab, n_embd)
+        args = (sk.compute_dtype, sk.logit_softcap, chunk)
+        return scored_targets(w.final_norm, table, x, targets, *args)
 
     def sampled_logps(
         self,

@@ -1,6 +1,7 @@
 """The output head: the final norm and the projection to the vocabulary, as logits (decoding,
 inference) or as the log-probabilities of target tokens (every loss in training and
-evaluation), which are computed a chunk of positions at a time.
+evaluation, and task scoring with each target's greedy flag), which are computed a chunk of
+positions at a time.
 
 A loss over the whole sequence at once holds float32 logits (examples, seq, vocab), their
 softmax and their gradient: 47 GiB for Llama 3.1 8B at 32,768 tokens, more than the layers'
@@ -74,6 +75,41 @@ def target_logps(
         return -optax.softmax_cross_entropy_with_integer_labels(z, t_c)
 
     return _chunked(chunk_logps, final_norm(x, compute_dtype), targets, chunk)
+
+
+@struct.dataclass
+class ScoredTargets:
+    """Per target (batch, seq): its float32 log-probability, and whether it is its position's
+    argmax (what greedy decoding would produce)."""
+
+    logps: jax.Array
+    greedy: jax.Array
+
+
+def scores_of_logits(z: jax.Array, targets: jax.Array) -> ScoredTargets:
+    """The :class:`ScoredTargets` of float32 logits ``z`` (batch, seq, vocab) against int
+    ``targets`` (batch, seq)."""
+    logps = -optax.softmax_cross_entropy_with_integer_labels(z, targets)  # (batch, seq)
+    return ScoredTargets(logps, jnp.argmax(z, axis=-1) == targets)
+
+
+def scored_targets(
+    final_norm: Any,
+    table: jax.Array,
+    x: jax.Array,
+    targets: jax.Array,
+    compute_dtype: Any,
+    softcap: float | None,
+    chunk: int,
+) -> ScoredTargets:
+    """:func:`target_logps` with each target's greedy flag (what task scoring reads), ``chunk``
+    positions at a time: no logits (batch, seq, vocab) exist."""
+
+    def chunk_scores(h_c: jax.Array, t_c: jax.Array) -> ScoredTargets:
+        """(batch, c, n_embd) and (batch, c) in, (batch, c) each out."""
+        return scores_of_logits(head_logits(h_c, table, softcap), t_c)
+
+    return _chunked(chunk_scores, final_norm(x, compute_dtype), targets, chunk)
 
 
 @struct.dataclass

@@ -140,7 +140,8 @@ class FamilyTrainer(BaseTrainer):
         return self.family.context(self.config.model).length
 
     def flops_per_token(self) -> float:
-        return flops_per_token(self.family.matmuls(self.config.model), seq_len=self.seq_len)
+        matmuls = self.family.matmuls(self.config.model)
+        return flops_per_token(matmuls, seq_len=self.seq_len, loss_chunk=self.loss_chunk)
 
     def decoder_shape(self) -> DecoderShape:
         return self.family.shape(self.config.model)

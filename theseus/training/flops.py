@@ -1,14 +1,19 @@
 """Model FLOPs per token and the accelerator peaks that turn throughput into MFU.
 
-Model FLOPs count the matmuls a training step needs (forward and backward), not what an
-implementation happens to run: recomputation under activation checkpointing and the optimizer
-update are left out, as in the PaLM paper's MFU. A trainer that defines ``flops_per_token()``
-(every family does, from its matmul shapes) gives its own count; any other model gets XLA's:
-``cost_analysis()`` of the loss gradient of one microbatch, lowered for one device with every
-``lax.scan`` unrolled first. Unrolling is needed because XLA's cost analysis counts a loop body once, whatever its trip
-count; attention is traced written out (``model.attention=xla``), since the blockwise kernel's
-loops have trip counts known only at run time. The lowered module is counted rather than the compiled one because compiling an unrolled
-model is slow, and the two counts agree (docs/performance.md, "FLOPs per token", has the figures).
+Model FLOPs count the matmuls a training step runs forward and backward, with one
+recomputation: the output head's forward, which the backward runs again when the loss runs in
+chunks (:mod:`theseus.model.head`; every step at ``training.loss_chunk`` below the sequence
+length, whatever the policy). The layers' recomputation under activation checkpointing (a
+policy's choice of memory over time) and the optimizer update are left out, as in the PaLM
+paper's MFU. A trainer that defines ``flops_per_token()`` (every family does, from its matmul
+shapes) gives its own count; any other model gets XLA's: ``cost_analysis()`` of the loss
+gradient of one microbatch (whatever it runs, recomputation included), lowered for one device
+with every ``lax.scan`` unrolled first. Unrolling is needed because XLA's cost analysis counts a
+loop body once, whatever its trip count; attention is traced written out
+(``model.attention=xla``), since the blockwise kernel's loops have trip counts known only at run
+time. The lowered module is counted rather than the compiled one because compiling an unrolled
+model is slow, and the two counts agree (docs/performance.md, "FLOPs per token", has the
+figures).
 """
 
 from __future__ import annotations
@@ -106,22 +111,28 @@ def _unrolled_param(value: Any) -> Any:
     return value
 
 
-def flops_per_token(matmuls: Matmuls, *, seq_len: int) -> int:
-    """Training FLOPs per token of a decoder from its matmul shapes: ``6 N + 12 L T width``.
+def flops_per_token(matmuls: Matmuls, *, seq_len: int, loss_chunk: int) -> int:
+    """Training FLOPs per token of a decoder from its matmul shapes: ``6 N + 12 L T width``,
+    plus ``2 V d`` when the loss runs in chunks.
 
     ``N`` counts the weights that multiply activations (each layer's projections and the output
     head, tied or not; an embedding lookup costs nothing). Each such weight does one
     multiply-add (2 FLOPs) per token forward and two backward (input and weight gradients): 6
     FLOPs. Attention's ``q kᵀ`` and ``probs v`` are ``2 T width`` multiply-adds per token and
     layer forward (``width``: all query heads), over all ``T`` keys of a sequence since the
-    causal mask skips no work: 12 FLOPs each for training. Biases, norms, rotary embeddings,
-    softmax and the loss are left out (the tests hold it to XLA's count).
+    causal mask skips no work: 12 FLOPs each for training. A sequence longer than
+    ``loss_chunk`` runs the head and the loss a chunk at a time under ``jax.checkpoint``
+    (:func:`theseus.model.head.target_logps`), whose backward recomputes each chunk's logits:
+    one more multiply-add of the head's ``V d`` weights per token. Biases, norms, rotary
+    embeddings, softmax and the loss are left out (the tests hold it to XLA's count).
     """
     m = matmuls
     per_layer = sum(d_in * d_out for d_in, d_out in m.layer_weights)
     others = sum(d_in * d_out for d_in, d_out in m.other_weights)
-    weights = m.num_layers * per_layer + others + m.head[0] * m.head[1]
-    return 6 * weights + 12 * m.num_layers * seq_len * m.attention_width
+    head = m.head[0] * m.head[1]
+    weights = m.num_layers * per_layer + others + head
+    recomputed_head = 2 * head if seq_len > loss_chunk else 0
+    return 6 * weights + 12 * m.num_layers * seq_len * m.attention_width + recomputed_head
 
 
 # --- peak FLOP/s ---------------------------------------------------------------------------------
