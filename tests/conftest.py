@@ -112,6 +112,7 @@ SHARED_GROUPS = {
 FIRST = (
     "test_multiprocess",
     "test_trainer",
+    "test_rl",
     "test_readme",
     "huggingface",
     "test_cli",
