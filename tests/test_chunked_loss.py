@@ -1,4 +1,4 @@
-"""The loss computed a chunk of positions at a time (theseus.model.head.target_logps): the same
+"""The loss computed a chunk of positions at a time (theseus.model.head.chunked_scores): the same
 log-probabilities, loss and gradients as the whole sequence's logits (a length that is no multiple
 of the chunk, a mask, Gemma's soft cap and tied head), and a compiled step that holds no
 (sequence, vocabulary) buffer. Task scoring (theseus.inference.scoring) runs the head in chunks

@@ -10,7 +10,7 @@ What a training step holds beyond the model state, as XLA lays it out (measured 
   them, recomputed under ``full``/``dots``; attention's temporaries by kernel or the MLP's
   residuals, whichever is larger; the gradients flowing through it);
 - **logits**: the loss's buffers. The head and the cross-entropy run a chunk of positions at a
-  time (:func:`theseus.model.head.target_logps`): one chunk's float32 logits and their gradient
+  time (:func:`theseus.model.head.chunked_scores`): one chunk's float32 logits and their gradient
   (vocabulary × examples × chunk) and the head's float32 gradient as the chunks add to it;
   freed before the layers' backward, so the total counts the larger of the logits and the
   layer peak;

@@ -4,7 +4,7 @@ A request is a context and a continuation, as token ids. Its tokens (the last ``
 when longer, as the evaluation harness truncates) are scored by one forward pass whose float32
 logits give the continuation's summed log-probability and whether greedy decoding would produce
 it. A family's model runs the head as training's loss does, a chunk of positions at a time
-(:func:`theseus.model.head.scored_targets`; ``training.loss_chunk``, else
+(:func:`theseus.model.head.chunked_scores` with :func:`~theseus.model.head.scores_of_logits`; ``training.loss_chunk``, else
 :func:`~theseus.model.head.default_chunk` of the rows a device scores), so no logits (rows,
 width, vocab) exist and any context that trains can be scored. Requests are sorted by length
 and cut into batches of ``rows`` (idle rows fill the last); each batch is right-padded to the

@@ -6,7 +6,7 @@ on positions (``features``: rotary angles), and one layer (``layer``); its model
 parameters as typed :class:`Weights` (the token table, the stacked layers of the family's layer
 type, the final norm, the head). :func:`stream` runs it for training (layers through
 :func:`theseus.scan_layers`), then :func:`head` gives logits or, for a loss,
-:func:`theseus.model.head.target_logps` the targets' log-probabilities a chunk at a time;
+:func:`theseus.model.head.chunked_scores` the targets' log-probabilities a chunk at a time;
 :class:`~theseus.model.cached_decoder.CachedDecoder` runs it for ``theseus generate``. A layer
 calls ``inputs.attend(q, k, v)``, which attends within the sequence in training and writes the
 keys and values into the cache and attends over it in decoding, so each layer is written once; it
@@ -29,7 +29,14 @@ from jax.typing import DTypeLike
 
 from theseus.model.attention import NO_WINDOW, AttentionMask, AttentionOptions, attention
 from theseus.model.family import Context
-from theseus.model.head import ScoredTargets, logits, sampled_logps, scored_targets, target_logps
+from theseus.model.head import (
+    ScoredTargets,
+    chunked_scores,
+    logits,
+    sampled_at,
+    scores_of_logits,
+    target_logps_of,
+)
 from theseus.model.layers import dropout, fold_in
 from theseus.model.lora import LoraSpec, add_adapters
 from theseus.model.parts import Norm, arrays, weights
@@ -150,7 +157,7 @@ class Outputs:
 @dataclass(frozen=True)
 class TargetLogps:
     """What a forward pass scored against targets gives: float32 ``logps`` (batch, seq), each
-    target's log-probability (computed in chunks: :func:`theseus.model.head.target_logps`),
+    target's log-probability (computed in chunks: :func:`theseus.model.head.chunked_scores`),
     and the routing statistics as in :class:`Outputs`; ``entropies`` (batch, seq) of each
     position's distribution where asked for (:meth:`DecoderModel.sampled_logps`)."""
 
@@ -315,22 +322,11 @@ class DecoderModel(nnx.Module):
         """The :class:`TargetLogps` of int ``tokens`` against int ``targets`` (both (batch,
         seq); the other arguments as :meth:`outputs` reads them): the head and the loss run
         ``chunk`` positions at a time, so no logits (batch, seq, vocab) exist."""
-        w, sk = arrays(self.weights()), self.skeleton
         keys = self.dropout_keys(keys, deterministic)
-        x, routing = stream(w, tokens, sk, keys, segments=segments, positions=positions)
-        table = w.table if w.head is None else w.head  # (vocab, n_embd)
-        args = (sk.compute_dtype, sk.logit_softcap, chunk)
-        return TargetLogps(target_logps(w.final_norm, table, x, targets, *args), routing)
-
-    def scored_targets(self, tokens: jax.Array, targets: jax.Array, *, chunk: int) -> ScoredTargets:
-        """Each target's log-probability and greedy flag (:class:`ScoredTargets`) of int
-        ``tokens`` against ``targets`` (both (batch, seq)), without dropout, the head run
-        ``chunk`` positions at a time: what task scoring reads."""
-        w, sk = arrays(self.weights()), self.skeleton
-        x, _ = stream(w, tokens, sk, None)  # routing statistics: training's only
-        table = w.table if w.head is None else w.head  # (vocab, n_embd)
-        args = (sk.compute_dtype, sk.logit_softcap, chunk)
-        return scored_targets(w.final_norm, table, x, targets, *args)
+        logps, routing = self._scored(
+            target_logps_of, tokens, targets, keys, chunk, segments, positions
+        )
+        return TargetLogps(logps, routing)
 
     def sampled_logps(
         self,
@@ -346,13 +342,35 @@ class DecoderModel(nnx.Module):
     ) -> TargetLogps:
         """:meth:`target_logps` under the logits over ``temperature`` (what RL samples from
         and trains), with each position's entropy."""
-        w, sk = arrays(self.weights()), self.skeleton
         keys = self.dropout_keys(keys, deterministic)
+        score = sampled_at(temperature)
+        scored, routing = self._scored(score, tokens, targets, keys, chunk, segments, positions)
+        return TargetLogps(scored.logps, routing, scored.entropies)
+
+    def scored_targets(self, tokens: jax.Array, targets: jax.Array, *, chunk: int) -> ScoredTargets:
+        """Each target's log-probability and greedy flag (:class:`ScoredTargets`) of int
+        ``tokens`` against ``targets`` (both (batch, seq)), without dropout, the head run
+        ``chunk`` positions at a time: what task scoring reads (routing statistics: training's
+        only)."""
+        return self._scored(scores_of_logits, tokens, targets, None, chunk, None, None)[0]
+
+    def _scored(
+        self,
+        score: Callable[[jax.Array, jax.Array], Any],
+        tokens: jax.Array,
+        targets: jax.Array,
+        keys: jax.Array | None,
+        chunk: int,
+        segments: jax.Array | None,
+        positions: jax.Array | None,
+    ) -> tuple[Any, Any]:
+        """``score`` of each chunk's logits (:func:`theseus.model.head.chunked_scores`), and the
+        routing statistics."""
+        w, sk = arrays(self.weights()), self.skeleton
         x, routing = stream(w, tokens, sk, keys, segments=segments, positions=positions)
         table = w.table if w.head is None else w.head  # (vocab, n_embd)
-        args = (sk.compute_dtype, sk.logit_softcap, chunk, temperature)
-        scored = sampled_logps(w.final_norm, table, x, targets, *args)
-        return TargetLogps(scored.logps, routing, scored.entropies)
+        args = (w.final_norm, table, x, targets, sk.compute_dtype, sk.logit_softcap, chunk)
+        return chunked_scores(score, *args), routing
 
     def dropout_keys(self, keys: jax.Array | None, deterministic: bool) -> jax.Array | None:
         """The per-example dropout ``keys`` a forward pass uses: None when it applies no

@@ -5,7 +5,7 @@ positions at a time.
 
 A loss over the whole sequence at once holds float32 logits (examples, seq, vocab), their
 softmax and their gradient: 47 GiB for Llama 3.1 8B at 32,768 tokens, more than the layers'
-activations. :func:`target_logps` runs the head over ``chunk`` positions per step of a
+activations. :func:`chunked_scores` runs the head over ``chunk`` positions per step of a
 ``jax.lax.scan`` whose body is rematerialised (``jax.checkpoint``), so the forward and the
 backward pass each hold one chunk's logits (examples, chunk, vocab) at a time; the backward
 recomputes them from the normed stream, which is all the scan keeps (one more head matmul per
@@ -56,7 +56,8 @@ def logits(
     return head_logits(final_norm(x, compute_dtype), table, softcap)
 
 
-def target_logps(
+def chunked_scores(
+    score: Callable[[jax.Array, jax.Array], T],
     final_norm: Any,
     table: jax.Array,
     x: jax.Array,
@@ -64,17 +65,24 @@ def target_logps(
     compute_dtype: Any,
     softcap: float | None,
     chunk: int,
-) -> jax.Array:
-    """Float32 log-probabilities (batch, seq) of int ``targets`` (batch, seq) under the logits
-    of the stream ``x`` (batch, seq, n_embd), ``chunk`` positions at a time (see the module
-    docstring)."""
+) -> T:
+    """``score(logits, targets)`` of the stream ``x`` (batch, seq, n_embd) against int
+    ``targets`` (batch, seq), ``chunk`` positions at a time (see the module docstring):
+    ``score`` reads one chunk's float32 logits (batch, c, vocab) and returns a pytree of
+    (batch, c) arrays (:func:`target_logps_of`, :func:`scores_of_logits`,
+    :func:`sampled_at`), so no logits (batch, seq, vocab) exist."""
 
-    def chunk_logps(h_c: jax.Array, t_c: jax.Array) -> jax.Array:
-        """(batch, c, n_embd) and (batch, c) in, (batch, c) out."""
-        z = head_logits(h_c, table, softcap)  # (batch, c, vocab) float32
-        return -optax.softmax_cross_entropy_with_integer_labels(z, t_c)
+    def chunk_scores(h_c: jax.Array, t_c: jax.Array) -> T:
+        """(batch, c, n_embd) and (batch, c) in, (batch, c) arrays out."""
+        return score(head_logits(h_c, table, softcap), t_c)
 
-    return _chunked(chunk_logps, final_norm(x, compute_dtype), targets, chunk)
+    return _chunked(chunk_scores, final_norm(x, compute_dtype), targets, chunk)
+
+
+def target_logps_of(z: jax.Array, targets: jax.Array) -> jax.Array:
+    """Each target's float32 log-probability (batch, seq) under logits ``z`` (batch, seq,
+    vocab): what every loss reads."""
+    return -optax.softmax_cross_entropy_with_integer_labels(z, targets)
 
 
 @struct.dataclass
@@ -88,28 +96,8 @@ class ScoredTargets:
 
 def scores_of_logits(z: jax.Array, targets: jax.Array) -> ScoredTargets:
     """The :class:`ScoredTargets` of float32 logits ``z`` (batch, seq, vocab) against int
-    ``targets`` (batch, seq)."""
-    logps = -optax.softmax_cross_entropy_with_integer_labels(z, targets)  # (batch, seq)
-    return ScoredTargets(logps, jnp.argmax(z, axis=-1) == targets)
-
-
-def scored_targets(
-    final_norm: Any,
-    table: jax.Array,
-    x: jax.Array,
-    targets: jax.Array,
-    compute_dtype: Any,
-    softcap: float | None,
-    chunk: int,
-) -> ScoredTargets:
-    """:func:`target_logps` with each target's greedy flag (what task scoring reads), ``chunk``
-    positions at a time: no logits (batch, seq, vocab) exist."""
-
-    def chunk_scores(h_c: jax.Array, t_c: jax.Array) -> ScoredTargets:
-        """(batch, c, n_embd) and (batch, c) in, (batch, c) each out."""
-        return scores_of_logits(head_logits(h_c, table, softcap), t_c)
-
-    return _chunked(chunk_scores, final_norm(x, compute_dtype), targets, chunk)
+    ``targets`` (batch, seq): what task scoring reads."""
+    return ScoredTargets(target_logps_of(z, targets), jnp.argmax(z, axis=-1) == targets)
 
 
 @struct.dataclass
@@ -121,28 +109,17 @@ class SampledLogps:
     entropies: jax.Array
 
 
-def sampled_logps(
-    final_norm: Any,
-    table: jax.Array,
-    x: jax.Array,
-    targets: jax.Array,
-    compute_dtype: Any,
-    softcap: float | None,
-    chunk: int,
-    temperature: float,
-) -> SampledLogps:
-    """:func:`target_logps` of the logits divided by ``temperature`` (the distribution RL
-    samples from and trains, as TRL's ``GRPOTrainer`` computes it), with each position's
-    entropy; ``chunk`` positions at a time."""
+def sampled_at(temperature: float) -> Callable[[jax.Array, jax.Array], SampledLogps]:
+    """The scorer of the logits over ``temperature`` (the distribution RL samples from and
+    trains, as TRL's ``GRPOTrainer`` computes it): each target's log-probability and each
+    position's entropy."""
 
-    def chunk_scores(h_c: jax.Array, t_c: jax.Array) -> SampledLogps:
-        """(batch, c, n_embd) and (batch, c) in, (batch, c) each out."""
-        z = head_logits(h_c, table, softcap) / temperature  # (batch, c, vocab) float32
-        log_p = jax.nn.log_softmax(z, axis=-1)  # (batch, c, vocab)
-        chosen = jnp.take_along_axis(log_p, t_c[..., None], axis=-1)[..., 0]  # (batch, c)
+    def score(z: jax.Array, targets: jax.Array) -> SampledLogps:
+        log_p = jax.nn.log_softmax(z / temperature, axis=-1)  # (batch, c, vocab)
+        chosen = jnp.take_along_axis(log_p, targets[..., None], axis=-1)[..., 0]  # (batch, c)
         return SampledLogps(chosen, -jnp.sum(jnp.exp(log_p) * log_p, axis=-1))
 
-    return _chunked(chunk_scores, final_norm(x, compute_dtype), targets, chunk)
+    return score
 
 
 def _chunked(

@@ -105,7 +105,7 @@ class FamilyTrainer(BaseTrainer):
         statistics, of plain token rows (examples, seq_len + 1) or of segmented rows
         (examples, fields, seq_len + 1), where each example attends within its segment, at
         positions restarted at 0. The head and the loss run :attr:`loss_chunk` positions at a
-        time (:func:`theseus.model.head.target_logps`)."""
+        time (:func:`theseus.model.head.chunked_scores`)."""
         assert isinstance(model, DecoderModel), type(model)  # every family's model is one
         deterministic = not train
         if rows.ndim == 2:

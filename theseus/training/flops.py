@@ -122,7 +122,7 @@ def flops_per_token(matmuls: Matmuls, *, seq_len: int, loss_chunk: int) -> int:
     layer forward (``width``: all query heads), over all ``T`` keys of a sequence since the
     causal mask skips no work: 12 FLOPs each for training. A sequence longer than
     ``loss_chunk`` runs the head and the loss a chunk at a time under ``jax.checkpoint``
-    (:func:`theseus.model.head.target_logps`), whose backward recomputes each chunk's logits:
+    (:func:`theseus.model.head.chunked_scores`), whose backward recomputes each chunk's logits:
     one more multiply-add of the head's ``V d`` weights per token. Biases, norms, rotary
     embeddings, softmax and the loss are left out (the tests hold it to XLA's count).
     """
