@@ -9,7 +9,8 @@ device and under tp=2 + FSDP (4 simulated devices), per recompute policy and seq
         [--remat none,full,dots] [--families gpt,llama] [--vocab 520]
 
 Compile only (``memory_analysis()`` allocates nothing); prints one row per step: the compiled
-temp bytes, the plan's ``activation_bytes`` and their ratio. Asserts nothing (the tests do).
+temp bytes, the plan's ``activation_bytes``, their ratio and the terms the plan names as not
+predicted (``ActivationMemory.unpredicted``). Asserts nothing (the tests do).
 """
 
 from __future__ import annotations
@@ -65,9 +66,9 @@ def main() -> None:
     layouts = {"one device": (1, {"zero": False}), "tp=2 + FSDP": (4, {"tp": 2, "fsdp": True})}
     print(
         "| family | vocab | layout | recompute | tokens | loss chunk | temp bytes | "
-        "activation_bytes | ratio | s |"
+        "activation_bytes | ratio | not predicted | s |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     grid = itertools.product(
         args.families.split(","),
         layouts.items(),
@@ -106,7 +107,7 @@ def main() -> None:
         print(
             f"| {family} | {args.vocab:,} | {layout} | {remat} | {length:,} | "
             f"{plan.activations.loss_chunk:,} | {temp:,} | {estimate:,} | "
-            f"{estimate / temp:.3f} | {seconds:.0f} |",
+            f"{estimate / temp:.3f} | {plan.activations.unpredicted or ''} | {seconds:.0f} |",
             flush=True,
         )
 

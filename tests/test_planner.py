@@ -651,6 +651,8 @@ def test_recompute_and_tensor_parallelism_divide_the_estimate():
     # Heads and the MLP split, the stream's float32 gradients do not.
     assert acts["none"].layer_peak / 2 < tp2.layer_peak < acts["none"].layer_peak / 1.8
     assert tp2.logits == acts["none"].logits  # the vocabulary is whole on every TP device
+    assert tp2.unpredicted == "one layer's backward peak under tp" and tp2.gathered == 0
+    assert acts["none"].unpredicted is None
 
 
 def test_llama_3_1_8b_at_32k_tokens_on_8_devices_activations_decide_the_verdict(tmp_path):
@@ -691,6 +693,9 @@ def test_llama_3_1_8b_at_32k_tokens_on_8_devices_activations_decide_the_verdict(
     assert data["total_bytes"] < 80 * 2**30 and data["verdict"]["ok"]
     text = invoke("plan", *blockwise, "--device-memory", "80GiB").output
     assert "(blockwise attention, recompute full): 35.8 GiB" in text and "verdict: ok" in text
+    # FSDP's gathered layer (in other) is the term the plan names as not predicted.
+    assert 0 < acts["gathered_layer_bytes"] < other and acts["tp"] == 1
+    assert "not predicted: FSDP's gathered layer and its whole float32 gradient (" in text
 
 
 # --- train --budget ---------------------------------------------------------------------------

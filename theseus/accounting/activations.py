@@ -145,12 +145,34 @@ class ActivationMemory:
     layer_peak: int = json_field("layer_peak_bytes")
     logits: int = json_field("logits_bytes")
     other: int = json_field("other_bytes")
+    tp: int = json_field("tp")
+    gathered: int = json_field("gathered_layer_bytes")  # FSDP's, part of ``other``
 
-    json_properties: ClassVar[dict[str, str]] = {"total": "activation_bytes"}
+    json_properties: ClassVar[dict[str, str]] = {
+        "total": "activation_bytes",
+        "unpredicted": "not_predicted",
+    }
 
     @property
     def total(self) -> int:
         return self.saved + max(self.layer_peak, self.logits) + self.other
+
+    @property
+    def unpredicted(self) -> str | None:
+        """The terms this estimate counts whole that compiled steps hold only in part, where the
+        plan meets them: under FSDP the gathered layer with its whole float32 gradient, under
+        tp > 1 one layer's backward peak (its unsplit stream residuals and their gradients).
+        How much of them is live at the step's peak depends on XLA's schedule, which the plan
+        does not model: at 2,048 tokens per device with recomputation the compiled steps hold a
+        sixth to a third of the gathered layer's bytes beyond what one device holds, and the
+        estimate is up to 1.32× the compiled step (docs/performance.md); at 32,768 tokens the
+        activations dominate and it is within 5%. None when neither applies."""
+        terms = []
+        if self.gathered:
+            terms.append("FSDP's gathered layer and its whole float32 gradient")
+        if self.tp > 1:
+            terms.append("one layer's backward peak under tp")
+        return " and ".join(terms) or None
 
 
 def residual_bytes(backend: str, dtype_bytes: int) -> int:
@@ -343,4 +365,6 @@ def activation_memory(
         layer_peak=round(layer_peak(shape, kernel, remat, device)),
         logits=round(logits_bytes(shape, device)),
         other=round(other),
+        tp=device.tp,
+        gathered=gathered_layer_bytes,
     )
