@@ -157,9 +157,8 @@ class Outputs:
 @dataclass(frozen=True)
 class TargetLogps:
     """What a forward pass scored against targets gives: float32 ``logps`` (batch, seq), each
-    target's log-probability (computed in chunks: :func:`theseus.model.head.chunked_scores`),
-    and the routing statistics as in :class:`Outputs`; ``entropies`` (batch, seq) of each
-    position's distribution where asked for (:meth:`DecoderModel.sampled_logps`)."""
+    target's log-probability (in chunks: :func:`chunked_scores`), the routing statistics as in
+    :class:`Outputs`, and each position's ``entropies`` (:meth:`DecoderModel.sampled_logps`)."""
 
     logps: jax.Array
     routing: Any = None
@@ -340,18 +339,15 @@ class DecoderModel(nnx.Module):
         segments: jax.Array | None = None,
         positions: jax.Array | None = None,
     ) -> TargetLogps:
-        """:meth:`target_logps` under the logits over ``temperature`` (what RL samples from
-        and trains), with each position's entropy."""
+        """:meth:`target_logps` at ``temperature`` (RL's), with each position's entropy."""
         keys = self.dropout_keys(keys, deterministic)
         score = sampled_at(temperature)
         scored, routing = self._scored(score, tokens, targets, keys, chunk, segments, positions)
         return TargetLogps(scored.logps, routing, scored.entropies)
 
     def scored_targets(self, tokens: jax.Array, targets: jax.Array, *, chunk: int) -> ScoredTargets:
-        """Each target's log-probability and greedy flag (:class:`ScoredTargets`) of int
-        ``tokens`` against ``targets`` (both (batch, seq)), without dropout, the head run
-        ``chunk`` positions at a time: what task scoring reads (routing statistics: training's
-        only)."""
+        """Each target's log-probability and greedy flag of ``tokens`` against ``targets``
+        (both (batch, seq)), without dropout, ``chunk`` positions at a time: task scoring's."""
         return self._scored(scores_of_logits, tokens, targets, None, chunk, None, None)[0]
 
     def _scored(
@@ -364,8 +360,7 @@ class DecoderModel(nnx.Module):
         segments: jax.Array | None,
         positions: jax.Array | None,
     ) -> tuple[Any, Any]:
-        """``score`` of each chunk's logits (:func:`theseus.model.head.chunked_scores`), and the
-        routing statistics."""
+        """``score`` of each chunk's logits (:func:`chunked_scores`), and the routing stats."""
         w, sk = arrays(self.weights()), self.skeleton
         x, routing = stream(w, tokens, sk, keys, segments=segments, positions=positions)
         table = w.table if w.head is None else w.head  # (vocab, n_embd)
@@ -373,8 +368,7 @@ class DecoderModel(nnx.Module):
         return chunked_scores(score, *args), routing
 
     def dropout_keys(self, keys: jax.Array | None, deterministic: bool) -> jax.Array | None:
-        """The per-example dropout ``keys`` a forward pass uses: None when it applies no
-        dropout (``deterministic``, or no dropout in the model)."""
+        """The per-example dropout ``keys`` a pass uses (None: ``deterministic``, or none)."""
         rate = self.skeleton.dropout
         if deterministic or rate == 0.0:
             return None
