@@ -139,7 +139,7 @@ def token_arrays(encodings: list[Encoding], dtype: np.dtype) -> list[np.ndarray]
 
 def release_free_memory() -> None:
     """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``; elsewhere
-    nothing). A batch's encodings are allocated by the library's threads, each in its own
+    nothing). A call's encodings are allocated by the library's threads, each in its own
     arena, and freed here; the holes they leave would otherwise stay resident and the peak
     creep up with the length of the corpus."""
     if _MALLOC_TRIM is not None:
