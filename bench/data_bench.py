@@ -1,12 +1,15 @@
-"""Tokenization at two corpus sizes: ``theseus tokenize`` against the ``tokenizers`` library's own
-batch encoding of the same text, peak memory of each, and the start-up of training on the result.
+"""Tokenization at several corpus sizes: ``theseus tokenize`` against the ``tokenizers`` library's
+own batch encoding of the same text, peak memory of each, and the start-up of training on the
+result.
 
-    PYTHONPATH=. python bench/data_bench.py [--sizes-mb 60,240] [--vocab-size 2048] [--work DIR]
+    PYTHONPATH=. python bench/data_bench.py [--sizes-mb 160,400,1000] [--vocab-size 2048]
+        [--work DIR] [--tokenize-only] [--busy]
 
 The corpora are JSON Lines files (8 per corpus) of documents of 200 to 8,000 bytes cut from the
-Python standard library's source (no download), the larger one ``--sizes-mb`` apart. A tokenizer
-of ``--vocab-size`` tokens is trained once by ``theseus tokenize`` on the smaller corpus, then
-reused, as a user reuses an existing tokenizer. Per size, each in its own process (peak memory is
+Python standard library's source (no download), one per size of ``--sizes-mb``. A tokenizer
+of ``--vocab-size`` tokens is trained once by ``theseus tokenize`` on the first corpus (unless
+``--work`` holds ``tokenizer/tokenizer.json`` already), then reused, as a user reuses an existing
+tokenizer. Per size, each in its own process (peak memory is
 that process's maximum resident set, from ``wait4``):
 
 - ``theseus tokenize CORPUS OUT --tokenizer tokenizer.json``, the command a user runs: wall time;
@@ -18,12 +21,16 @@ that process's maximum resident set, from ``wait4``):
   imports; with the growth of the peak resident set it causes).
 
 ``--startup-only`` measures only the start-up, on the token folders of an earlier run in
-``--work``.
+``--work``; ``--tokenize-only`` measures only ``theseus tokenize`` (its wall time, CPU time and
+peak memory). ``--busy`` loads the machine while measuring: one busy-loop process per core runs
+from before the first measurement to after the last, so every process measured shares the cores
+(the encoder and the writer lag behind the reader as they would on a loaded machine).
 
 Prints a table; asserts nothing. Throughput is MB of text per second of each process's wall time;
 the table shows medians over ``--repeats`` back-to-back pairs, and a line per size gives the ratio
 of the fastest runs (least disturbed by other jobs on a shared machine) and the median of the
-paired ratios.
+paired ratios. The last line compares tokenize's peak memory over the sizes (largest over
+smallest peak).
 """
 
 from __future__ import annotations
@@ -115,13 +122,21 @@ def run_measured(command: list[str], env: dict | None = None) -> tuple[float, fl
     return seconds, usage.ru_maxrss / 1024, out, usage.ru_utime + usage.ru_stime
 
 
+def busy_processes(count: int) -> list[subprocess.Popen]:
+    """``count`` processes that each keep one core busy until killed."""
+    loop = "while True:\n    pass"
+    return [subprocess.Popen([sys.executable, "-c", loop]) for _ in range(count)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes-mb", default="60,240")
+    parser.add_argument("--sizes-mb", default="160,400,1000")
     parser.add_argument("--vocab-size", type=int, default=2048)
     parser.add_argument("--work", type=Path, default=None)
     parser.add_argument("--repeats", type=int, default=1, help="runs of each, back to back")
     parser.add_argument("--startup-only", action="store_true")
+    parser.add_argument("--tokenize-only", action="store_true", help="no library, no start-up")
+    parser.add_argument("--busy", action="store_true", help="one busy-loop process per core")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes_mb.split(",")]
     work = args.work or Path(tempfile.mkdtemp(prefix="theseus-data-bench-"))
@@ -150,6 +165,57 @@ def main() -> None:
             stdout=subprocess.DEVNULL,
         )
     tokenizer = tokenizer_dir / "tokenizer.json"
+    busy = busy_processes(os.cpu_count() or 1) if args.busy else []
+    try:
+        rows, ratios = measure(args, sizes, corpora, work, tokenizer, env)
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait()
+    loaded = f", {len(busy)} busy-loop processes beside" if busy else ""
+    print(
+        f"machine: {os.cpu_count()} cores{loaded}, load {os.getloadavg()[0]:.1f}; "
+        f"work folder {work}"
+    )
+    if args.tokenize_only:
+        print("| corpus | text MB | theseus tokenize: wall s (MB/s), CPU s | peak MB |")
+        print("|---|---|---|---|")
+        for size, mb, ours_s, ours_cpu, ours_mb, *_ in rows:
+            print(
+                f"| {size} MB JSONL | {mb:.0f} | {ours_s:.1f} ({mb / ours_s:.2f}), "
+                f"{ours_cpu:.1f} | {ours_mb:.0f} |"
+            )
+    else:
+        print(
+            "| corpus | text MB | theseus tokenize: wall s (MB/s), CPU s, peak MB | library "
+            "encode_batch: encode s (MB/s), process CPU s, peak MB | ratio of throughput (wall) "
+            "| ratio (CPU) | train start-up s, memory growth MB |"
+        )
+        print("|---|---|---|---|---|---|---|")
+        for size, mb, ours_s, ours_cpu, ours_mb, enc_s, lib_cpu, lib_mb, start_s, start_mb in rows:
+            print(
+                f"| {size} MB JSONL | {mb:.0f} | {ours_s:.1f} ({mb / ours_s:.2f}), "
+                f"{ours_cpu:.1f}, {ours_mb:.0f} | {enc_s:.1f} ({mb / enc_s:.2f}), "
+                f"{lib_cpu:.1f}, {lib_mb:.0f} | {enc_s / ours_s:.2f}× | "
+                f"{lib_cpu / ours_cpu:.2f}× | {start_s:.2f}, {start_mb:.0f} |"
+            )
+    for size, best, paired in ratios:
+        print(
+            f"{size} MB: throughput ratio of the fastest runs {best:.2f}×, median of the "
+            f"{args.repeats} back-to-back pairs {paired:.2f}×"
+        )
+    if len(rows) > 1:
+        peaks = [row[4] for row in rows]
+        print(
+            f"peak memory of tokenize, largest / smallest over the sizes: "
+            f"{max(peaks) / min(peaks):.3f}"
+        )
+
+
+def measure(args, sizes, corpora, work, tokenizer, env) -> tuple[list, list]:
+    """Per size: the table's row (tokenize's, and unless ``--tokenize-only`` the library's and
+    the start-up's figures) and the library's throughput ratios."""
+    theseus = [sys.executable, "-m", "theseus"]
     rows = []
     ratios = []  # (size, best library time / best theseus time, median of paired ratios)
     for size in sizes:
@@ -162,11 +228,13 @@ def main() -> None:
             / 10**6
         )
         out = work / f"tokens-{size}mb"
-        _, _, report, _ = run_measured([sys.executable, "-c", STARTUP, str(out)], env)
-        startup = json.loads(report)
-        print(
-            f"{size} MB: training start-up {startup['seconds']:.3f} s, +{startup['grown_mb']:.1f} MB"
-        )
+        if not args.tokenize_only:
+            _, _, report, _ = run_measured([sys.executable, "-c", STARTUP, str(out)], env)
+            startup = json.loads(report)
+            print(
+                f"{size} MB: training start-up {startup['seconds']:.3f} s, "
+                f"+{startup['grown_mb']:.1f} MB"
+            )
         if args.startup_only:
             continue
         command = [*theseus, "tokenize", corpora[size], out, "--tokenizer", tokenizer]
@@ -174,57 +242,33 @@ def main() -> None:
         ours, library = [], []
         for _ in range(args.repeats):  # back to back, so both see the same load
             ours.append(run_measured([str(c) for c in [*command, "--overwrite"]], env))
-            library.append(
-                run_measured([sys.executable, "-c", LIBRARY, str(tokenizer), str(corpora[size])])
-            )
+            if not args.tokenize_only:
+                library.append(
+                    run_measured(
+                        [sys.executable, "-c", LIBRARY, str(tokenizer), str(corpora[size])]
+                    )
+                )
+        ours_s = statistics.median(r[0] for r in ours)
+        ours_cpu = statistics.median(r[3] for r in ours)
+        ours_mb = max(r[1] for r in ours)
+        print(f"{size} MB: tokenize {ours_s:.1f} s, peak {ours_mb:.0f} MB", flush=True)
+        if args.tokenize_only:
+            rows.append((size, text_mb, ours_s, ours_cpu, ours_mb))
+            continue
         best = min(json.loads(r[2])["encode_seconds"] for r in library) / min(r[0] for r in ours)
         pairs = [
             json.loads(lib[2])["encode_seconds"] / mine[0]
             for mine, lib in zip(ours, library, strict=True)
         ]
         ratios.append((size, best, statistics.median(pairs)))
-        ours_s = statistics.median(r[0] for r in ours)
-        ours_cpu = statistics.median(r[3] for r in ours)
-        ours_mb = max(r[1] for r in ours)
         encode_s = statistics.median(json.loads(r[2])["encode_seconds"] for r in library)
         library_cpu = statistics.median(r[3] for r in library)
         library_mb = max(r[1] for r in library)
         _, _, report, _ = run_measured([sys.executable, "-c", STARTUP, str(out)], env)
         startup_s, startup_mb = json.loads(report)["seconds"], json.loads(report)["grown_mb"]
-        rows.append(
-            (
-                size,
-                text_mb,
-                ours_s,
-                ours_cpu,
-                ours_mb,
-                encode_s,
-                library_cpu,
-                library_mb,
-                startup_s,
-                startup_mb,
-            )
-        )
-    print(f"machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; work folder {work}")
-    print(
-        "| corpus | text MB | theseus tokenize: wall s (MB/s), CPU s, peak MB | library "
-        "encode_batch: encode s (MB/s), process CPU s, peak MB | ratio of throughput (wall) | "
-        "ratio (CPU) | train start-up s, memory growth MB |"
-    )
-    print("|---|---|---|---|---|---|---|")
-    for size, mb, ours_s, ours_cpu, ours_mb, enc_s, lib_cpu, lib_mb, start_s, start_mb in rows:
-        print(
-            f"| {size} MB JSONL | {mb:.0f} | {ours_s:.1f} ({mb / ours_s:.2f}), {ours_cpu:.1f}, "
-            f"{ours_mb:.0f} | {enc_s:.1f} ({mb / enc_s:.2f}), {lib_cpu:.1f}, {lib_mb:.0f} | "
-            f"{enc_s / ours_s:.2f}× | {lib_cpu / ours_cpu:.2f}× | {start_s:.2f}, {start_mb:.0f} |"
-        )
-    for size, best, paired in ratios:
-        print(
-            f"{size} MB: throughput ratio of the fastest runs {best:.2f}×, median of the "
-            f"{args.repeats} back-to-back pairs {paired:.2f}×"
-        )
-    if len(rows) > 1:
-        print(f"peak memory of tokenize, larger / smaller corpus: {rows[-1][4] / rows[0][4]:.2f}")
+        row = (size, text_mb, ours_s, ours_cpu, ours_mb, encode_s, library_cpu, library_mb)
+        rows.append((*row, startup_s, startup_mb))
+    return rows, ratios
 
 
 if __name__ == "__main__":

@@ -94,7 +94,7 @@ def shard_files(folder):
     return {p.name: p.read_bytes() for p in sorted(folder.glob("*-*.bin"))}
 
 
-def test_every_format_gives_the_same_token_shards(corpora, tmp_path):
+def test_every_format_gives_the_same_token_shards(corpora, tmp_path, monkeypatch):
     _texts, made, trained = corpora
     expected = shard_files(trained)
     manifest = json.loads((trained / "tokens.json").read_text())
@@ -103,6 +103,12 @@ def test_every_format_gives_the_same_token_shards(corpora, tmp_path):
         tokenize(path, out, tokenizer=trained / "tokenizer.json", shard_tokens=200)
         assert shard_files(out) == expected, kind
         assert json.loads((out / "tokens.json").read_text())["splits"] == manifest["splits"]
+    # several batches, each encoded in several calls of at least ENCODE_MIN_PIECES pieces
+    monkeypatch.setattr("theseus.tokenization.streaming.BATCH_BYTES", 2000)
+    monkeypatch.setattr("theseus.tokenization.streaming.ENCODE_BYTES", 300)
+    out = tmp_path / "small-batches"
+    tokenize(made["jsonl"], out, tokenizer=trained / "tokenizer.json", shard_tokens=200)
+    assert shard_files(out) == expected
 
 
 def test_documents_end_with_eos_and_split_as_the_byte_loader(corpora):

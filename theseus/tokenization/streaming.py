@@ -3,9 +3,13 @@
 A reader thread reads pieces of documents (JSON parsing and decompression hold the GIL) and hands
 batches of about ``BATCH_BYTES`` of text through a queue of ``QUEUE_BATCHES``; an encoder thread
 encodes each batch with the ``tokenizers`` library's batch API (which releases the GIL and uses
-every core) and hands it on (one batch ahead); the calling thread appends each split's tokens to
-its current shard, so converting and writing one batch overlaps encoding the next. Memory holds
-a few batches, never the corpus. Each document's last piece ends with the end-of-text token.
+every core) in calls of about ``ENCODE_BYTES``, turns each call's encodings into arrays of the
+shard dtype at once and hands the batch's arrays on (one batch ahead); the calling thread appends
+each split's tokens to its current shard, so writing one batch overlaps encoding the next.
+Memory holds a few batches of text and of token arrays, and the library's encodings (about 100
+bytes a token) of one call only, however far the writer lags: never the corpus; the C heap's
+free pages go back to the system after each call. Each document's last piece ends with the
+end-of-text token.
 
 After every complete shard the progress record says, per split, its complete shards and the
 piece it goes on from; a resumed run reads the corpus again from the start but encodes only the
@@ -14,6 +18,7 @@ pieces after each split's position, and so writes the same shards as an uninterr
 
 from __future__ import annotations
 
+import ctypes
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -29,8 +34,13 @@ from theseus.data.shards import ShardWriter
 if TYPE_CHECKING:  # the library loads with the first tokenizer, not with this module
     from tokenizers import Encoding
 
-BATCH_BYTES = 4 * 2**20  # text per encode_batch call
+BATCH_BYTES = 4 * 2**20  # text per batch handed from the reader to the encoder
+ENCODE_BYTES = 2**20  # text per encode_batch call: its encodings take about 100 bytes a token
+ENCODE_MIN_PIECES = 4  # pieces per call at least (a text file's pieces of PIECE_BYTES, in parallel)
 QUEUE_BATCHES = 2  # batches read ahead of the encoder
+
+# glibc's malloc_trim, where the C library has one (see release_free_memory)
+_MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)
 
 Position = tuple[int, int]  # (document, piece within the document)
 T = TypeVar("T")
@@ -59,16 +69,24 @@ def batches(
     return by_text_bytes(kept, lambda r: r.piece.text)
 
 
-def by_text_bytes(items: Iterator[T], text_of: Callable[[T], str | bytes]) -> Iterator[list[T]]:
-    """``items`` in batches of about ``BATCH_BYTES`` of text (the last one may be smaller)."""
+def by_text_bytes(
+    items: Iterator[T],
+    text_of: Callable[[T], str | bytes],
+    *,
+    size: int | None = None,
+    min_items: int = 1,
+) -> Iterator[list[T]]:
+    """``items`` in batches of about ``size`` (default ``BATCH_BYTES``) of text and at least
+    ``min_items`` items (the last one may be smaller)."""
+    limit = BATCH_BYTES if size is None else size
     batch: list[T] = []
-    size = 0
+    text_bytes = 0
     for item in items:
         batch.append(item)
-        size += len(text_of(item))
-        if size >= BATCH_BYTES:
+        text_bytes += len(text_of(item))
+        if text_bytes >= limit and len(batch) >= min_items:
             yield batch
-            batch, size = [], 0
+            batch, text_bytes = [], 0
     if batch:
         yield batch
 
@@ -86,39 +104,66 @@ def encode_stream(
     position)`` after a shard of ``split`` is complete. Three stages overlap: a thread reads
     batches, a thread encodes them (the library releases the GIL), and this thread writes."""
 
-    def encoded(batches: Iterator[list[Routed]]) -> Iterator[tuple[list[Routed], list]]:
-        for batch in batches:
-            texts = [routed.piece.text for routed in batch]
-            yield batch, tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+    dtype = next(iter(writers.values())).dtypes["bin"]
 
-    for batch, encodings in read_ahead(encoded(read_ahead(batches_in)), depth=1):
+    def encoded(batches: Iterator[list[Routed]]) -> Iterator[tuple[list[Routed], list[np.ndarray]]]:
+        for batch in batches:
+            arrays: list[np.ndarray] = []  # compact before they wait for the writer
+            parts = by_text_bytes(
+                iter(batch), lambda r: r.piece.text, size=ENCODE_BYTES, min_items=ENCODE_MIN_PIECES
+            )
+            for part in parts:
+                texts = [routed.piece.text for routed in part]
+                encodings = tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+                arrays += token_arrays(encodings, dtype)
+                release_free_memory()
+            yield batch, arrays
+
+    for batch, ids in read_ahead(encoded(read_ahead(batches_in)), depth=1):
         for split, writer in writers.items():
-            pieces = [
-                (r.piece, e) for r, e in zip(batch, encodings, strict=True) if r.split == split
-            ]
+            pieces = [(r.piece, i) for r, i in zip(batch, ids, strict=True) if r.split == split]
             if pieces:
                 advance(_write_pieces(writer, pieces, eos_id, partial(on_shard, split)))
 
 
+def token_arrays(encodings: list[Encoding], dtype: np.dtype) -> list[np.ndarray]:
+    """Each encoding's ids as an array of ``dtype``, emptying ``encodings`` as it goes: an
+    encoding (its ids, tokens and offsets: about 100 bytes a token) is freed once converted,
+    and no list of a whole batch's ids as Python ints is ever made."""
+    encodings.reverse()
+    arrays = []
+    while encodings:
+        arrays.append(np.asarray(encodings.pop().ids, dtype=dtype))  # (tokens of one piece,)
+    return arrays
+
+
+def release_free_memory() -> None:
+    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``; elsewhere
+    nothing). A call's encodings are allocated by the library's threads, each in its own
+    arena, and freed here; the holes they leave would otherwise stay resident and the peak
+    creep up with the length of the corpus."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
 def _write_pieces(
     writer: ShardWriter,
-    pieces: list[tuple[Piece, Encoding]],
+    pieces: list[tuple[Piece, np.ndarray]],
     eos_id: int,
     on_shard: Callable[[Position], None],
 ) -> int:
-    """Append encoded pieces of one split (converted to the shard dtype at once); calls
-    ``on_shard(position)`` when a shard closes. Returns the bytes of text written."""
-    ids: list[int] = []
+    """Append the token arrays of pieces of one split, each document's last piece followed by
+    ``eos_id``; calls ``on_shard(position)`` when a shard closes. Returns the bytes of text
+    written."""
+    eos = np.asarray([eos_id], dtype=writer.dtypes["bin"])
+    parts: list[np.ndarray] = []
     counts, sizes, lasts = [], [], []
-    for piece, encoding in pieces:
-        piece_ids = encoding.ids
-        ids += piece_ids
-        if piece.last:
-            ids.append(eos_id)
-        counts.append(len(piece_ids) + piece.last)
+    for piece, ids in pieces:
+        parts += [ids, eos] if piece.last else [ids]
+        counts.append(len(ids) + piece.last)
         sizes.append(len(piece.text) if piece.text.isascii() else len(piece.text.encode()))
         lasts.append(piece.last)
-    tokens = np.asarray(ids, dtype=writer.dtypes["bin"])  # (tokens of these pieces,)
+    tokens = np.concatenate(parts)  # (tokens of these pieces,)
     writer.write_pieces(
         {"bin": tokens}, counts, sizes, lasts, lambda i: on_shard(next_position(pieces[i][0]))
     )
