@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from theseus.distributed.join import is_main_process
-from theseus.inference.codec import Codec, TokenizerCodec, resolve_codec
+from theseus.inference.codec import ByteCodec, TokenizerCodec, resolve_codec
 from theseus.inference.generator import Generator
 from theseus.inference.sampling import Sampling
 from theseus.posttraining.rl.objective import aggregation_weights, group_advantages, metric_weights
@@ -57,8 +57,8 @@ _ORDER, _SAMPLING, _VALIDATION = 0x5EED, 0x5A3B, 0x7A11  # keep the seeded strea
 
 @dataclass(frozen=True)
 class Generation:
-    """A generation batch: its completions, the rows the steps read, what the host measured,
-    and the lines of its rollouts file."""
+    """A generation batch: the rows the steps read, what the host measured making them, and
+    its prompt and completion tokens."""
 
     rows: np.ndarray  # (completions, RL_FIELDS, seq_len + 1)
     metrics: dict[str, float]
@@ -99,8 +99,10 @@ class RolloutData:
         own = (self.out_dir / TOKENIZER_FILE).is_file()
         dirs = [self.out_dir, *([base_dir] if base_dir is not None else [])]
         vocab = trainer.decoder().vocab_size
-        self.codec: Codec = resolve_codec(dirs, None if own else rl.tokenizer, None, vocab)
-        self.prompt_ids = encode_prompts(self.records, self.codec)  # type: ignore[arg-type]
+        codec = resolve_codec(dirs, None if own else rl.tokenizer, None, vocab)
+        assert isinstance(codec, (TokenizerCodec, ByteCodec)), codec  # resolve_codec's two
+        self.codec: TokenizerCodec | ByteCodec = codec
+        self.prompt_ids = encode_prompts(self.records, codec)
         self._check_lengths()
         self.split = held_out(
             len(self.records), config.data.validation_fraction, config.training.seed
@@ -185,7 +187,7 @@ class RolloutData:
         seed = _seed(self.trainer.config.training.seed, 0, _VALIDATION)
         completions = self._generate(params, chosen, seed).completions
         records = self._rows_of(chosen)
-        texts = [decode_completion(ids, self.codec) for ids in completions.ids]  # type: ignore[arg-type]
+        texts = [decode_completion(ids, self.codec) for ids in completions.ids]
         scores = self._scores(completions, records, texts, step=0)
         return Validated(None, None, {**scores.metrics(), **_length_metrics(completions)})
 
@@ -210,7 +212,7 @@ class RolloutData:
         sampled = self._generate(params, chosen, seed)
         generated = time.perf_counter()
         completions, records = sampled.completions, self._rows_of(chosen)
-        texts = [decode_completion(ids, self.codec) for ids in completions.ids]  # type: ignore[arg-type]
+        texts = [decode_completion(ids, self.codec) for ids in completions.ids]
         scores = self._scores(completions, records, texts, step=first)
         scored = time.perf_counter()
         advantages = group_advantages(scores.total, rl.num_generations, rl.scale_rewards).advantages

@@ -48,6 +48,7 @@ class RLTrainer(FamilyTrainer):
 
     @property
     def rl(self) -> RLSection:
+        # The config class rl_trainer_class makes has the section; the base class's does not.
         return self.config.rl  # type: ignore[attr-defined]
 
     @property
